@@ -1,0 +1,1 @@
+"""shuffledp: server package."""

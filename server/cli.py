@@ -1,0 +1,62 @@
+"""The ``shuffledp`` command: a thin dispatcher to each package's own CLI.
+
+Sub-commands are imported lazily so that ``shuffledp account`` (pure maths) never imports torch, flwr or
+grpc, and ``shuffledp shuffler serve`` never imports torch or flwr.
+
+    shuffledp account ...        -> accounting.cli
+    shuffledp ledger ...         -> accounting.cli
+    shuffledp shuffler ...       -> shuffler.cli
+    shuffledp keys ...           -> shuffler.cli
+    shuffledp run|resume ...     -> server.runner
+    shuffledp deploy ...         -> server.deploy_cli
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+_ROUTES: dict[str, str] = {
+    "account": "accounting.cli",
+    "ledger": "accounting.cli",
+    "shuffler": "shuffler.cli",
+    "keys": "shuffler.cli",
+    "run": "server.runner",
+    "resume": "server.runner",
+    "deploy": "server.deploy_cli",
+}
+
+_USAGE = """usage: shuffledp <command> [...]
+
+commands:
+  account    privacy accounting for the shuffle model (epsilon, delta, renyi, calibrate, compare, plot)
+  ledger     show or export a per-round privacy ledger
+  shuffler   run the shuffler service (shuffler serve --config FILE)
+  keys       create keys, certificates and the enrolment file
+  run        run the main job (Flower simulation on the bundled digits data)
+  resume     continue a killed run from its last checkpoint
+  deploy     local multi-process TLS deployment
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch ``shuffledp <command> ...`` to the module that owns the command.
+
+    Each target module exposes ``main(argv: list[str]) -> int`` where ``argv[0]`` is the command name.
+    Returns the process exit code (2 for usage errors, as argparse does).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help", "help"}:
+        sys.stdout.write(_USAGE)
+        return 0 if args else 2
+    module_name = _ROUTES.get(args[0])
+    if module_name is None:
+        sys.stderr.write(f"shuffledp: unknown command {args[0]!r}; expected one of {sorted(_ROUTES)}\n")
+        return 2
+    module = importlib.import_module(module_name)
+    return int(module.main(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
