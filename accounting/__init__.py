@@ -1,1 +1,93 @@
-"""shuffledp: accounting package."""
+"""shuffledp accounting: privacy accounting for the shuffle model of differential privacy.
+
+This module is deliberately light: it defines the three names of the contract (``Bound``, ``RefusedError``,
+``FAMILIES``) and imports nothing beyond the standard library. The numerical work lives in
+:mod:`accounting.bounds` (the dispatcher), :mod:`accounting.literature` (the published bounds),
+:mod:`accounting.rdp` (Renyi accounting), :mod:`accounting.clones` and :mod:`accounting.pld` (the exact clone
+analysis and privacy-loss-distribution composition) and :mod:`accounting.mechanisms` (randomizer descriptions).
+
+Kinds of a :class:`Bound`:
+
+* ``"upper"``: a guarantee; the true privacy loss of the shuffled protocol is at most this value.
+* ``"approximate"``: an asymptotic (CLT) value; it can fall below the truth and is not a guarantee.
+* ``"lower"``: the privacy loss of a concrete instance; no valid guarantee for general eps0-LDP randomizers
+  can be smaller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Bound", "RefusedError", "FAMILIES", "KINDS", "FAMILY_KINDS"]
+
+#: Bound families accepted by :mod:`accounting.bounds` (``"girgis-lower"`` is accepted as well where a
+#: lower bound of Girgis et al. is meaningful, i.e. for Renyi divergences).
+FAMILIES: tuple[str, ...] = (
+    "clones",
+    "clones-focs",
+    "ccg-gdp",
+    "ccg-rdp",
+    "girgis",
+    "fmt",
+    "rr-lower",
+    "canonical-gdp",
+    "no-shuffle",
+)
+
+KINDS: tuple[str, ...] = ("upper", "approximate", "lower")
+
+#: The kind of every family (including ``girgis-lower``).
+FAMILY_KINDS: Mapping[str, str] = {
+    "clones": "upper",
+    "clones-focs": "upper",
+    "ccg-gdp": "approximate",
+    "ccg-rdp": "approximate",
+    "girgis": "upper",
+    "girgis-lower": "lower",
+    "fmt": "upper",
+    "rr-lower": "lower",
+    "canonical-gdp": "approximate",
+    "no-shuffle": "upper",
+}
+
+
+class RefusedError(ValueError):
+    """A bound family refuses these parameters.
+
+    Raised when the parameters are valid numbers but lie outside the region where the family's formula holds
+    (e.g. FMT'21 Theorem 3.1 outside ``eps0 <= log(n / (16 log(2/delta)))``), or when a CLT approximation is
+    asked for where it is known to be unsafe and ``allow_approximate`` was not given. The message says why
+    and what would be accepted.
+    """
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One privacy figure with its provenance.
+
+    Attributes:
+        value: the number (an epsilon, a delta, a Renyi divergence, or a calibrated eps0).
+        kind: ``"upper"``, ``"approximate"`` or ``"lower"`` (see the module docstring).
+        family: the bound family that produced it (one of :data:`FAMILIES` or ``"girgis-lower"``).
+        details: JSON-friendly extra information (e.g. the optimistic/pessimistic bracket of a PLD, the Renyi
+            order chosen by a conversion, whether the no-shuffle cap was applied).
+    """
+
+    value: float
+    kind: str
+    family: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Bound.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.family not in FAMILY_KINDS:
+            raise ValueError(f"Bound.family must be one of {tuple(FAMILY_KINDS)}, got {self.family!r}")
+        value = float(self.value)
+        if math.isnan(value):
+            raise ValueError(f"Bound.value must not be NaN (family {self.family!r})")
+        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "details", dict(self.details))

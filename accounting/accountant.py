@@ -1,0 +1,307 @@
+"""A stateful privacy accountant for federated rounds in the shuffle model.
+
+:class:`ShuffleAccountant` mirrors the shape of Flower's ``PrivacyAccountant`` protocol (``compose``,
+``would_exceed``, ``state_dict``/``load_state_dict``) and of Google ``dp_accounting`` (events kept apart from
+accountants: a :class:`~accounting.events.ShuffleRound` says what happened, the accountant says what it costs).
+
+Every round is kept, so rounds may differ in ``n`` and ``eps0``; the cumulative privacy loss is recomputed from
+the whole history with :func:`accounting.bounds.epsilon_for_rounds`, which composes privacy loss distributions
+pessimistically for the exact families (Feldman, McMillan, Talwar, SODA'23 clone reduction; Wang et al.,
+NeurIPS'23), sums Renyi divergences for the RDP families, and adds ``mu^2`` for the GDP families.
+
+The default family must be one that yields a guarantee (an *upper bound* on the privacy loss). Comparison
+families may be approximations (CLT-based, e.g. Chen-Cao-Ge ICASSP'24 Thm 2) or lower bounds, and are reported
+with their kind; a comparison family that refuses the parameters is reported as a :class:`Refusal` carrying the
+reason, never as a number.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError, bounds
+from accounting.events import ShuffleRound
+
+__all__ = ["ShuffleAccountant", "Refusal", "GUARANTEE_FAMILIES", "STATE_FORMAT", "STATE_VERSION"]
+
+STATE_FORMAT = "shuffledp.accountant"
+STATE_VERSION = 1
+_CACHE_SIZE = 64
+
+#: Families whose values are upper bounds on the privacy loss (guarantees); only these may be the default.
+GUARANTEE_FAMILIES: tuple[str, ...] = tuple(f for f in FAMILIES if FAMILY_KINDS[f] == "upper")
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A family that declined to give a value for these rounds, with its reason. It carries no number.
+
+    ``value`` is always None and ``kind`` always ``"refused"``, so a refusal can sit next to
+    :class:`accounting.Bound` objects in a report but any arithmetic on it fails loudly.
+    """
+
+    family: str
+    reason: str
+    value: None = None
+    kind: str = "refused"
+
+
+def _check_delta(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number in (0, 1), got {value!r}")
+    result = float(value)
+    if not math.isfinite(result) or not 0.0 < result < 1.0:
+        raise ValueError(f"{name} must be a real number in (0, 1), got {result!r}")
+    return result
+
+
+def _check_family(name: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in FAMILIES:
+        raise ValueError(f"{name} must be one of {list(FAMILIES)}, got {value!r}")
+    return value
+
+
+class ShuffleAccountant:
+    """Cumulative privacy accounting over shuffled rounds, at a fixed target delta.
+
+    Args:
+        target_delta: the delta at which epsilons are reported by default, in (0, 1).
+        family: the bound family the budget is enforced with; one of :data:`GUARANTEE_FAMILIES` (default
+            ``"clones"``, the stronger clone pair of Feldman, McMillan, Talwar SODA'23).
+        comparison_families: other families reported next to the default (e.g. ``("ccg-gdp", "rr-lower")``);
+            each at most once and different from ``family``.
+        allow_approximate: let comparison families that are CLT approximations (``ccg-gdp``, ``ccg-rdp``) give
+            a value even where they are known to fall below the exact value (few expected clones,
+            ``n/(e^eps0+1) < 2 ln(1/delta)``). Off by default: they are then reported as refused.
+
+    All epsilons returned are upper bounds (for the default family) computed pessimistically; values of
+    comparison families carry their own kind (``upper``, ``approximate`` or ``lower``).
+
+    Raises:
+        ValueError: a parameter is outside what is allowed (the message says what is allowed).
+    """
+
+    def __init__(
+        self,
+        target_delta: float,
+        family: str = "clones",
+        comparison_families: Iterable[str] = (),
+        *,
+        allow_approximate: bool = False,
+    ) -> None:
+        self._target_delta = _check_delta("target_delta", target_delta)
+        self._family = _check_family("family", family)
+        if self._family not in GUARANTEE_FAMILIES:
+            raise ValueError(
+                f"family {family!r} does not give a guarantee (it is an approximation or a lower bound), so it "
+                f"cannot enforce a budget; choose one of {list(GUARANTEE_FAMILIES)} and pass {family!r} in "
+                "comparison_families instead"
+            )
+        if isinstance(comparison_families, str):
+            raise TypeError(
+                f"comparison_families must be a sequence of family names, not the string {comparison_families!r}"
+            )
+        comparison = tuple(_check_family("each comparison family", f) for f in comparison_families)
+        if len(set(comparison)) != len(comparison):
+            raise ValueError(f"comparison_families lists a family twice: {list(comparison)}")
+        if self._family in comparison:
+            raise ValueError(f"comparison_families must not repeat the default family {self._family!r}")
+        self._comparison = comparison
+        if not isinstance(allow_approximate, bool):
+            raise TypeError(f"allow_approximate must be a bool, got {allow_approximate!r}")
+        self._allow_approximate = allow_approximate
+        self._rounds: list[ShuffleRound] = []
+        # (family, delta, rounds) -> result; small, most recent last. would_exceed's prospective result is kept,
+        # so the usual would_exceed -> compose -> epsilon sequence computes the default family once.
+        self._cache: dict[tuple[str, float, tuple[ShuffleRound, ...]], Bound | Refusal] = {}
+
+    # -- properties --------------------------------------------------------------------------------------------
+    @property
+    def target_delta(self) -> float:
+        """The default delta of :meth:`epsilon` and :meth:`epsilons`."""
+        return self._target_delta
+
+    @property
+    def family(self) -> str:
+        """The default (budget-enforcing) family."""
+        return self._family
+
+    @property
+    def comparison_families(self) -> tuple[str, ...]:
+        """The families reported next to the default one."""
+        return self._comparison
+
+    @property
+    def allow_approximate(self) -> bool:
+        """Whether CLT approximations may be reported outside their region of validity."""
+        return self._allow_approximate
+
+    @property
+    def rounds(self) -> tuple[ShuffleRound, ...]:
+        """Every composed round, in order."""
+        return tuple(self._rounds)
+
+    @property
+    def num_releases(self) -> int:
+        """The number of composed rounds (the name Flower's ``PrivacyAccountant`` uses)."""
+        return len(self._rounds)
+
+    # -- composition -------------------------------------------------------------------------------------------
+    def compose(self, event: ShuffleRound, count: int = 1) -> None:
+        """Record ``count`` identical rounds ``event`` (each ``event.n`` reports, each ``event.eps0``-LDP).
+
+        Raises:
+            TypeError: ``event`` is not a :class:`ShuffleRound`, or ``count`` is not an int.
+            ValueError: ``count < 1``. Nothing is composed in either case.
+        """
+        if not isinstance(event, ShuffleRound):
+            raise TypeError(f"compose takes a ShuffleRound, got {type(event).__name__}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        self._rounds.extend([event] * count)
+
+    # -- queries -----------------------------------------------------------------------------------------------
+    def _delta_or_target(self, delta: float | None) -> float:
+        return self._target_delta if delta is None else _check_delta("delta", delta)
+
+    def _compute(self, family: str, rounds: Sequence[ShuffleRound], delta: float) -> Bound:
+        if not rounds:
+            # No release yet: nothing has been learnt, for every family.
+            return Bound(value=0.0, kind=FAMILY_KINDS[family], family=family, details={"rounds": 0})
+        return bounds.epsilon_for_rounds(family, rounds, delta, allow_approximate=self._allow_approximate)
+
+    def _cached(self, family: str, delta: float, rounds: tuple[ShuffleRound, ...] | None = None) -> Bound | Refusal:
+        history = tuple(self._rounds) if rounds is None else rounds
+        key = (family, delta, history)
+        if key not in self._cache:
+            try:
+                result: Bound | Refusal = self._compute(family, history, delta)
+            except RefusedError as exc:
+                result = Refusal(family=family, reason=str(exc))
+            self._cache[key] = result
+            while len(self._cache) > _CACHE_SIZE:
+                del self._cache[next(iter(self._cache))]
+        return self._cache[key]
+
+    def epsilon(self, delta: float | None = None) -> Bound:
+        """Return an upper bound on the cumulative epsilon of all composed rounds, default family.
+
+        Args:
+            delta: the delta at which to state epsilon; defaults to ``target_delta``.
+
+        Raises:
+            accounting.RefusedError: the default family cannot bound these rounds (e.g. ``fmt`` outside
+                its validity region). There is no silent fallback to another family.
+        """
+        result = self._cached(self._family, self._delta_or_target(delta))
+        if isinstance(result, Refusal):
+            raise RefusedError(result.reason)
+        return result
+
+    def epsilons(self, delta: float | None = None) -> dict[str, Bound | Refusal]:
+        """Return the cumulative epsilon for the default family (first) and every comparison family.
+
+        Each value is a :class:`~accounting.Bound` labelled with its kind (``upper`` = guarantee,
+        ``approximate`` = estimate, ``lower`` = lower bound), or a :class:`Refusal` with the reason when a
+        family declines these parameters. A refusal never appears as a number.
+        """
+        used = self._delta_or_target(delta)
+        return {family: self._cached(family, used) for family in (self._family, *self._comparison)}
+
+    def would_exceed(self, event: ShuffleRound, budget_epsilon: float, count: int = 1) -> bool:
+        """Return True if composing ``count`` rounds ``event`` would take the default family above the budget.
+
+        Pessimistic: the test is on the default family's upper bound of the cumulative epsilon at
+        ``target_delta`` (for ``clones`` the pessimistically discretised privacy loss distribution), so False
+        means the budget is certainly respected, by the default family's guarantee.
+
+        Raises:
+            TypeError, ValueError: invalid ``event``, ``budget_epsilon`` or ``count``.
+            accounting.RefusedError: the default family cannot bound the prospective rounds.
+        """
+        if not isinstance(event, ShuffleRound):
+            raise TypeError(f"would_exceed takes a ShuffleRound, got {type(event).__name__}")
+        if isinstance(budget_epsilon, bool) or not isinstance(budget_epsilon, numbers.Real):
+            raise TypeError(f"budget_epsilon must be a real number > 0, got {budget_epsilon!r}")
+        budget = float(budget_epsilon)
+        if math.isnan(budget) or budget <= 0.0:
+            raise ValueError(f"budget_epsilon must be a real number > 0 (or inf), got {budget!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        prospective = (*self._rounds, *([event] * count))
+        result = self._cached(self._family, self._target_delta, prospective)
+        if isinstance(result, Refusal):
+            raise RefusedError(result.reason)
+        return float(result.value) > budget
+
+    # -- checkpointing -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Return the accountant's state as a JSON-serialisable dict (versioned; floats round-trip exactly)."""
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "target_delta": self._target_delta,
+            "family": self._family,
+            "comparison_families": list(self._comparison),
+            "allow_approximate": self._allow_approximate,
+            "rounds": [r.to_dict() for r in self._rounds],
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> ShuffleAccountant:
+        """Rebuild an accountant from :meth:`state_dict` output (e.g. after ``json.loads``).
+
+        Raises:
+            ValueError: the state is not a shuffledp accountant state of a supported version, or a field is
+                invalid (the message names it).
+        """
+        expected = {"format", "version", "target_delta", "family", "comparison_families", "allow_approximate", "rounds"}
+        if not isinstance(state, Mapping):
+            raise ValueError(f"an accountant state must be a mapping, got {type(state).__name__}")
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a shuffledp accountant state: 'format' is {state.get('format')!r}, expected {STATE_FORMAT!r}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"accountant state version {state.get('version')!r} is not supported; this version reads "
+                f"version {STATE_VERSION}"
+            )
+        if set(state) != expected:
+            raise ValueError(
+                f"accountant state has keys {sorted(state)}; expected exactly {sorted(expected)}"
+            )
+        rounds = state["rounds"]
+        if not isinstance(rounds, list):
+            raise ValueError(f"accountant state 'rounds' must be a list, got {type(rounds).__name__}")
+        comparison = state["comparison_families"]
+        if not isinstance(comparison, list):
+            raise ValueError(f"accountant state 'comparison_families' must be a list, got {type(comparison).__name__}")
+        accountant = cls(
+            target_delta=state["target_delta"],
+            family=state["family"],
+            comparison_families=comparison,
+            allow_approximate=state["allow_approximate"],
+        )
+        accountant._rounds = [ShuffleRound.from_dict(r) for r in rounds]
+        return accountant
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace this accountant's state with ``state`` (Flower's protocol name); validated before anything
+        changes, so an invalid state leaves the accountant as it was."""
+        other = ShuffleAccountant.from_state_dict(state)
+        self._target_delta = other._target_delta
+        self._family = other._family
+        self._comparison = other._comparison
+        self._allow_approximate = other._allow_approximate
+        self._rounds = other._rounds
+        self._cache = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"ShuffleAccountant(target_delta={self._target_delta!r}, family={self._family!r}, "
+            f"comparison_families={self._comparison!r}, rounds={len(self._rounds)})"
+        )
+

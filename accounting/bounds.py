@@ -1,0 +1,666 @@
+"""The bound-family dispatcher: epsilon, delta, Renyi divergence, calibration and heterogeneous rounds.
+
+Families (kind in brackets; see :data:`accounting.FAMILY_KINDS`):
+
+* ``clones`` [upper]: the stronger clone pair, C ~ Bin(n-1, 2/(e^{eps0}+1)), w = 1/(e^{eps0}+1)
+  (Feldman-McMillan-Talwar SODA'23; Wang et al. NeurIPS'23, seed 003). One round: the exact delta(eps)/eps(delta)
+  of the pair (:mod:`accounting.clones`). Several rounds: composition of its pessimistic privacy loss
+  distribution (PLD) (:mod:`accounting.pld`).
+* ``clones-focs`` [upper]: the FOCS'21 pair, C ~ Bin(n-1, e^{-eps0}), Delta ~ Bern(e^{eps0}/(e^{eps0}+1)); same
+  machinery (seed 000, Thm 1 / Cor. 1).
+* ``ccg-gdp`` [approximate]: seed 000, Thm 2, mu = 2 e^{eps0/2}/sqrt(n-1); T rounds: sqrt(sum mu^2).
+* ``ccg-rdp`` [approximate]: seed 000, Cor. 2, (lambda, 2 e^{eps0} lambda/(n-1))-RDP, summed over rounds,
+  converted with the improved conversion (:mod:`accounting.rdp`).
+* ``girgis`` [upper], ``girgis-lower`` [lower, Renyi only]: Girgis et al. CCS'21 as in seed 000 eqs. (5), (6).
+* ``fmt`` [upper]: FMT'21 Thm 3.1, only inside eps0 <= log(n/(16 log(2/delta))). Several rounds: each round is
+  (eps_1, delta_1)-DP at delta_1 = f delta / T, composed exactly by Kairouz-Oh-Viswanath (Thm 3.3), best f of
+  a fixed grid.
+* ``rr-lower`` [lower]: exact loss of shuffled binary randomized response, others holding 0. Several rounds:
+  PLD composition with OPTIMISTIC discretisation, so the value stays a lower bound.
+* ``canonical-gdp`` [approximate]: Shvets (seed 002) mu_n = sqrt(chi^2(W_1||W_0)/n) for binary randomized
+  response with eps0; T rounds: sqrt(T) mu_n.
+* ``no-shuffle`` [upper]: each report eps0-DP seen by the server, T rounds composed optimally (KOV).
+
+Capping: the shuffled output is a post-processing of the n eps0-LDP reports, so the ``no-shuffle`` value is a
+valid upper bound too. Every non-lower family's epsilon/delta is the minimum of its own value and the
+``no-shuffle`` value; when the cap applies, ``details["capped_by_no_shuffle"]`` is True and
+``details["uncapped"]`` holds the family's own number. Renyi values are the families' formulas, uncapped.
+
+Refusals (:class:`accounting.RefusedError`): ``fmt`` outside its validity region; ``ccg-gdp``, ``ccg-rdp`` and
+``canonical-gdp`` when n/(e^{eps0}+1) < 2 ln(1/delta) (few expected clones: the CLT values were measured below
+the exact value there) unless ``allow_approximate=True``; families without an RDP curve in :func:`renyi`;
+``girgis-lower`` outside :func:`renyi`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError
+from accounting import literature as lit
+from accounting import rdp as rdp_mod
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from accounting.events import ShuffleRound
+
+__all__ = [
+    "Bound",
+    "RefusedError",
+    "FAMILIES",
+    "RENYI_FAMILIES",
+    "CALIBRATION_RANGE",
+    "CALIBRATION_RTOL",
+    "FMT_DELTA_FRACTIONS",
+    "epsilon",
+    "delta",
+    "renyi",
+    "calibrate",
+    "epsilon_for_rounds",
+    "epsilon_bracket",
+]
+
+#: Families with a Renyi-divergence curve (:func:`renyi`).
+RENYI_FAMILIES: tuple[str, ...] = ("clones", "clones-focs", "ccg-rdp", "girgis", "girgis-lower", "rr-lower")
+
+#: The eps0 range :func:`calibrate` searches.
+CALIBRATION_RANGE: tuple[float, float] = (1e-3, 20.0)
+#: Relative tolerance of the calibrated eps0: the answer ``lo`` is certified and ``hi <= lo (1 + rtol)`` is not.
+CALIBRATION_RTOL = 1e-6
+#: Fractions f of delta spent on the per-round delta_1 = f delta / T when composing FMT over T > 1 rounds.
+FMT_DELTA_FRACTIONS: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 0.9)
+#: Relative tolerance of delta when a delta is found by bisection on epsilon (the ``fmt`` family).
+DELTA_SEARCH_RTOL = 1e-9
+#: Smallest delta the bisection of :func:`delta` explores for the ``fmt`` family.
+DELTA_SEARCH_FLOOR = 1e-300
+
+_ALL_FAMILIES = tuple(FAMILY_KINDS)
+_VARIANT = {"clones": "stronger", "clones-focs": "focs"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation at the boundary
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_family(family: Any, *, allow_girgis_lower: bool) -> str:
+    allowed = _ALL_FAMILIES if allow_girgis_lower else FAMILIES
+    if not isinstance(family, str) or family not in _ALL_FAMILIES:
+        raise ValueError(f"family must be one of {list(allowed)}, got {family!r}")
+    if family not in allowed:
+        raise RefusedError(
+            f"{family} bounds a Renyi divergence from below; no (eps, delta) lower bound follows from it by the "
+            f"RDP conversion. Use it with renyi(), or use rr-lower for an (eps, delta) lower bound."
+        )
+    return family
+
+
+def _check_n(n: Any) -> int:
+    if isinstance(n, bool):
+        raise TypeError(f"n (number of shuffled reports) must be an integer >= 1, got {n!r}")
+    if isinstance(n, float) and n.is_integer():
+        n = int(n)
+    try:
+        value = operator.index(n)
+    except TypeError:
+        raise TypeError(f"n (number of shuffled reports) must be an integer >= 1, got {type(n).__name__} {n!r}") from None
+    if value < 1:
+        raise ValueError(f"n (number of shuffled reports) must be an integer >= 1, got {value}")
+    return int(value)
+
+
+def _check_real(name: str, value: Any, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _check_eps0(eps0: Any) -> float:
+    value = _check_real("eps0", eps0, "a finite real number > 0")
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"eps0 must be a finite real number > 0, got {value!r}")
+    return value
+
+
+def _check_delta(delta: Any) -> float:
+    value = _check_real("delta", delta, "a real number with 0 < delta < 1")
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"delta must be a real number with 0 < delta < 1, got {value!r}")
+    return value
+
+
+def _check_epsilon(name: str, epsilon: Any) -> float:
+    value = _check_real(name, epsilon, "a finite real number >= 0")
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{name} must be a finite real number >= 0, got {value!r}")
+    return value
+
+
+def _check_rounds(rounds: Any) -> int:
+    if isinstance(rounds, bool):
+        raise TypeError(f"rounds must be an integer >= 1, got {rounds!r}")
+    try:
+        value = operator.index(rounds)
+    except TypeError:
+        raise TypeError(f"rounds must be an integer >= 1, got {type(rounds).__name__} {rounds!r}") from None
+    if value < 1:
+        raise ValueError(f"rounds must be an integer >= 1, got {value}")
+    return int(value)
+
+
+def _check_order(order: Any) -> float:
+    value = _check_real("order", order, "a finite real number > 1")
+    if not math.isfinite(value) or value <= 1.0:
+        raise ValueError(f"order (Renyi order lambda) must be a finite real number > 1, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lazy access to the exact clone analysis and the PLD engine (they import dp_accounting)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _clones() -> Any:
+    from accounting import clones
+
+    return clones
+
+
+def _pld() -> Any:
+    from accounting import pld
+
+    return pld
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-family pieces
+# ---------------------------------------------------------------------------------------------------------
+
+_CCG_MIN_ORDER = 2.0
+
+
+def _rdp_curve(family: str, eps0: float, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(orders, one-round RDP) for the RDP families used in (eps, delta) conversions."""
+    if family == "girgis":
+        orders = rdp_mod.INTEGER_ORDERS
+        return orders, rdp_mod.rdp_curve(lambda a: lit.girgis_rdp_upper(eps0, n, a), orders)
+    if family == "ccg-rdp":
+        orders = rdp_mod.DEFAULT_ORDERS[rdp_mod.DEFAULT_ORDERS >= _CCG_MIN_ORDER]
+        return orders, rdp_mod.rdp_curve(lambda a: lit.ccg_rdp(eps0, n, a), orders)
+    raise AssertionError(f"no RDP curve for {family}")  # pragma: no cover - internal misuse
+
+
+def _rr_lower_pld(eps0: float, n: int, rounds_hint: int, interval: float | None = None) -> Any:
+    """Optimistic PLD of shuffled binary RR (others 0), both directions (a lower bound after composition)."""
+    rr = lit.rr_shuffle_loss(eps0, n)
+    p0 = np.exp(rr.log_p0)
+    p1 = np.exp(rr.log_p0 + rr.loss)
+    if interval is None:
+        interval = _rr_interval(eps0, n, rounds_hint)
+    return _pld().pld_from_losses(
+        rr.loss,
+        p1,
+        infinity_mass=0.0,
+        pessimistic=False,
+        value_discretization_interval=interval,
+        losses_reverse=-rr.loss,
+        probs_reverse=p0,
+    )
+
+
+def _rr_interval(eps0: float, n: int, rounds: int) -> float:
+    """Discretisation interval for the optimistic rr-lower PLD: small against the composed loss's spread.
+
+    The loss has standard deviation about mu = sqrt(chi^2/n); the composed eps grows like sqrt(T) mu, and
+    optimistic rounding lowers the composed loss by at most T * interval, so interval = mu / (200 sqrt(T))
+    keeps that shift near 1/200 of sqrt(T) mu (clamped to [1e-7, 1e-2]).
+    """
+    mu = 2.0 * math.sinh(min(eps0, 700.0) / 2.0) / math.sqrt(n)
+    return float(min(1e-2, max(1e-7, mu / (200.0 * math.sqrt(rounds)))))
+
+
+def _rr_pair_pld(eps_pure: float, delta_inf: float, interval: float) -> Any:
+    """Pessimistic PLD of randomized response with eps (the worst case of (eps, delta)-DP, KOV) plus delta at +inf."""
+    e = float(eps_pure)
+    probs = np.array([(1.0 - delta_inf) / (1.0 + math.exp(-e)), (1.0 - delta_inf) / (1.0 + math.exp(e))])
+    losses = np.array([e, -e])
+    return _pld().pld_from_losses(
+        losses, probs, infinity_mass=delta_inf, pessimistic=True, value_discretization_interval=interval
+    )
+
+
+def _fmt_epsilon(eps0: float, n: int, delta: float, rounds: int) -> tuple[float, dict[str, Any]]:
+    if rounds == 1:
+        return lit.fmt_epsilon(eps0, n, delta), {"method": "closed form, FMT'21 Thm 3.1"}
+    best: tuple[float, float] | None = None
+    reasons = []
+    for frac in FMT_DELTA_FRACTIONS:
+        delta1 = frac * delta / rounds
+        try:
+            eps1 = lit.fmt_epsilon(eps0, n, delta1)
+        except RefusedError as exc:
+            reasons.append(str(exc))
+            continue
+        # KOV Thm 3.3: T-fold (eps1, delta1)-DP is (eps, 1 - (1-delta1)^T (1 - delta_KOV(eps)))-DP.
+        delta_rest = -math.expm1(math.log1p(-delta) - rounds * math.log1p(-delta1))
+        value = lit.no_shuffle_epsilon(eps1, rounds, delta_rest)
+        if best is None or value < best[0]:
+            best = (value, frac)
+    if best is None:
+        raise RefusedError(
+            f"fmt over {rounds} rounds needs each round valid at delta_1 = f*delta/T for some f in "
+            f"{FMT_DELTA_FRACTIONS}; none is: {reasons[-1]}"
+        )
+    return best[0], {"method": "FMT'21 Thm 3.1 per round, KOV composition", "delta_fraction_per_rounds": best[1]}
+
+
+def _gdp_mu(family: str, eps0: float, n: int) -> float:
+    if family == "ccg-gdp":
+        return lit.ccg_gdp_mu(eps0, n)
+    chi2 = 4.0 * math.sinh(eps0 / 2.0) ** 2  # binary randomized response, seed 002 Sec. 9.3
+    return lit.canonical_mu(chi2, n)
+
+
+def _family_epsilon(
+    family: str, eps0: float, n: int, delta: float, rounds: int, allow_approximate: bool
+) -> tuple[float, dict[str, Any]]:
+    if family in _VARIANT:
+        variant = _VARIANT[family]
+        clones = _clones()
+        if rounds == 1:
+            return float(clones.clone_epsilon(eps0, n, delta, variant)), {"method": "exact"}
+        interval = clones.suggested_interval(eps0, n, rounds, variant)
+        value = clones.clone_epsilon_composed(
+            eps0, n, delta, rounds, variant, pessimistic=True, value_discretization_interval=interval
+        )
+        return float(value), {"method": "pld", "discretisation": "pessimistic", "interval": interval}
+    if family in ("ccg-gdp", "canonical-gdp"):
+        lit.require_clt_regime(family, eps0, n, delta, allow_approximate)
+        mu = _gdp_mu(family, eps0, n) * math.sqrt(rounds)
+        return lit.gdp_epsilon(mu, delta), {"mu": mu}
+    if family in ("ccg-rdp", "girgis"):
+        if family == "ccg-rdp":
+            lit.require_clt_regime(family, eps0, n, delta, allow_approximate)
+        orders, curve = _rdp_curve(family, eps0, n)
+        value, order = rdp_mod.epsilon_from_rdp(orders, rounds * curve, delta)
+        return value, {"order": order}
+    if family == "fmt":
+        return _fmt_epsilon(eps0, n, delta, rounds)
+    if family == "rr-lower":
+        if rounds == 1:
+            return lit.rr_lower_epsilon(eps0, n, delta), {"method": "exact"}
+        pld = _pld()
+        composed = pld.compose([(_rr_lower_pld(eps0, n, rounds), rounds)])
+        return float(pld.epsilon_for_delta(composed, delta)), {"method": "pld", "discretisation": "optimistic"}
+    if family == "no-shuffle":
+        return lit.no_shuffle_epsilon(eps0, rounds, delta), {"method": "exact (Kairouz-Oh-Viswanath)"}
+    raise AssertionError(family)  # pragma: no cover - families are validated before
+
+
+def _family_delta(
+    family: str, eps0: float, n: int, epsilon: float, rounds: int, allow_approximate: bool
+) -> tuple[float, dict[str, Any]]:
+    if family in _VARIANT:
+        variant = _VARIANT[family]
+        clones = _clones()
+        if rounds == 1:
+            return float(clones.clone_delta(eps0, n, epsilon, variant)), {"method": "exact"}
+        pld = _pld()
+        interval = clones.suggested_interval(eps0, n, rounds, variant)
+        one = clones.clone_pld(eps0, n, variant, value_discretization_interval=interval, pessimistic=True)
+        composed = pld.compose([(one, rounds)])
+        return float(pld.delta_for_epsilon(composed, epsilon)), {
+            "method": "pld",
+            "discretisation": "pessimistic",
+            "interval": interval,
+        }
+    if family in ("ccg-gdp", "canonical-gdp", "ccg-rdp"):
+        if n < 2:
+            raise RefusedError(f"{family} needs n >= 2 reports, got n={n}")
+        if family == "ccg-rdp":
+            orders, curve = _rdp_curve(family, eps0, n)
+            value, order = rdp_mod.delta_from_rdp(orders, rounds * curve, epsilon)
+            details: dict[str, Any] = {"order": order}
+        else:
+            mu = _gdp_mu(family, eps0, n) * math.sqrt(rounds)
+            value, details = lit.gdp_delta(mu, epsilon), {"mu": mu}
+        if 0.0 < value < 1.0:
+            lit.require_clt_regime(family, eps0, n, value, allow_approximate)
+        return value, details
+    if family == "girgis":
+        orders, curve = _rdp_curve(family, eps0, n)
+        value, order = rdp_mod.delta_from_rdp(orders, rounds * curve, epsilon)
+        return value, {"order": order}
+    if family == "fmt":
+        return _fmt_delta(eps0, n, epsilon, rounds)
+    if family == "rr-lower":
+        if rounds == 1:
+            return lit.rr_lower_delta(eps0, n, epsilon), {"method": "exact"}
+        pld = _pld()
+        composed = pld.compose([(_rr_lower_pld(eps0, n, rounds), rounds)])
+        return float(pld.delta_for_epsilon(composed, epsilon)), {"method": "pld", "discretisation": "optimistic"}
+    if family == "no-shuffle":
+        return lit.no_shuffle_delta(eps0, rounds, epsilon), {"method": "exact (Kairouz-Oh-Viswanath)"}
+    raise AssertionError(family)  # pragma: no cover
+
+
+def _fmt_delta(eps0: float, n: int, epsilon: float, rounds: int) -> tuple[float, dict[str, Any]]:
+    """Smallest delta (to DELTA_SEARCH_RTOL, rounded up) whose fmt epsilon is <= ``epsilon``: bisection on log delta.
+
+    fmt's epsilon decreases in delta and its validity region grows with delta, so "certified at delta" is
+    monotone; the returned delta is one at which the certificate was checked. If eps0 is valid but FMT's
+    epsilon exceeds the target for every delta < 1, the answer is the vacuous delta = 1 (flagged
+    ``vacuous``); if eps0 is outside the validity region even as delta -> 1, RefusedError.
+    """
+
+    def ok(d: float) -> bool:
+        try:
+            return _fmt_epsilon(eps0, n, d, rounds)[0] <= epsilon
+        except RefusedError:
+            return False
+
+    hi = 1.0 - 1e-12
+    if not ok(hi):
+        _fmt_epsilon(eps0, n, hi, rounds)  # raises RefusedError if eps0 is outside the validity region
+        # valid, but FMT's epsilon stays above the target for every delta < 1: only the vacuous delta = 1
+        return 1.0, {"method": "bisection on FMT epsilon", "vacuous": True}
+    lo = DELTA_SEARCH_FLOOR
+    if ok(lo):
+        return lo, {"method": "bisection on FMT epsilon", "floor_reached": True}
+    log_lo, log_hi = math.log(lo), math.log(hi)
+    while log_hi - log_lo > DELTA_SEARCH_RTOL:
+        mid = 0.5 * (log_lo + log_hi)
+        if ok(math.exp(mid)):
+            log_hi = mid
+        else:
+            log_lo = mid
+    return math.exp(log_hi), {"method": "bisection on FMT epsilon", "rtol": DELTA_SEARCH_RTOL}
+
+
+def _kind(family: str) -> str:
+    return FAMILY_KINDS[family]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public API (docs/interfaces.md)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def epsilon(
+    family: str, eps0: float, n: int, delta: float, rounds: int = 1, *, allow_approximate: bool = False
+) -> Bound:
+    """Epsilon at ``delta`` after ``rounds`` rounds of ``n`` shuffled ``eps0``-LDP reports.
+
+    Args:
+        family: one of :data:`accounting.FAMILIES`.
+        eps0: local privacy parameter, finite and > 0.
+        n: number of shuffled reports per round, an integer >= 1.
+        delta: 0 < delta < 1.
+        rounds: number of rounds T >= 1 (all with the same n and eps0; see :func:`epsilon_for_rounds`).
+        allow_approximate: let CLT families answer where their refusal rule would refuse.
+
+    Returns:
+        A :class:`Bound` of the family's kind. Non-lower families are capped by the ``no-shuffle`` value (see
+        the module docstring).
+
+    Raises:
+        ValueError/TypeError: an argument is outside its allowed range. RefusedError: the family refuses.
+    """
+    family = _check_family(family, allow_girgis_lower=False)
+    eps0, n, delta, rounds = _check_eps0(eps0), _check_n(n), _check_delta(delta), _check_rounds(rounds)
+    value, details = _family_epsilon(family, eps0, n, delta, rounds, allow_approximate)
+    if _kind(family) != "lower" and family != "no-shuffle":
+        cap = lit.no_shuffle_epsilon(eps0, rounds, delta)
+        if cap < value:
+            details = {**details, "capped_by_no_shuffle": True, "uncapped": value}
+            value = cap
+    return Bound(value=max(value, 0.0), kind=_kind(family), family=family, details=details)
+
+
+def delta(
+    family: str, eps0: float, n: int, epsilon: float, rounds: int = 1, *, allow_approximate: bool = False
+) -> Bound:
+    """Delta at ``epsilon`` after ``rounds`` rounds of ``n`` shuffled ``eps0``-LDP reports.
+
+    Same families, validation, kinds and no-shuffle cap as :func:`epsilon`; ``epsilon`` must be finite and >= 0.
+    For the CLT families the refusal rule is checked at the delta they return.
+    """
+    family = _check_family(family, allow_girgis_lower=False)
+    eps0, n, rounds = _check_eps0(eps0), _check_n(n), _check_rounds(rounds)
+    eps = _check_epsilon("epsilon", epsilon)
+    value, details = _family_delta(family, eps0, n, eps, rounds, allow_approximate)
+    if _kind(family) != "lower" and family != "no-shuffle":
+        cap = lit.no_shuffle_delta(eps0, rounds, eps)
+        if cap < value:
+            details = {**details, "capped_by_no_shuffle": True, "uncapped": value}
+            value = cap
+    return Bound(value=min(max(value, 0.0), 1.0), kind=_kind(family), family=family, details=details)
+
+
+def renyi(family: str, eps0: float, n: int, order: float, rounds: int = 1) -> Bound:
+    """Renyi divergence of order ``order`` > 1 after ``rounds`` rounds: ``rounds * D_order`` (Mironov 2017).
+
+    Families with a Renyi curve: :data:`RENYI_FAMILIES`. ``clones``/``clones-focs``: exact Renyi divergence
+    of the clone pair, max of both directions (upper). ``girgis``/``girgis-lower``: seed 000 eqs. (5)/(6),
+    integer orders >= 2. ``ccg-rdp``: seed 000 Cor. 2, orders >= 2 (approximate). ``rr-lower``: exact for
+    shuffled binary randomized response (lower). Others raise :class:`RefusedError`.
+    """
+    family = _check_family(family, allow_girgis_lower=True)
+    eps0, n, order, rounds = _check_eps0(eps0), _check_n(n), _check_order(order), _check_rounds(rounds)
+    if family not in RENYI_FAMILIES:
+        raise RefusedError(
+            f"{family} has no Renyi-divergence curve; renyi() is available for {list(RENYI_FAMILIES)}"
+        )
+    if family in _VARIANT:
+        one = float(_clones().clone_renyi(eps0, n, order, _VARIANT[family]))
+    elif family == "girgis":
+        one = lit.girgis_rdp_upper(eps0, n, order)
+    elif family == "girgis-lower":
+        one = lit.girgis_rdp_lower(eps0, n, order)
+    elif family == "ccg-rdp":
+        if order < _CCG_MIN_ORDER:
+            raise RefusedError(f"ccg-rdp (seed 000 Cor. 2) is stated for orders lambda >= 2, got order={order}")
+        one = lit.ccg_rdp(eps0, n, order)
+    else:
+        one = lit.rr_lower_renyi(eps0, n, order)
+    return Bound(value=rounds * one, kind=_kind(family), family=family, details={"order": order, "rounds": rounds})
+
+
+def calibrate(
+    family: str, target_epsilon: float, delta: float, n: int, rounds: int, *, allow_approximate: bool = False
+) -> Bound:
+    """The largest eps0 in :data:`CALIBRATION_RANGE` with ``epsilon(family, eps0, n, delta, rounds) <= target``.
+
+    Geometric bisection between the ends of the range until ``hi <= lo (1 + CALIBRATION_RTOL)``; the returned
+    ``lo`` was evaluated and satisfies the target (an eps0 the family refuses counts as not satisfying it).
+    ``details``: ``achieved_epsilon`` at the returned eps0, ``first_failing_eps0`` (``hi``), the tolerance and
+    the search range; ``range_upper_end_reached`` is True when even the top of the range satisfies the target
+    (the answer is then that top, not a larger eps0).
+
+    Raises:
+        RefusedError: no eps0 in the range satisfies the target (never a fallback value).
+    """
+    family = _check_family(family, allow_girgis_lower=False)
+    target = _check_epsilon("target_epsilon", target_epsilon)
+    if target <= 0.0:
+        raise ValueError(f"target_epsilon must be a finite real number > 0, got {target!r}")
+    delta, n, rounds = _check_delta(delta), _check_n(n), _check_rounds(rounds)
+
+    def achieved(e0: float) -> float | None:
+        try:
+            return epsilon(family, e0, n, delta, rounds, allow_approximate=allow_approximate).value
+        except RefusedError:
+            return None
+
+    lo, hi = CALIBRATION_RANGE
+    base = {"target_epsilon": target, "delta": delta, "n": n, "rounds": rounds, "search_range": list(CALIBRATION_RANGE)}
+    at_lo = achieved(lo)
+    if at_lo is None or at_lo > target:
+        raise RefusedError(
+            f"calibrate: no eps0 in [{lo}, {hi}] keeps {family} within eps={target} at delta={delta} for "
+            f"n={n}, rounds={rounds} (at eps0={lo} it gives "
+            f"{'a refusal' if at_lo is None else format(at_lo, '.6g')})"
+        )
+    at_hi = achieved(hi)
+    if at_hi is not None and at_hi <= target:
+        return Bound(
+            value=hi,
+            kind=_kind(family),
+            family=family,
+            details={**base, "achieved_epsilon": at_hi, "range_upper_end_reached": True},
+        )
+    best = at_lo
+    while hi > lo * (1.0 + CALIBRATION_RTOL):
+        mid = math.sqrt(lo * hi)
+        got = achieved(mid)
+        if got is not None and got <= target:
+            lo, best = mid, got
+        else:
+            hi = mid
+    return Bound(
+        value=lo,
+        kind=_kind(family),
+        family=family,
+        details={**base, "achieved_epsilon": best, "first_failing_eps0": hi, "rtol": CALIBRATION_RTOL},
+    )
+
+
+def _check_round(index: int, r: Any) -> tuple[int, float]:
+    try:
+        n, eps0 = r.n, r.eps0
+    except AttributeError:
+        raise TypeError(f"rounds[{index}] must be a ShuffleRound (with .n and .eps0), got {r!r}") from None
+    try:
+        return _check_n(n), _check_eps0(eps0)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"rounds[{index}]: {exc}") from None
+
+
+def epsilon_for_rounds(
+    family: str, rounds: Sequence[ShuffleRound], delta: float, *, allow_approximate: bool = False
+) -> Bound:
+    """Epsilon at ``delta`` after heterogeneous rounds (each its own n and eps0).
+
+    Equal ``(n, eps0)`` rounds are grouped. One group is :func:`epsilon` with ``rounds = count``. Several
+    groups: PLD composition (pessimistic for ``clones``/``clones-focs``/``no-shuffle``/``fmt``, optimistic for
+    ``rr-lower``), RDP summation (``ccg-rdp``, ``girgis``), ``sqrt(sum mu^2)`` (``ccg-gdp``, ``canonical-gdp``).
+    ``fmt`` spends ``delta/2`` on the per-round deltas (``delta/(2T)`` each) and composes the (eps_i, delta_i)
+    pairs through the PLD of their worst case (KOV). Non-lower families are capped by the heterogeneous
+    ``no-shuffle`` value.
+    """
+    family = _check_family(family, allow_girgis_lower=False)
+    delta = _check_delta(delta)
+    if isinstance(rounds, (str, bytes)) or not isinstance(rounds, Sequence):
+        raise TypeError(f"rounds must be a sequence of ShuffleRound, got {type(rounds).__name__}")
+    if len(rounds) == 0:
+        raise ValueError("rounds must hold at least one ShuffleRound")
+    groups: dict[tuple[int, float], int] = {}
+    for i, r in enumerate(rounds):
+        key = _check_round(i, r)
+        groups[key] = groups.get(key, 0) + 1
+    if len(groups) == 1:
+        (n, eps0), count = next(iter(groups.items()))
+        return epsilon(family, eps0, n, delta, count, allow_approximate=allow_approximate)
+    items = [(n, eps0, count) for (n, eps0), count in groups.items()]
+    total = sum(c for _, _, c in items)
+    value, details = _heterogeneous_epsilon(family, items, total, delta, allow_approximate)
+    details = {**details, "groups": len(items), "rounds": total}
+    if _kind(family) != "lower" and family != "no-shuffle":
+        cap, _ = _heterogeneous_epsilon("no-shuffle", items, total, delta, allow_approximate)
+        if cap < value:
+            details = {**details, "capped_by_no_shuffle": True, "uncapped": value}
+            value = cap
+    return Bound(value=max(value, 0.0), kind=_kind(family), family=family, details=details)
+
+
+#: Discretisation interval of the pessimistic PLDs composed across heterogeneous groups (two-point PLDs of
+#: no-shuffle and fmt); clone PLDs use the smallest of ``clones.suggested_interval`` over the groups.
+HETEROGENEOUS_INTERVAL = 1e-4
+
+
+def _heterogeneous_epsilon(
+    family: str, items: list[tuple[int, float, int]], total: int, delta: float, allow_approximate: bool
+) -> tuple[float, dict[str, Any]]:
+    if family in ("ccg-gdp", "canonical-gdp"):
+        for n, eps0, _ in items:
+            lit.require_clt_regime(family, eps0, n, delta, allow_approximate)
+        mu = math.sqrt(sum(c * _gdp_mu(family, eps0, n) ** 2 for n, eps0, c in items))
+        return lit.gdp_epsilon(mu, delta), {"mu": mu}
+    if family in ("ccg-rdp", "girgis"):
+        curves = []
+        orders = None
+        for n, eps0, c in items:
+            if family == "ccg-rdp":
+                lit.require_clt_regime(family, eps0, n, delta, allow_approximate)
+            orders, curve = _rdp_curve(family, eps0, n)
+            curves.append((curve, c))
+        value, order = rdp_mod.epsilon_from_rdp(orders, rdp_mod.compose_rdp(curves), delta)
+        return value, {"order": order}
+    pld = _pld()
+    if family in _VARIANT:
+        variant = _VARIANT[family]
+        clones = _clones()
+        interval = min(clones.suggested_interval(eps0, n, total, variant) for n, eps0, _ in items)
+        plds = [
+            (clones.clone_pld(eps0, n, variant, value_discretization_interval=interval, pessimistic=True), c)
+            for n, eps0, c in items
+        ]
+        return float(pld.epsilon_for_delta(pld.compose(plds), delta)), {
+            "method": "pld",
+            "discretisation": "pessimistic",
+            "interval": interval,
+        }
+    if family == "rr-lower":
+        interval = min(_rr_interval(eps0, n, total) for n, eps0, _ in items)
+        plds = [(_rr_lower_pld(eps0, n, total, interval), c) for n, eps0, c in items]
+        return float(pld.epsilon_for_delta(pld.compose(plds), delta)), {
+            "method": "pld",
+            "discretisation": "optimistic",
+            "interval": interval,
+        }
+    if family == "no-shuffle":
+        plds = [(_rr_pair_pld(eps0, 0.0, HETEROGENEOUS_INTERVAL), c) for n, eps0, c in items]
+        return float(pld.epsilon_for_delta(pld.compose(plds), delta)), {
+            "method": "pld of randomized response (KOV worst case)",
+            "discretisation": "pessimistic",
+            "interval": HETEROGENEOUS_INTERVAL,
+        }
+    if family == "fmt":
+        delta1 = 0.5 * delta / total
+        plds = []
+        for n, eps0, c in items:
+            eps1 = lit.fmt_epsilon(eps0, n, delta1)
+            plds.append((_rr_pair_pld(eps1, delta1, HETEROGENEOUS_INTERVAL), c))
+        return float(pld.epsilon_for_delta(pld.compose(plds), delta)), {
+            "method": "FMT'21 Thm 3.1 per round at delta/(2T), PLD of the (eps, delta) worst case",
+            "discretisation": "pessimistic",
+        }
+    raise AssertionError(family)  # pragma: no cover
+
+
+def epsilon_bracket(family: str, eps0: float, n: int, delta: float, rounds: int) -> tuple[float, float]:
+    """``(optimistic, pessimistic)`` PLD epsilons of ``clones``/``clones-focs`` over ``rounds`` rounds.
+
+    The true composed epsilon of the clone pair lies in this bracket (pessimistic discretisation over-, and
+    optimistic discretisation under-estimates every hockey-stick divergence). Uncapped.
+    """
+    if family not in _VARIANT:
+        raise RefusedError(f"epsilon_bracket is available for {list(_VARIANT)}, got {family!r}")
+    eps0, n, delta, rounds = _check_eps0(eps0), _check_n(n), _check_delta(delta), _check_rounds(rounds)
+    clones = _clones()
+    variant = _VARIANT[family]
+    interval = clones.suggested_interval(eps0, n, rounds, variant)
+    out = [
+        float(
+            clones.clone_epsilon_composed(
+                eps0, n, delta, rounds, variant, pessimistic=pessimistic, value_discretization_interval=interval
+            )
+        )
+        for pessimistic in (False, True)
+    ]
+    return out[0], out[1]

@@ -1,0 +1,488 @@
+"""A durable, append-only, per-round privacy ledger in SQLite.
+
+One row per round: the round number, when it was recorded (UTC, ISO 8601), the attested number of shuffled
+reports, the local epsilon ``eps0``, the mechanism, the target ``delta``, and the *cumulative* epsilon after
+that round for the default bound family and for every comparison family, each with its kind (``upper``,
+``approximate``, ``lower``) or, when a family refused the parameters, the kind ``refused`` with the reason and
+no number.
+
+Durability: the database runs in WAL mode with ``synchronous=FULL``, and each round (its row and all its
+per-family rows) is written in one transaction, so a process killed with SIGKILL leaves every committed round
+intact and no partial round. The ledger is append-only: triggers make SQLite itself refuse ``UPDATE`` and
+``DELETE`` on every table, and ``round`` is the primary key, so a round can be recorded once only.
+
+Schema (version 1)::
+
+    meta(key TEXT PRIMARY KEY, value TEXT)                     -- format, schema version, creation time
+    rounds(round INTEGER PRIMARY KEY, time TEXT, n_reports INTEGER, eps0 REAL, mechanism TEXT,
+           delta REAL, default_family TEXT)
+    epsilons(round INTEGER REFERENCES rounds, family TEXT, value REAL NULL, kind TEXT, reason TEXT NULL,
+             PRIMARY KEY (round, family))                      -- one row per (round, family)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import numbers
+import operator
+import os
+import sqlite3
+import tempfile
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from accounting.accountant import ShuffleAccountant
+
+__all__ = ["Ledger", "LedgerError", "LEDGER_FORMAT", "LEDGER_SCHEMA_VERSION", "KINDS"]
+
+LEDGER_FORMAT = "shuffledp.ledger"
+LEDGER_SCHEMA_VERSION = 1
+KINDS = ("upper", "approximate", "lower", "refused")
+_ROW_KEYS = ("round", "time", "n_reports", "eps0", "mechanism", "delta", "default_family")
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    round          INTEGER PRIMARY KEY CHECK (typeof(round) = 'integer' AND round >= 0),
+    time           TEXT    NOT NULL,
+    n_reports      INTEGER NOT NULL CHECK (typeof(n_reports) = 'integer' AND n_reports >= 1),
+    eps0           REAL    NOT NULL CHECK (eps0 > 0),
+    mechanism      TEXT    NOT NULL CHECK (length(mechanism) > 0),
+    delta          REAL    NOT NULL CHECK (delta > 0 AND delta < 1),
+    default_family TEXT    NOT NULL
+);
+CREATE TABLE IF NOT EXISTS epsilons (
+    round  INTEGER NOT NULL REFERENCES rounds(round),
+    family TEXT    NOT NULL,
+    value  REAL,
+    kind   TEXT    NOT NULL CHECK (kind IN ({", ".join(repr(k) for k in KINDS)})),
+    reason TEXT,
+    PRIMARY KEY (round, family),
+    CHECK ((kind = 'refused') = (value IS NULL))
+);
+"""
+
+_TRIGGERS = """
+CREATE TRIGGER IF NOT EXISTS {table}_no_update BEFORE UPDATE ON {table}
+BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: UPDATE on {table} is refused'); END;
+CREATE TRIGGER IF NOT EXISTS {table}_no_delete BEFORE DELETE ON {table}
+BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: DELETE on {table} is refused'); END;
+"""
+
+
+class LedgerError(ValueError):
+    """A ledger operation was refused: a bad record, a duplicate or out-of-order round, or a foreign file."""
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise LedgerError(f"{name} must be an integer >= {minimum}, got the boolean {value!r}")
+    try:
+        result = operator.index(value)
+    except TypeError:
+        raise LedgerError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}") from None
+    if result < minimum:
+        raise LedgerError(f"{name} must be an integer >= {minimum}, got {result}")
+    return int(result)
+
+
+def _check_real(name: str, value: Any, *, low: float, high: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise LedgerError(f"{name} must be a finite real number, got {value!r}")
+    result = float(value)
+    bounds = f"> {low}" if high is None else f"in ({low}, {high})"
+    if not math.isfinite(result) or result <= low or (high is not None and result >= high):
+        raise LedgerError(f"{name} must be a finite real number {bounds}, got {result!r}")
+    return result
+
+
+class Ledger:
+    """Append-only SQLite ledger of one row per round (see the module docstring for the schema).
+
+    Args:
+        path: the database file. It is created (with its schema) if it does not exist, unless ``create`` is
+            False, in which case a missing file is an error.
+        create: allow creating a new ledger file.
+
+    Raises:
+        LedgerError: the file is missing (``create=False``) or is not a shuffledp ledger of a known version.
+
+    Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, create: bool = True) -> None:
+        self.path = Path(path)
+        if not create and not self.path.is_file():
+            raise LedgerError(f"no ledger at {str(self.path)!r}: the file does not exist")
+        # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT) below.
+        self._conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
+        try:
+            self._setup(create)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    # -- setup -------------------------------------------------------------------------------------------------
+    def _setup(self, create: bool) -> None:
+        conn = self._conn
+        try:
+            conn.execute("PRAGMA foreign_keys = ON")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            conn.execute("PRAGMA synchronous = FULL")
+        except sqlite3.DatabaseError as exc:
+            raise LedgerError(f"{str(self.path)!r} is not a shuffledp ledger (not an SQLite database: {exc})") from None
+        if str(mode).lower() != "wal":
+            raise LedgerError(f"could not put the ledger {str(self.path)!r} in WAL mode (SQLite reports {mode!r})")
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            if not create:
+                raise LedgerError(f"{str(self.path)!r} is an empty database, not a shuffledp ledger")
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+                for table in ("meta", "rounds", "epsilons"):
+                    for statement in _TRIGGERS.format(table=table).split("END;"):
+                        if statement.strip():
+                            conn.execute(statement + "END;")
+                conn.executemany(
+                    "INSERT OR IGNORE INTO meta(key, value) VALUES (?, ?)",
+                    [
+                        ("format", LEDGER_FORMAT),
+                        ("schema_version", str(LEDGER_SCHEMA_VERSION)),
+                        ("created", _utc_now()),
+                    ],
+                )
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not {"meta", "rounds", "epsilons"} <= tables:
+            raise LedgerError(f"{str(self.path)!r} is not a shuffledp ledger (its tables are {sorted(tables)})")
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        if meta.get("format") != LEDGER_FORMAT:
+            raise LedgerError(f"{str(self.path)!r} is not a shuffledp ledger (no format marker {LEDGER_FORMAT!r})")
+        if meta.get("schema_version") != str(LEDGER_SCHEMA_VERSION):
+            raise LedgerError(
+                f"the ledger {str(self.path)!r} has schema version {meta.get('schema_version')!r}; "
+                f"this version of shuffledp reads version {LEDGER_SCHEMA_VERSION} only"
+            )
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the database connection (committed rounds are already on disk)."""
+        self._conn.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- writing -----------------------------------------------------------------------------------------------
+    def append(
+        self,
+        *,
+        round: int,  # noqa: A002 - the column's name in the contract
+        n_reports: int,
+        eps0: float,
+        mechanism: str,
+        delta: float,
+        epsilons: Mapping[str, float | None],
+        kinds: Mapping[str, str],
+        default_family: str = "clones",
+        reasons: Mapping[str, str] | None = None,
+        time: datetime | None = None,
+    ) -> None:
+        """Record one round, atomically; the values are the cumulative epsilons *after* this round.
+
+        Args:
+            round: the round number, an integer >= 0, strictly greater than every round already recorded.
+            n_reports: the attested number of shuffled reports, >= 1.
+            eps0: the local epsilon of each report, finite and > 0.
+            mechanism: a non-empty label of the local randomizer (e.g. ``"laplace(d=1000,C=1,b=2)"``).
+            delta: the delta at which the cumulative epsilons are stated, in (0, 1).
+            epsilons: family -> cumulative epsilon (finite, >= 0), or None for a family that refused.
+            kinds: family -> ``"upper" | "approximate" | "lower" | "refused"``; same keys as ``epsilons``.
+            default_family: the family the budget is enforced with; must be a key of ``epsilons`` and must not
+                be refused.
+            reasons: family -> reason, required for (and only for) every refused family.
+            time: when the round was recorded (timezone-aware); defaults to now, UTC.
+
+        Raises:
+            LedgerError: any field is invalid, the round is already recorded, or it is not after the last one.
+                Nothing is written in that case and every round already stored is untouched.
+        """
+        record = self._validate(
+            round=round,
+            n_reports=n_reports,
+            eps0=eps0,
+            mechanism=mechanism,
+            delta=delta,
+            epsilons=epsilons,
+            kinds=kinds,
+            default_family=default_family,
+            reasons=reasons or {},
+            time=time,
+        )
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            existing = conn.execute("SELECT time FROM rounds WHERE round = ?", (record["round"],)).fetchone()
+            if existing is not None:
+                raise LedgerError(
+                    f"round {record['round']} is already in the ledger (recorded {existing[0]}); "
+                    "the ledger is append-only, so a round can be recorded once only"
+                )
+            last = conn.execute("SELECT MAX(round) FROM rounds").fetchone()[0]
+            if last is not None and record["round"] < last:
+                raise LedgerError(
+                    f"round {record['round']} is before the last recorded round {last}; rounds must be appended in "
+                    "increasing order"
+                )
+            conn.execute(
+                "INSERT INTO rounds(round, time, n_reports, eps0, mechanism, delta, default_family) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                tuple(record[key] for key in _ROW_KEYS),
+            )
+            conn.executemany(
+                "INSERT INTO epsilons(round, family, value, kind, reason) VALUES (?, ?, ?, ?, ?)",
+                [
+                    (record["round"], family, entry["value"], entry["kind"], entry["reason"])
+                    for family, entry in record["epsilons"].items()
+                ],
+            )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def record(self, accountant: ShuffleAccountant, *, round: int, mechanism: str) -> dict[str, Any]:  # noqa: A002
+        """Append the accountant's latest round with its cumulative epsilons (default + comparison families).
+
+        The accountant must already have composed the round; its last composed :class:`ShuffleRound` supplies
+        ``n_reports`` and ``eps0`` and its target delta supplies ``delta``. Returns the row as :meth:`rows`
+        would. Refused comparison families are stored as refused, with their reasons.
+
+        Raises:
+            LedgerError: the accountant has composed no round, or the append is refused (see :meth:`append`).
+        """
+        if not accountant.rounds:
+            raise LedgerError("the accountant has composed no round yet; compose the round before recording it")
+        last = accountant.rounds[-1]
+        results = accountant.epsilons()
+        epsilons: dict[str, float | None] = {}
+        kinds: dict[str, str] = {}
+        reasons: dict[str, str] = {}
+        for family, result in results.items():
+            epsilons[family] = result.value
+            kinds[family] = result.kind
+            reason = getattr(result, "reason", None)
+            if reason is not None:
+                reasons[family] = reason
+        self.append(
+            round=round,
+            n_reports=last.n,
+            eps0=last.eps0,
+            mechanism=mechanism,
+            delta=accountant.target_delta,
+            epsilons=epsilons,
+            kinds=kinds,
+            default_family=accountant.family,
+            reasons=reasons,
+        )
+        return self.row(round)
+
+    @staticmethod
+    def _validate(
+        *,
+        round: int,  # noqa: A002
+        n_reports: int,
+        eps0: float,
+        mechanism: str,
+        delta: float,
+        epsilons: Mapping[str, float | None],
+        kinds: Mapping[str, str],
+        default_family: str,
+        reasons: Mapping[str, str],
+        time: datetime | None,
+    ) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "round": _check_int("round", round, 0),
+            "n_reports": _check_int("n_reports", n_reports, 1),
+            "eps0": _check_real("eps0", eps0, low=0.0),
+            "delta": _check_real("delta", delta, low=0.0, high=1.0),
+        }
+        if not isinstance(mechanism, str) or not mechanism.strip():
+            raise LedgerError(f"mechanism must be a non-empty string naming the local randomizer, got {mechanism!r}")
+        record["mechanism"] = mechanism
+        if time is None:
+            record["time"] = _utc_now()
+        else:
+            if not isinstance(time, datetime) or time.tzinfo is None:
+                raise LedgerError(f"time must be a timezone-aware datetime, got {time!r}")
+            record["time"] = time.astimezone(timezone.utc).isoformat(timespec="microseconds")
+        if not isinstance(epsilons, Mapping) or not isinstance(kinds, Mapping) or not isinstance(reasons, Mapping):
+            raise LedgerError("epsilons, kinds and reasons must be mappings from family name")
+        if not epsilons:
+            raise LedgerError("epsilons must name at least the default family")
+        if set(epsilons) != set(kinds):
+            raise LedgerError(
+                f"epsilons and kinds must have the same families; epsilons has {sorted(epsilons)}, "
+                f"kinds has {sorted(kinds)}"
+            )
+        if not isinstance(default_family, str) or default_family not in epsilons:
+            raise LedgerError(f"default_family {default_family!r} must be one of the recorded families {sorted(epsilons)}")
+        extra_reasons = set(reasons) - {f for f, k in kinds.items() if k == "refused"}
+        if extra_reasons:
+            raise LedgerError(f"reasons given for families that were not refused: {sorted(extra_reasons)}")
+        entries: dict[str, dict[str, Any]] = {}
+        for family in epsilons:  # insertion order is kept: default first if the caller put it first
+            if not isinstance(family, str) or not family:
+                raise LedgerError(f"family names must be non-empty strings, got {family!r}")
+            kind = kinds[family]
+            if kind not in KINDS:
+                raise LedgerError(f"kind of {family!r} must be one of {list(KINDS)}, got {kind!r}")
+            value = epsilons[family]
+            if kind == "refused":
+                if value is not None:
+                    raise LedgerError(f"family {family!r} is refused, so its epsilon must be None, got {value!r}")
+                reason = reasons.get(family)
+                if not isinstance(reason, str) or not reason.strip():
+                    raise LedgerError(f"family {family!r} is refused: give its reason in reasons[{family!r}]")
+                if family == default_family:
+                    raise LedgerError(
+                        f"the default family {family!r} refused this round ({reason}); the ledger records only "
+                        "rounds whose budget the default family can account"
+                    )
+                entries[family] = {"value": None, "kind": kind, "reason": reason}
+            else:
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    raise LedgerError(f"epsilon of {family!r} must be a finite real number >= 0, got {value!r}")
+                number = float(value)
+                if not math.isfinite(number) or number < 0.0:
+                    raise LedgerError(f"epsilon of {family!r} must be a finite real number >= 0, got {number!r}")
+                entries[family] = {"value": number, "kind": kind, "reason": None}
+        # Store the default family first so that exports list it first.
+        record["epsilons"] = {default_family: entries[default_family]} | {
+            f: e for f, e in entries.items() if f != default_family
+        }
+        record["default_family"] = default_family
+        return record
+
+    # -- reading -----------------------------------------------------------------------------------------------
+    def last_round(self) -> int | None:
+        """Return the largest recorded round number, or None if the ledger is empty."""
+        return self._conn.execute("SELECT MAX(round) FROM rounds").fetchone()[0]
+
+    def __len__(self) -> int:
+        return int(self._conn.execute("SELECT COUNT(*) FROM rounds").fetchone()[0])
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Return every round in order, each as a dict.
+
+        Keys: ``round, time, n_reports, eps0, mechanism, delta, default_family`` and ``epsilons``, a dict
+        family -> ``{"value": float | None, "kind": str, "reason": str | None}`` with the default family first.
+        All reads happen in one snapshot, so a concurrent writer never shows a half-written round.
+        """
+        conn = self._conn
+        conn.execute("BEGIN")
+        try:
+            base = conn.execute(f"SELECT {', '.join(_ROW_KEYS)} FROM rounds ORDER BY round").fetchall()
+            per_family = conn.execute(
+                "SELECT e.round, e.family, e.value, e.kind, e.reason FROM epsilons AS e "
+                "JOIN rounds AS r ON r.round = e.round "
+                "ORDER BY e.round, (e.family = r.default_family) DESC, e.rowid"
+            ).fetchall()
+        finally:
+            conn.execute("COMMIT")
+        rows = {row[0]: dict(zip(_ROW_KEYS, row)) | {"epsilons": {}} for row in base}
+        for rnd, family, value, kind, reason in per_family:
+            rows[rnd]["epsilons"][family] = {"value": value, "kind": kind, "reason": reason}
+        return list(rows.values())
+
+    def row(self, round: int) -> dict[str, Any]:  # noqa: A002
+        """Return one recorded round (as in :meth:`rows`). Raises LedgerError if it is not recorded."""
+        number = _check_int("round", round, 0)
+        for row in self.rows():
+            if row["round"] == number:
+                return row
+        raise LedgerError(f"round {number} is not in the ledger")
+
+    def families(self) -> list[str]:
+        """Return every family that appears in the ledger, in order of first appearance."""
+        seen: dict[str, None] = {}
+        for row in self.rows():
+            for family in row["epsilons"]:
+                seen.setdefault(family, None)
+        return list(seen)
+
+    # -- export ------------------------------------------------------------------------------------------------
+    def export_json(self, path: str | os.PathLike[str]) -> None:
+        """Write the whole ledger as one JSON document ``{"format", "schema_version", "rows": [...]}``.
+
+        The file is written to a temporary file next to ``path`` and renamed into place, so ``path`` is either
+        the old file or the complete new one.
+        """
+        document = {"format": LEDGER_FORMAT, "schema_version": LEDGER_SCHEMA_VERSION, "rows": self.rows()}
+        text = json.dumps(document, indent=2, allow_nan=False) + "\n"
+        _atomic_write(Path(path), text)
+
+    def csv_header(self) -> list[str]:
+        """Return the CSV columns: the round fields, then ``eps[F]``, ``kind[F]``, ``reason[F]`` per family F."""
+        header = list(_ROW_KEYS)
+        for family in self.families():
+            header += [f"eps[{family}]", f"kind[{family}]", f"reason[{family}]"]
+        return header
+
+    def export_csv(self, path: str | os.PathLike[str]) -> None:
+        """Write the ledger as CSV, one line per round (see :meth:`csv_header`); floats in ``repr`` form.
+
+        A family absent from a round has empty cells. Written atomically like :meth:`export_json`.
+        """
+        rows = self.rows()
+        header = self.csv_header()
+        families = self.families()
+        lines: list[list[str]] = [header]
+        for row in rows:
+            line = [repr(row[key]) if isinstance(row[key], float) else str(row[key]) for key in _ROW_KEYS]
+            for family in families:
+                entry = row["epsilons"].get(family)
+                if entry is None:
+                    line += ["", "", ""]
+                else:
+                    value = "" if entry["value"] is None else repr(float(entry["value"]))
+                    line += [value, entry["kind"], entry["reason"] or ""]
+            lines.append(line)
+        target = Path(path)
+        with tempfile.NamedTemporaryFile(
+            "w", newline="", encoding="utf-8", dir=target.parent or Path("."), prefix=f".{target.name}.", delete=False
+        ) as handle:
+            csv.writer(handle).writerows(lines)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(handle.name, target)
+
+
+def _atomic_write(target: Path, text: str) -> None:
+    with tempfile.NamedTemporaryFile(
+        "w", encoding="utf-8", dir=target.parent or Path("."), prefix=f".{target.name}.", delete=False
+    ) as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(handle.name, target)

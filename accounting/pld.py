@@ -1,0 +1,326 @@
+"""Privacy loss distributions (PLDs): construction from exact losses, composition, queries.
+
+A thin, validated layer over Google's ``dp_accounting`` PLD engine (``dp_accounting.pld``, pinned
+``>=0.6,<0.7``). The hockey-stick divergence of a pair ``(P, Q)`` is
+
+    delta(eps) = E_{o ~ P}[(1 - e^{eps - L(o)})_+],   L(o) = log(P(o) / Q(o)),
+
+and the PLD of a composition is the convolution of the PLDs (Meiser & Mohammadi, CCS'18; Koskela,
+Jaelkoe & Honkela, AISTATS'20; Doroshenko et al., PETS'22 "Connect the dots"). Because
+``(1 - e^{eps - l})_+`` is non-decreasing in ``l``, moving probability mass to a *larger* loss (or to
+``+inf``) can only increase ``delta`` of the composition, and moving it to a smaller loss (or dropping
+it) can only decrease it. This gives the two discretisations:
+
+* ``pessimistic=True``: losses rounded UP onto the grid ``k * interval``, truncated mass -> infinity
+  mass. Every ``delta``/``eps`` computed from it (after any composition) is an upper bound.
+* ``pessimistic=False``: losses rounded DOWN, truncated mass dropped. A lower bound (up to the
+  FFT aliasing of ``dp_accounting``'s truncated self-convolution, at most ``_TAIL_MASS_TRUNCATION`` in
+  delta per composition step; see :func:`compose`).
+
+The queries :func:`epsilon_for_delta` and :func:`delta_for_epsilon` are vectorised re-implementations
+of the same formulas (``dp_accounting``'s dense ``get_epsilon_for_delta`` is a Python loop over the grid,
+which costs seconds on composed PLDs of millions of points). For non-symmetric PLDs they return the
+maximum over the two directions (remove/add).
+
+This module reads the private fields ``_pmf_remove``, ``_pmf_add``, ``_symmetric`` of
+``PrivacyLossDistribution`` and ``_lower_loss``, ``_probs``, ``_discretization``, ``_infinity_mass``,
+``_pessimistic_estimate`` of ``DensePLDPmf``; they are stable across dp_accounting 0.6.x, which the
+project pins.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Sequence
+
+import numpy as np
+from dp_accounting.pld import pld_pmf
+from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
+
+__all__ = [
+    "PrivacyLossDistribution",
+    "pld_from_losses",
+    "compose",
+    "epsilon_for_delta",
+    "delta_for_epsilon",
+    "dense_parts",
+    "MAX_GRID_POINTS",
+]
+
+#: Mass the self-convolution may cut from each tail (dp_accounting's default). For pessimistic PLDs it is
+#: added to the infinity mass; for optimistic ones :func:`compose` removes that addition again.
+_TAIL_MASS_TRUNCATION = 1e-15
+#: Tolerance on ``sum(probs) + infinity_mass`` exceeding 1 (masses built from log-gamma functions).
+MASS_SUM_TOLERANCE = 1e-9
+#: Largest dense grid :func:`pld_from_losses` will build (about 400 MB of float64 for the FFT later).
+MAX_GRID_POINTS = 50_000_000
+
+
+def _check_interval(value_discretization_interval: float) -> float:
+    if isinstance(value_discretization_interval, bool) or not isinstance(
+        value_discretization_interval, numbers.Real
+    ):
+        raise TypeError(
+            "value_discretization_interval must be a positive real number, got "
+            f"{type(value_discretization_interval).__name__}"
+        )
+    h = float(value_discretization_interval)
+    if not (math.isfinite(h) and h > 0):
+        raise ValueError(f"value_discretization_interval must be finite and > 0, got {h!r}")
+    return h
+
+
+def _check_mass(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number in [0, 1], got {type(value).__name__}")
+    v = float(value)
+    if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+        raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+    return v
+
+
+def _rounded_pmf(
+    losses: np.ndarray,
+    probs: np.ndarray,
+    infinity_mass: float,
+    pessimistic: bool,
+    h: float,
+    which: str,
+) -> pld_pmf.DensePLDPmf:
+    losses = np.asarray(losses, dtype=np.float64)
+    probs = np.asarray(probs, dtype=np.float64)
+    if losses.ndim != 1 or probs.ndim != 1 or losses.shape != probs.shape:
+        raise ValueError(
+            f"{which}: losses and probs must be 1-D arrays of the same length, got shapes "
+            f"{losses.shape} and {probs.shape}"
+        )
+    if losses.size == 0 and infinity_mass == 0.0:
+        raise ValueError(f"{which}: losses is empty and infinity_mass is 0: not a distribution")
+    if np.any(np.isnan(losses)):
+        raise ValueError(f"{which}: losses contain NaN")
+    if np.any(np.isneginf(losses)):
+        raise ValueError(
+            f"{which}: a loss of -inf means P(o) = 0; remove such outcomes (they carry no P-mass)"
+        )
+    if not np.all(np.isfinite(probs)) or np.any(probs < 0):
+        raise ValueError(f"{which}: probs must be finite and >= 0")
+    # Outcomes with loss +inf (Q(o) = 0) belong to the infinity mass, in both estimates.
+    posinf = np.isposinf(losses)
+    if np.any(posinf):
+        infinity_mass = infinity_mass + float(probs[posinf].sum())
+        losses, probs = losses[~posinf], probs[~posinf]
+    total = float(probs.sum()) + infinity_mass
+    if total > 1.0 + MASS_SUM_TOLERANCE:
+        raise ValueError(
+            f"{which}: probs sum to {total - infinity_mass!r} plus infinity_mass {infinity_mass!r} "
+            f"= {total!r} > 1 (tolerance MASS_SUM_TOLERANCE={MASS_SUM_TOLERANCE})"
+        )
+    if losses.size == 0:
+        idx = np.zeros(1, dtype=np.int64)
+        probs = np.zeros(1)
+    else:
+        scaled = losses / h
+        idx = np.ceil(scaled) if pessimistic else np.floor(scaled)
+        lo, hi = float(idx.min()), float(idx.max())
+        if hi - lo + 1 > MAX_GRID_POINTS:
+            raise ValueError(
+                f"{which}: losses span [{losses.min()!r}, {losses.max()!r}], which needs "
+                f"{int(hi - lo + 1)} grid points at value_discretization_interval={h!r}; at most "
+                f"MAX_GRID_POINTS={MAX_GRID_POINTS} are allowed: use a larger interval"
+            )
+        idx = idx.astype(np.int64)
+    lower = int(idx.min())
+    dense = np.bincount(idx - lower, weights=probs) if losses.size else probs
+    return pld_pmf.DensePLDPmf(h, lower, dense.astype(np.float64), float(infinity_mass), pessimistic)
+
+
+def pld_from_losses(
+    losses: np.ndarray,
+    probs: np.ndarray,
+    *,
+    infinity_mass: float,
+    pessimistic: bool,
+    value_discretization_interval: float,
+    losses_reverse: np.ndarray | None = None,
+    probs_reverse: np.ndarray | None = None,
+    infinity_mass_reverse: float | None = None,
+) -> PrivacyLossDistribution:
+    """Discretise exact privacy losses into a dense ``dp_accounting`` PLD.
+
+    ``losses[i] = log(P(o_i) / Q(o_i))`` and ``probs[i] = P(o_i)`` describe the loss distribution of
+    ``(P, Q)`` under ``P``; ``infinity_mass`` is the P-mass of outcomes with ``Q(o) = 0`` plus any mass
+    the caller truncated pessimistically. Losses are rounded up (``pessimistic=True``) or down onto
+    multiples of ``value_discretization_interval`` (Koskela et al. 2020; dp_accounting's
+    ``from_two_probability_mass_functions`` does the same per outcome, this does it vectorised).
+    ``+inf`` losses are moved to the infinity mass.
+
+    If ``losses_reverse``/``probs_reverse`` are given they describe the other direction ``(Q, P)``
+    and the PLD is non-symmetric (its queries take the maximum of both directions);
+    ``infinity_mass_reverse`` defaults to ``infinity_mass``. Otherwise the PLD is symmetric: only use
+    that when the pair is symmetric (the two loss distributions coincide).
+    """
+    h = _check_interval(value_discretization_interval)
+    if not isinstance(pessimistic, bool):
+        raise TypeError(f"pessimistic must be a bool, got {type(pessimistic).__name__}")
+    inf_mass = _check_mass("infinity_mass", infinity_mass)
+    pmf_remove = _rounded_pmf(losses, probs, inf_mass, pessimistic, h, "remove direction")
+    if (losses_reverse is None) != (probs_reverse is None):
+        raise ValueError("give both losses_reverse and probs_reverse, or neither")
+    if losses_reverse is None:
+        if infinity_mass_reverse is not None:
+            raise ValueError("infinity_mass_reverse given without losses_reverse/probs_reverse")
+        return PrivacyLossDistribution(pmf_remove)
+    inf_rev = inf_mass if infinity_mass_reverse is None else _check_mass(
+        "infinity_mass_reverse", infinity_mass_reverse
+    )
+    pmf_add = _rounded_pmf(losses_reverse, probs_reverse, inf_rev, pessimistic, h, "add direction")
+    return PrivacyLossDistribution(pmf_remove, pmf_add)
+
+
+def _pmfs(pld: PrivacyLossDistribution) -> list[pld_pmf.PLDPmf]:
+    if not isinstance(pld, PrivacyLossDistribution):
+        raise TypeError(
+            f"expected a dp_accounting PrivacyLossDistribution, got {type(pld).__name__}"
+        )
+    if pld._symmetric:  # pylint: disable=protected-access
+        return [pld._pmf_remove]  # pylint: disable=protected-access
+    return [pld._pmf_remove, pld._pmf_add]  # pylint: disable=protected-access
+
+
+def dense_parts(pld: PrivacyLossDistribution) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    """``[(losses, probs, infinity_mass)]`` for each direction of ``pld`` (one if symmetric)."""
+    out = []
+    for pmf in _pmfs(pld):
+        d = pmf.to_dense_pmf()
+        # pylint: disable=protected-access
+        losses = (np.arange(d.size) + d._lower_loss) * d._discretization
+        out.append((losses, np.asarray(d._probs, dtype=np.float64), float(d._infinity_mass)))
+        # pylint: enable=protected-access
+    return out
+
+
+def _meta(pld: PrivacyLossDistribution) -> tuple[float, bool]:
+    pmf = _pmfs(pld)[0]
+    return float(pmf._discretization), bool(pmf._pessimistic_estimate)  # pylint: disable=protected-access
+
+
+def _less_infinity(pmf: pld_pmf.PLDPmf, amount: float) -> pld_pmf.DensePLDPmf:
+    d = pmf.to_dense_pmf()
+    # pylint: disable=protected-access
+    return pld_pmf.DensePLDPmf(
+        d._discretization, d._lower_loss, d._probs, max(0.0, d._infinity_mass - amount), False
+    )
+    # pylint: enable=protected-access
+
+
+def _unbias(pld: PrivacyLossDistribution, amount: float) -> PrivacyLossDistribution:
+    """Remove ``amount`` of infinity mass that dp_accounting adds for tail truncation (optimistic)."""
+    pmfs = [_less_infinity(p, amount) for p in _pmfs(pld)]
+    return PrivacyLossDistribution(pmfs[0], pmfs[1] if len(pmfs) == 2 else None)
+
+
+def compose(
+    plds_with_counts: Sequence[tuple[PrivacyLossDistribution, int]],
+) -> PrivacyLossDistribution:
+    """Compose ``pld_1`` ``count_1`` times with ``pld_2`` ``count_2`` times, and so on.
+
+    Self-composition is one FFT power (dp_accounting ``self_compose``), different PLDs are convolved
+    pairwise. All PLDs must share the discretisation interval and the estimate type. Each step may cut
+    tail mass of at most ``_TAIL_MASS_TRUNCATION`` (Chernoff bounds in dp_accounting); pessimistic PLDs
+    carry it as infinity mass (a valid upper bound). For optimistic PLDs that infinity-mass addition is
+    removed again, so the result stays a lower bound up to FFT aliasing of at most
+    ``_TAIL_MASS_TRUNCATION`` in delta per step.
+    """
+    if isinstance(plds_with_counts, (str, bytes)) or not isinstance(plds_with_counts, Sequence):
+        raise TypeError("plds_with_counts must be a sequence of (PrivacyLossDistribution, count)")
+    if len(plds_with_counts) == 0:
+        raise ValueError("plds_with_counts is empty: nothing to compose")
+    items = []
+    for i, item in enumerate(plds_with_counts):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(f"item {i} must be a (PrivacyLossDistribution, count) tuple")
+        pld, count = item
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+            raise ValueError(f"item {i}: count must be an integer >= 1, got {count!r}")
+        items.append((pld, int(count)))
+    h0, pess0 = _meta(items[0][0])
+    for i, (pld, _) in enumerate(items):
+        h, pess = _meta(pld)
+        if h != h0 or pess != pess0:
+            raise ValueError(
+                f"item {i} has interval {h!r} / pessimistic={pess}, item 0 has interval {h0!r} / "
+                f"pessimistic={pess0}: all PLDs must share both"
+            )
+    result = None
+    for pld, count in items:
+        part = pld
+        if count > 1:
+            part = pld.self_compose(count, tail_mass_truncation=_TAIL_MASS_TRUNCATION)
+            if not pess0:
+                part = _unbias(part, _TAIL_MASS_TRUNCATION)
+        result = part if result is None else result.compose(
+            part, tail_mass_truncation=_TAIL_MASS_TRUNCATION
+        )
+    return result
+
+
+def _check_delta(delta: float) -> float:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real):
+        raise TypeError(f"delta must be a real number in (0, 1), got {type(delta).__name__}")
+    d = float(delta)
+    if not (0.0 < d < 1.0):
+        raise ValueError(f"delta must be in (0, 1), got {d!r}")
+    return d
+
+
+def _eps_one(losses: np.ndarray, probs: np.ndarray, inf_mass: float, delta: float) -> float:
+    """Smallest eps >= 0 with delta(eps) <= delta for one direction.
+
+    For eps in [l_{k-1}, l_k): delta(eps) = U_k - e^eps W_k with U_k = inf + sum_{j>=k} p_j and
+    W_k = sum_{j>=k} p_j e^{-l_j}; each such line is a lower bound on delta(eps) everywhere, and the
+    line of the interval that holds eps* is tight, so eps* = max(0, max_k log((U_k - delta) / W_k)).
+    Only k with l_k > 0 can hold a positive eps*, which also keeps e^{-l_j} <= 1 (no overflow).
+    """
+    if inf_mass > delta:
+        return math.inf
+    keep = losses > 0
+    lk, pk = losses[keep], probs[keep]
+    if lk.size == 0:
+        return 0.0
+    u = inf_mass + np.cumsum(pk[::-1])[::-1]
+    wgt = np.cumsum((pk * np.exp(-lk))[::-1])[::-1]
+    ok = (u > delta) & (wgt > 0)
+    if not np.any(ok):
+        return 0.0
+    cand = np.log((u[ok] - delta) / wgt[ok])
+    return max(0.0, float(cand.max()))
+
+
+def epsilon_for_delta(pld: PrivacyLossDistribution, delta: float) -> float:
+    """Smallest eps >= 0 such that the hockey-stick divergence of ``pld`` at eps is <= ``delta``.
+
+    Maximum over both directions for non-symmetric PLDs; ``math.inf`` if the infinity mass exceeds
+    ``delta``. Same result as dp_accounting's ``get_epsilon_for_delta`` (Koskela et al. 2020, eq. for
+    the discrete PLD), vectorised.
+    """
+    d = _check_delta(delta)
+    return max(_eps_one(l, p, inf, d) for l, p, inf in dense_parts(pld))
+
+
+def delta_for_epsilon(pld: PrivacyLossDistribution, epsilon: float) -> float:
+    """Hockey-stick divergence ``inf + sum_{l > eps} p (1 - e^{eps - l})`` (max over directions)."""
+    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real):
+        raise TypeError(f"epsilon must be a real number >= 0, got {type(epsilon).__name__}")
+    e = float(epsilon)
+    if not (e >= 0.0) or math.isnan(e):
+        raise ValueError(f"epsilon must be >= 0, got {e!r}")
+    best = 0.0
+    for losses, probs, inf in dense_parts(pld):
+        if math.isinf(e):
+            val = inf
+        else:
+            m = losses > e
+            val = inf + float(np.dot(-np.expm1(e - losses[m]), probs[m]))
+        best = max(best, val)
+    return min(1.0, max(0.0, best))

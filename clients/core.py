@@ -1,0 +1,251 @@
+"""The client's reusable core, independent of Flower's runtime.
+
+Signature (what the ClientApp and the server's tests with a fake Grid call)::
+
+    make_envelope(arrays: Sequence[np.ndarray], config: TrainConfig | Mapping[str, Any],
+                  pinned: PinnedSettings, data: tuple[np.ndarray, np.ndarray], *,
+                  rng: ChaCha20Rng | None = None) -> bytes
+
+* ``arrays``: the model as received (numpy arrays in parameter order; logreg or mlp, see clients.models);
+* ``config``: the request's ``content["config"]`` (parsed with :meth:`TrainConfig.from_mapping`);
+* ``pinned``: the client's own settings (:class:`PinnedSettings`; build it with :func:`pinned_from_configs`
+  from ``context.node_config`` / ``context.run_config``, or directly in tests);
+* ``data``: the client's partition ``(x, y)``.
+
+It raises :class:`clients.messages.RequestError` for a malformed request and :class:`PinnedMismatchError` when
+the request's eps0 or clip-l1 differ from the pinned values (the server is the adversary: the client never lets
+it choose its privacy parameters). Otherwise it returns the envelope: the report computed at ``arrays``
+(average gradient, or model delta after E local epochs), clipped to L1 ``clip_l1``, randomized with the exact
+discrete Laplace mechanism (eps0-LDP for any two inputs), encoded (clients.report), and sealed with
+``shuffler.envelope.seal`` (inner to the server key, outer to the pinned shuffler key, binding round id, key
+epoch and ``arrays_digest(arrays)``, signed with the client key).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clients.messages import RequestError, TrainConfig, arrays_digest
+from clients.noise import ChaCha20Rng
+from clients.randomizer import DiscreteLaplaceRandomizer, flatten_arrays
+
+__all__ = [
+    "PinnedSettings",
+    "PinnedMismatchError",
+    "ClientSetupError",
+    "pinned_from_configs",
+    "data_settings_from_run_config",
+    "compute_update",
+    "make_payload",
+    "make_envelope",
+]
+
+
+class PinnedMismatchError(ValueError):
+    """The server asked for eps0 / clip-l1 different from the client's pinned values."""
+
+
+class ClientSetupError(ValueError):
+    """The client's own configuration is missing or invalid (pinned values, key files)."""
+
+
+@dataclass(frozen=True)
+class PinnedSettings:
+    """What the client decides, not the server: privacy parameters, keys, and its partition."""
+
+    eps0: float
+    clip_l1: float
+    client_key: bytes = field(repr=False)  # Ed25519 private key, raw 32 bytes
+    server_public_key: bytes  # X25519, raw 32 bytes
+    shuffler_public_key: bytes  # X25519, raw 32 bytes
+    partition_id: int = 0
+    num_partitions: int = 1
+    log2_grid: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("eps0", "clip_l1"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise ClientSetupError(f"pinned {name} must be a finite number > 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        for name in ("client_key", "server_public_key", "shuffler_public_key"):
+            v = getattr(self, name)
+            if not isinstance(v, (bytes, bytearray)) or len(v) != 32:
+                raise ClientSetupError(f"pinned {name} must be 32 raw key bytes")
+        if not (0 <= self.partition_id < self.num_partitions):
+            raise ClientSetupError(
+                f"partition-id must be in [0, num-partitions={self.num_partitions}), got {self.partition_id}"
+            )
+
+    def randomizer(self) -> DiscreteLaplaceRandomizer:
+        return _randomizer(self.eps0, self.clip_l1, self.log2_grid)
+
+
+@functools.lru_cache(maxsize=8)
+def _randomizer(eps0: float, clip: float, log2_grid: int | None) -> DiscreteLaplaceRandomizer:
+    # one randomizer (and CSPRNG, keyed from os.urandom) per process and setting; the sampler tables are reused
+    return DiscreteLaplaceRandomizer(eps0, clip, log2_grid=log2_grid)
+
+
+def _num(cfg: Mapping[str, Any], key: str, where: str) -> float:
+    if key not in cfg:
+        raise ClientSetupError(f"{where} has no {key!r}: the client must pin it (see docs/interfaces.md)")
+    v = cfg[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ClientSetupError(f"{where}[{key!r}] must be a number, got {v!r}")
+    return float(v)
+
+
+def _int(cfg: Mapping[str, Any], key: str, where: str) -> int:
+    if key not in cfg:
+        raise ClientSetupError(f"{where} has no {key!r}")
+    v = cfg[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ClientSetupError(f"{where}[{key!r}] must be an int, got {v!r}")
+    return int(v)
+
+
+def _load_keys(client_key: Path, server_pub: Path, shuffler_pub: Path) -> tuple[bytes, bytes, bytes]:
+    from shuffler.keys import load_private_key, load_public_key
+
+    try:
+        return (
+            load_private_key(client_key, "ed25519"),
+            load_public_key(server_pub, "x25519"),
+            load_public_key(shuffler_pub, "x25519"),
+        )
+    except (OSError, ValueError) as exc:
+        raise ClientSetupError(f"cannot load the client's keys: {exc}") from exc
+
+
+def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> PinnedSettings:
+    """Pinned settings as docs/interfaces.md says.
+
+    Deployment (``eps0`` in node_config): node_config supplies ``eps0``, ``clip-l1``, ``client-key``,
+    ``server-public-key``, ``shuffler-public-key`` (paths), ``partition-id``, ``num-partitions`` and optionally
+    ``log2-grid``. Simulation: run_config supplies ``eps0``, ``clip-l1``, ``keys-dir`` (client i uses
+    ``keys-dir/clients/client-<i>.key`` and ``keys-dir/public/*``) and optionally ``log2-grid``; node_config
+    supplies ``partition-id`` and ``num-partitions`` (Flower's simulation engine sets them).
+    """
+    if "eps0" in node_config:
+        where = "node_config"
+        src = node_config
+        keys = _load_keys(
+            Path(str(node_config.get("client-key", ""))),
+            Path(str(node_config.get("server-public-key", ""))),
+            Path(str(node_config.get("shuffler-public-key", ""))),
+        )
+    else:
+        where = "run_config"
+        src = run_config
+        if "keys-dir" not in run_config or not str(run_config["keys-dir"]):
+            raise ClientSetupError("run_config has no 'keys-dir' (and node_config pins no 'eps0')")
+        from shuffler.keys import KeyDirectory
+
+        kd = KeyDirectory(Path(str(run_config["keys-dir"])))
+        pid = _int(node_config, "partition-id", "node_config")
+        keys = _load_keys(kd.client_key(pid), kd.server_hpke_pub, kd.shuffler_hpke_pub)
+    grid = src.get("log2-grid")
+    if grid is not None and (isinstance(grid, bool) or not isinstance(grid, int)):
+        raise ClientSetupError(f"{where}['log2-grid'] must be an int, got {grid!r}")
+    return PinnedSettings(
+        eps0=_num(src, "eps0", where),
+        clip_l1=_num(src, "clip-l1", where),
+        client_key=keys[0],
+        server_public_key=keys[1],
+        shuffler_public_key=keys[2],
+        partition_id=_int(node_config, "partition-id", "node_config"),
+        num_partitions=_int(node_config, "num-partitions", "node_config"),
+        log2_grid=grid,
+    )
+
+
+def data_settings_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for :func:`clients.data.load_partition` from the run config (all optional):
+    ``dataset`` ("digits"), ``data-dir``, ``pca-components`` (60; 0 = none), ``partition`` ("iid" |
+    "dirichlet"), ``dirichlet-alpha`` (0.5), ``partition-seed`` (0)."""
+    pca = int(run_config.get("pca-components", 60))
+    return {
+        "dataset": str(run_config.get("dataset", "digits")),
+        "data_dir": str(run_config["data-dir"]) if run_config.get("data-dir") else None,
+        "pca_components": pca if pca > 0 else None,
+        "scheme": str(run_config.get("partition", "iid")),
+        "alpha": float(run_config.get("dirichlet-alpha", 0.5)),
+        "seed": int(run_config.get("partition-seed", 0)),
+    }
+
+
+def compute_update(arrays: Sequence[np.ndarray], cfg: TrainConfig, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The unclipped report as one flat float64 vector: the average gradient of the local loss at ``arrays``
+    (``cfg.report == "gradient"``) or the model delta after ``cfg.local_epochs`` epochs (``"delta"``)."""
+    from clients.models import average_gradient, local_delta
+
+    if cfg.report == "gradient":
+        parts = average_gradient(arrays, x, y)
+    else:
+        parts = local_delta(arrays, x, y, epochs=cfg.local_epochs, lr=cfg.local_lr, batch_size=cfg.batch_size)
+    return flatten_arrays(parts)
+
+
+def _parse(config: TrainConfig | Mapping[str, Any], pinned: PinnedSettings) -> TrainConfig:
+    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_mapping(config)
+    # exact equality: the pinned values are the contract; any difference is refused, not "close enough"
+    if cfg.eps0 != pinned.eps0 or cfg.clip_l1 != pinned.clip_l1:
+        raise PinnedMismatchError(
+            f"request asks eps0={cfg.eps0!r}, clip-l1={cfg.clip_l1!r}; this client is pinned to "
+            f"eps0={pinned.eps0!r}, clip-l1={pinned.clip_l1!r} and refuses to change them"
+        )
+    return cfg
+
+
+def make_payload(
+    arrays: Sequence[np.ndarray],
+    config: TrainConfig | Mapping[str, Any],
+    pinned: PinnedSettings,
+    data: tuple[np.ndarray, np.ndarray],
+    *,
+    rng: ChaCha20Rng | None = None,
+) -> bytes:
+    """The encoded report (before sealing): compute, clip, randomize, encode."""
+    cfg = _parse(config, pinned)
+    if len(arrays) == 0:
+        raise RequestError("the request carries no model arrays")
+    x, y = data
+    vec = compute_update(arrays, cfg, x, y)
+    rnd = pinned.randomizer()
+    if rng is not None:
+        rnd = DiscreteLaplaceRandomizer(pinned.eps0, pinned.clip_l1, log2_grid=pinned.log2_grid, rng=rng)
+    return rnd.encode(vec)
+
+
+def make_envelope(
+    arrays: Sequence[np.ndarray],
+    config: TrainConfig | Mapping[str, Any],
+    pinned: PinnedSettings,
+    data: tuple[np.ndarray, np.ndarray],
+    *,
+    rng: ChaCha20Rng | None = None,
+) -> bytes:
+    """The sealed envelope for this request (see the module docstring)."""
+    from shuffler.envelope import seal
+
+    cfg = _parse(config, pinned)
+    arrays = [np.asarray(a) for a in arrays]
+    digest = arrays_digest(arrays)
+    payload = make_payload(arrays, cfg, pinned, data, rng=rng)
+    return seal(
+        payload,
+        server_public_key=bytes(pinned.server_public_key),
+        shuffler_public_key=bytes(pinned.shuffler_public_key),
+        signing_key=bytes(pinned.client_key),
+        key_epoch=cfg.key_epoch,
+        round_id=cfg.round,
+        model_digest=digest,
+    )

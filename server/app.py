@@ -1,0 +1,41 @@
+"""The Flower ServerApp of shuffledp (``[tool.flwr.app.components] serverapp = "server.app:app"``).
+
+``@app.main()`` drives the rounds itself with the Grid (no ``Strategy.start``: FedAvg would need per-client
+metrics and plaintext arrays). Everything it does is in :func:`server.job.run_job`; see :mod:`server.rounds`
+for one round.
+
+Keys: the simulated ClientApps read ``keys-dir`` from the same run config, so the server and the clients must
+agree on one key directory. ``shuffledp run`` creates fresh keys for each run in ``outputs/<run>/keys`` and
+passes absolute paths for ``keys-dir`` and ``output-dir``, because the simulated apps run in the working
+directory of the SuperLink process, not in the project. Plain ``flwr run .`` works the same way once a key
+directory exists::
+
+    shuffledp keys init --out "$PWD/keys" --clients 1437 --k 1000
+    flwr run . --run-config "keys-dir='$PWD/keys' output-dir='$PWD/outputs'" \
+        --federation-config "num-supernodes=1437 client-resources-num-cpus=1" --stream
+
+(In simulation every client key lives in that one directory: a simulation-only trust shortcut. In a deployment
+each device holds only its own key, named by its node config.)
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from server.config import parse_run_config
+from server.job import run_job
+
+__all__ = ["app"]
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run (or resume) the configured job on this Grid; outputs go to ``<output-dir>/<run-name>/``."""
+    logging.getLogger("shuffledp").setLevel(logging.INFO)
+    config = parse_run_config(context.run_config)
+    run_job(config, grid, run_id=int(context.run_id))

@@ -1,0 +1,1162 @@
+"""``shuffledp deploy``: keys for a Flower deployment and a real multi-process TLS deployment on one machine.
+
+Two sub-commands:
+
+``shuffledp deploy keys --out DIR --nodes N [--san NAME ...]``
+    Everything a deployment needs, in one directory: the shuffler package's key directory (HPKE and signing keys,
+    the server's HPKE key, one Ed25519 signing key per client, the enrolment file and the mTLS certificates
+    between the ServerApp and the shuffler, written by :func:`shuffler.keys.init_key_directory`), plus the Flower
+    side: a CA for the SuperLink, the SuperLink's TLS certificate (SANs ``localhost``, ``127.0.0.1`` and every
+    ``--san``), and one SuperNode authentication key pair per device (ECDSA P-384 in OpenSSH format, which is what
+    ``flwr supernode register`` and ``flower-supernode --auth-supernode-private-key`` read in Flower 1.41).
+
+``shuffledp deploy local --nodes 3 --rounds 2 [--workdir DIR]``
+    Starts ``flower-superlink`` (TLS, ``--enable-supernode-auth``, a file database, runtime dependency
+    installation disabled), the shuffler service (mTLS), registers each SuperNode's public key, starts the
+    SuperNodes (each with its own node config: partition, pinned eps0 and clip-l1, key paths), submits the app with
+    ``flwr run . <connection>``, follows the run until it finishes, prints the per-round report and the timing
+    breakdown, and stops every process it started, also on Ctrl-C, SIGTERM or failure.
+
+Layout added by ``deploy keys`` next to the shuffler key directory (see docs/interfaces.md)::
+
+    DIR/superlink/ca.crt                CA the devices trust for the SuperLink (public)
+    DIR/superlink/ca.key                SuperLink operator only (0600)
+    DIR/superlink/superlink.crt/.key    the SuperLink's TLS certificate and key (key 0600)
+    DIR/superlink/superexec.secret      shared secret of the SuperLink and its ServerApp executor (0600; compose)
+    DIR/supernodes/node-<i>.key         device i's SuperNode authentication key (OpenSSH ECDSA P-384, 0600)
+    DIR/supernodes/node-<i>.pub         its public key, registered with ``flwr supernode register``
+    DIR/compose/shuffler.toml           the shuffler's config inside its container (deploy/compose.yml)
+    DIR/compose/run-config.toml         the ServerApp's run config for the compose deployment (no secrets)
+    DIR/deploy.json                     what was generated (nodes, SANs, key epoch, k); no secrets
+
+``shuffledp deploy bundle --keys DIR --node I --out D --eps0 X --clip-l1 C`` copies the files one device needs
+(and nothing else) into ``D`` and writes its ``node-config.toml``.
+
+The SuperLink has its own CA, separate from the shuffler's mTLS CA (``DIR/tls/``): the devices trust only the
+SuperLink CA, and whoever holds the SuperLink CA key cannot mint a client certificate the shuffler accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+__all__ = [
+    "main",
+    "DeployError",
+    "DeployKeys",
+    "create_deploy_keys",
+    "supernode_keypair",
+    "node_config",
+    "write_flower_config",
+    "ProcessGroup",
+    "LocalDeployment",
+    "run_local",
+    "CONNECTION_NAME",
+]
+
+#: Name of the SuperLink connection written to the deployment's own ``FLWR_HOME/config.toml``.
+CONNECTION_NAME = "shuffledp-local"
+#: Environment every Flower process of the deployment runs with (no telemetry, no update check, no ``uv sync``).
+FLOWER_ENV: Mapping[str, str] = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+}
+_MAX_NODES = 10_000
+_DEFAULT_KEY_EPOCH = 1
+
+
+class DeployError(RuntimeError):
+    """The deployment could not be prepared, started or completed; the message says which step and why."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# keys
+
+
+@dataclass(frozen=True)
+class DeployKeys:
+    """Paths of a deployment key directory (the shuffler's layout plus the Flower files listed above)."""
+
+    root: Path
+
+    @property
+    def superlink_ca_cert(self) -> Path:
+        return self.root / "superlink" / "ca.crt"
+
+    @property
+    def superlink_ca_key(self) -> Path:
+        return self.root / "superlink" / "ca.key"
+
+    @property
+    def superlink_cert(self) -> Path:
+        return self.root / "superlink" / "superlink.crt"
+
+    @property
+    def superlink_key(self) -> Path:
+        return self.root / "superlink" / "superlink.key"
+
+    def supernode_key(self, i: int) -> Path:
+        return self.root / "supernodes" / f"node-{i}.key"
+
+    def supernode_pub(self, i: int) -> Path:
+        return self.root / "supernodes" / f"node-{i}.pub"
+
+    @property
+    def superexec_secret(self) -> Path:
+        return self.root / "superlink" / "superexec.secret"
+
+    @property
+    def compose_shuffler_config(self) -> Path:
+        return self.root / "compose" / "shuffler.toml"
+
+    @property
+    def compose_run_config(self) -> Path:
+        return self.root / "compose" / "run-config.toml"
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "deploy.json"
+
+    # the shuffler package's files (docs/interfaces.md, "Key directory")
+    @property
+    def shuffler_config(self) -> Path:
+        return self.root / "shuffler.toml"
+
+    @property
+    def shuffler_ca_cert(self) -> Path:
+        return self.root / "tls" / "ca.crt"
+
+    @property
+    def serverapp_cert(self) -> Path:
+        return self.root / "tls" / "serverapp.crt"
+
+    @property
+    def serverapp_key(self) -> Path:
+        return self.root / "tls" / "serverapp.key"
+
+    @property
+    def server_public_key(self) -> Path:
+        return self.root / "public" / "server_hpke.pub"
+
+    @property
+    def shuffler_public_key(self) -> Path:
+        return self.root / "public" / "shuffler_hpke.pub"
+
+    def client_key(self, i: int) -> Path:
+        return self.root / "clients" / f"client-{i}.key"
+
+    def load_manifest(self) -> dict[str, Any]:
+        """The ``deploy.json`` written by :func:`create_deploy_keys` (raises DeployError if absent or invalid)."""
+        try:
+            doc = json.loads(self.manifest.read_text())
+        except FileNotFoundError as exc:
+            raise DeployError(f"{self.root} is not a deployment key directory: {self.manifest} is missing "
+                              "(create one with `shuffledp deploy keys --out DIR --nodes N`)") from exc
+        except json.JSONDecodeError as exc:
+            raise DeployError(f"{self.manifest} is not valid JSON: {exc}") from exc
+        if not isinstance(doc, dict) or doc.get("format") != "shuffledp-deploy/v1":
+            raise DeployError(f"{self.manifest} is not a shuffledp deployment manifest")
+        return doc
+
+
+def _write_file(path: Path, data: bytes, mode: int) -> None:
+    """Create ``path`` with ``mode`` (never overwriting) and write ``data``; the mode is set before any byte."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as fh:
+            fd = -1
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def supernode_keypair() -> tuple[bytes, bytes]:
+    """A fresh SuperNode authentication key pair ``(private_openssh, public_openssh)``.
+
+    Flower 1.41 reads the private key with ``cryptography``'s ``load_ssh_private_key`` and requires an elliptic
+    curve key (``flower-supernode --auth-supernode-private-key``); ``flwr supernode register`` reads the public key
+    with ``load_ssh_public_key`` and accepts NIST curves only. P-384 matches Flower's documentation
+    (``ssh-keygen -t ecdsa -b 384``). The private scalar comes from OpenSSL's CSPRNG.
+    """
+    key = ec.generate_private_key(ec.SECP384R1())
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return private, public + b"\n"
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise DeployError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def create_deploy_keys(
+    out: str | os.PathLike[str],
+    nodes: int,
+    *,
+    sans: Sequence[str] = (),
+    key_epoch: int = _DEFAULT_KEY_EPOCH,
+    k: int | None = None,
+) -> DeployKeys:
+    """Write every key and certificate of a deployment with ``nodes`` devices into ``out`` (which must be empty).
+
+    ``sans`` are extra DNS names or IP addresses the devices use to reach the SuperLink (``localhost`` and
+    ``127.0.0.1`` are always included); they are also added to the shuffler's server certificate, so the
+    ServerApp can reach the shuffler by the same names. ``k`` is the shuffler's release threshold (default: the
+    shuffler package's). Raises DeployError for bad parameters or a directory that already holds files.
+    """
+    from shuffler import keys as shuffler_keys
+    from shuffler import tls
+    from shuffler.config import load_config as load_shuffler_config
+
+    nodes = _check_int("--nodes", nodes, 1, _MAX_NODES)
+    key_epoch = _check_int("--key-epoch", key_epoch, 0, 2**32 - 1)
+    if k is not None:
+        k = _check_int("--k", k, 1, nodes)
+    if isinstance(sans, str):
+        raise DeployError("sans must be a sequence of names, not one string")
+    names = ["localhost", "127.0.0.1"] + [s for s in sans if s not in ("localhost", "127.0.0.1")]
+    root = Path(out)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise DeployError(f"{root} exists and is not an empty directory; keys are never overwritten "
+                          "(choose a new directory; see deploy/README.md, 'Rotating keys')")
+    root.mkdir(parents=True, exist_ok=True)
+    paths = DeployKeys(root)
+    try:
+        ca_cert, ca_key = tls.create_ca("shuffledp SuperLink CA")
+        cert, key = tls.issue_certificate(ca_cert, ca_key, "superlink", sans=names, is_server=True,
+                                          is_client=False)
+    except ValueError as exc:
+        raise DeployError(f"cannot issue the SuperLink certificate for SANs {names}: {exc}") from exc
+    kwargs: dict[str, Any] = {"key_epoch": key_epoch, "shuffler_sans": tuple(names)}
+    if k is not None:
+        kwargs["k"] = k
+    shuffler_keys.init_key_directory(root, nodes, **kwargs)
+    (root / "superlink").mkdir(mode=0o700)
+    (root / "supernodes").mkdir(mode=0o700)
+    _write_file(paths.superlink_ca_cert, ca_cert, 0o644)
+    _write_file(paths.superlink_ca_key, ca_key, 0o600)
+    _write_file(paths.superlink_cert, cert, 0o644)
+    _write_file(paths.superlink_key, key, 0o600)
+    for i in range(nodes):
+        private, public = supernode_keypair()
+        _write_file(paths.supernode_key(i), private, 0o600)
+        _write_file(paths.supernode_pub(i), public, 0o644)
+    # SuperExec <-> SuperLink shared secret (process isolation, compose); raw bytes, from the OS CSPRNG
+    _write_file(paths.superexec_secret, secrets.token_hex(32).encode(), 0o600)
+    shuffler_conf = load_shuffler_config(paths.shuffler_config)
+    (root / "compose").mkdir()
+    _write_file(paths.compose_shuffler_config, compose_shuffler_config(shuffler_conf.key_epoch, shuffler_conf.k,
+                                                                       shuffler_conf.max_envelope_bytes), 0o644)
+    _write_file(paths.compose_run_config, compose_run_config(shuffler_conf.key_epoch, min(shuffler_conf.k, nodes)),
+                0o644)
+    manifest = {
+        "format": "shuffledp-deploy/v1",
+        "nodes": nodes,
+        "superlink-sans": names,
+        "key-epoch": key_epoch,
+        "k": shuffler_conf.k,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    _write_file(paths.manifest, (json.dumps(manifest, indent=1) + "\n").encode(), 0o644)
+    return paths
+
+
+#: Where deploy/compose.yml mounts the key files inside the containers.
+CONTAINER_KEYS = "/keys"
+#: The shuffler's port on the compose network ``shuffle``.
+CONTAINER_SHUFFLER_PORT = 7070
+
+
+def compose_shuffler_config(key_epoch: int, k: int, max_envelope_bytes: int) -> bytes:
+    """The shuffler's config inside its container (paths as mounted by deploy/compose.yml).
+
+    It listens on all interfaces of its container (the compose network ``shuffle`` is internal and joins only the
+    ServerApp executor) and accepts only the client certificate whose CN is ``serverapp``.
+    """
+    k_ = CONTAINER_KEYS
+    return (
+        "# shuffledp shuffler inside its container (deploy/compose.yml); written by `shuffledp deploy keys`\n"
+        f'address = "0.0.0.0:{CONTAINER_SHUFFLER_PORT}"\n'
+        f"key_epoch = {key_epoch}\n"
+        f"k = {k}\n"
+        f"max_envelope_bytes = {max_envelope_bytes}\n"
+        f'hpke_key = "{k_}/shuffler/hpke.key"\n'
+        f'signing_key = "{k_}/shuffler/signing.key"\n'
+        f'enrolment = "{k_}/enrolment.json"\n'
+        'journal_dir = "/journal"\n\n'
+        "[tls]\n"
+        f'ca = "{k_}/tls/ca.crt"\n'
+        f'cert = "{k_}/tls/shuffler.crt"\n'
+        f'key = "{k_}/tls/shuffler.key"\n'
+        'client_common_names = ["serverapp"]\n'
+    ).encode()
+
+
+def compose_run_config(key_epoch: int, min_reports: int) -> bytes:
+    """The ServerApp's run-config overrides for the compose deployment (``flwr run . <conn> --run-config F``).
+
+    Only paths and public settings: the run config is sent to every SuperNode, so nothing secret goes here.
+    """
+    k_ = CONTAINER_KEYS
+    values: dict[str, object] = {
+        "shuffler-address": f"shuffler:{CONTAINER_SHUFFLER_PORT}",
+        "shuffler-root-cert": f"{k_}/tls/ca.crt",
+        "shuffler-client-cert": f"{k_}/tls/serverapp.crt",
+        "shuffler-client-key": f"{k_}/tls/serverapp.key",
+        "keys-dir": k_,
+        "key-epoch": key_epoch,
+        "min-reports": min_reports,
+        "output-dir": "/outputs",
+    }
+    return ("# ServerApp run config for deploy/compose.yml; written by `shuffledp deploy keys`\n"
+            + "".join(f"{_toml_key(key)} = {_toml_value(v)}\n" for key, v in values.items())).encode()
+
+
+def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str], *, eps0: float, clip_l1: float,
+                         prefix: str | None = None) -> Path:
+    """Copy what device ``node`` needs into ``out`` (a new directory) and write its ``node-config.toml``.
+
+    The bundle holds the device's own secrets (its SuperNode key and its client signing key, 0600) and public
+    files only (the SuperLink CA and the pinned server and shuffler HPKE public keys). ``prefix`` is where the
+    bundle will live on the device (default: ``out`` itself), e.g. ``/device`` for the client container.
+    """
+    manifest = keys.load_manifest()
+    nodes = int(manifest["nodes"])
+    node = _check_int("--node", node, 0, nodes - 1)
+    for name, value in (("--eps0", eps0), ("--clip-l1", clip_l1)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise DeployError(f"{name} must be a finite number > 0, got {value!r}")
+    dest = Path(out)
+    if dest.exists():
+        raise DeployError(f"{dest} already exists; a bundle is written to a new directory")
+    dest.mkdir(parents=True, mode=0o700)
+    copies = [
+        (keys.superlink_ca_cert, "superlink-ca.crt", 0o644),
+        (keys.server_public_key, "server_hpke.pub", 0o644),
+        (keys.shuffler_public_key, "shuffler_hpke.pub", 0o644),
+        (keys.supernode_key(node), "supernode.key", 0o600),
+        (keys.supernode_pub(node), "supernode.pub", 0o644),
+        (keys.client_key(node), "client.key", 0o600),
+    ]
+    for src, name, mode in copies:
+        try:
+            data = src.read_bytes()
+        except FileNotFoundError as exc:
+            raise DeployError(f"{src} is missing from the key directory {keys.root}") from exc
+        _write_file(dest / name, data, mode)
+    base = prefix.rstrip("/") if prefix else str(dest.resolve())
+    config = {
+        "partition-id": node,
+        "num-partitions": nodes,
+        "eps0": float(eps0),
+        "clip-l1": float(clip_l1),
+        "client-key": f"{base}/client.key",
+        "server-public-key": f"{base}/server_hpke.pub",
+        "shuffler-public-key": f"{base}/shuffler_hpke.pub",
+    }
+    write_toml(dest / "node-config.toml", config)
+    return dest
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Flower configuration
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise DeployError(f"cannot write the non-finite number {value!r} to a Flower config")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string literal is a valid TOML basic string
+    raise DeployError(f"cannot write {type(value).__name__} {value!r} to a Flower config")
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+
+
+def write_toml(path: Path, values: Mapping[str, object], mode: int = 0o644) -> Path:
+    """Write a flat TOML table (Flower's ``--node-config``/``--run-config`` files accept one)."""
+    text = "".join(f"{_toml_key(k)} = {_toml_value(v)}\n" for k, v in values.items())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    os.chmod(path, mode)
+    return path
+
+
+def write_flower_config(flwr_home: Path, address: str, root_certificates: Path,
+                        name: str = CONNECTION_NAME) -> Path:
+    """Write ``FLWR_HOME/config.toml`` with one TLS SuperLink connection (used by ``flwr run``/``supernode``)."""
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    path = flwr_home / "config.toml"
+    path.write_text(
+        "[superlink]\n"
+        f"default = {_toml_value(name)}\n\n"
+        f"[superlink.{_toml_key(name)}]\n"
+        f"address = {_toml_value(address)}\n"
+        f"root-certificates = {_toml_value(str(root_certificates.resolve()))}\n"
+    )
+    return path
+
+
+def node_config(keys: DeployKeys, partition_id: int, num_partitions: int, *, eps0: float,
+                clip_l1: float) -> dict[str, object]:
+    """The node config one SuperNode runs with (the keys the ClientApp reads, docs/interfaces.md).
+
+    eps0 and clip-l1 are pinned here, on the device: the ClientApp refuses a server request that asks for
+    other values. Keys are referred to by path; nothing secret is inlined.
+    """
+    return {
+        "partition-id": partition_id,
+        "num-partitions": num_partitions,
+        "eps0": float(eps0),
+        "clip-l1": float(clip_l1),
+        "client-key": str(keys.client_key(partition_id).resolve()),
+        "server-public-key": str(keys.server_public_key.resolve()),
+        "shuffler-public-key": str(keys.shuffler_public_key.resolve()),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# processes
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (Flower's processes need the port before they start)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class ProcessGroup:
+    """Processes started in their own process groups, stopped together (reverse order, TERM then KILL)."""
+
+    procs: list[_Proc] = field(default_factory=list)
+    grace_seconds: float = 10.0
+
+    def start(self, name: str, argv: Sequence[str], *, log: Path, env: Mapping[str, str],
+              cwd: Path | None = None) -> subprocess.Popen[bytes]:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as fh:
+            popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=dict(env), cwd=cwd, start_new_session=True)
+        self.procs.append(_Proc(name, popen, log))
+        return popen
+
+    def check_alive(self) -> None:
+        """Raise DeployError naming the first process that has exited (with the tail of its log)."""
+        for p in self.procs:
+            code = p.popen.poll()
+            if code is not None:
+                raise DeployError(f"{p.name} exited with code {code}; last lines of {p.log}:\n{tail(p.log)}")
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            _signal_group(p.popen, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_seconds
+        for p in reversed(self.procs):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for p in reversed(self.procs):
+            # the group may still hold children (superexec, flwr-serverapp, flwr-clientapp) after the leader died
+            _signal_group(p.popen, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=5)
+        self.procs.clear()
+
+
+def _signal_group(popen: subprocess.Popen[Any], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, sig)
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class _Interrupted(BaseException):
+    """Raised from the SIGTERM/SIGHUP handler so that every ``finally`` runs and the processes are stopped."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    def handler(signum: int, _frame: object) -> None:
+        raise _Interrupted(f"received signal {signal.Signals(signum).name}")
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _wait_for(predicate: Any, timeout: float, what: str, group: ProcessGroup, interval: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return
+        group.check_alive()
+        if time.monotonic() > deadline:
+            raise DeployError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _log_contains(path: Path, needle: str) -> bool:
+    try:
+        return needle in path.read_text(errors="replace")
+    except FileNotFoundError:
+        return False
+
+
+
+def flower_env(flwr_home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of one Flower process: its own FLWR_HOME, telemetry/update check/``uv sync`` off."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("FLWR_")}
+    env.update(FLOWER_ENV)
+    env["FLWR_HOME"] = str(flwr_home)
+    return env
+
+
+def start_superlink(group: ProcessGroup, keys: DeployKeys, state_dir: Path, base_env: Mapping[str, str],
+                    log: Path, *, host: str = "127.0.0.1", port: int | None = None,
+                    ready_timeout: float = 60.0) -> str:
+    """Start ``flower-superlink`` with TLS, ``--enable-supernode-auth`` and a file database; return host:port.
+
+    Its working directory is ``state_dir`` (the ServerApp subprocess inherits it). Waits until it listens.
+    """
+    port = free_port(host) if port is None else port
+    state_dir.mkdir(parents=True, exist_ok=True)
+    group.start("flower-superlink", [
+        _flower_bin("flower-superlink"), "--host", host, "--port", str(port),
+        "--ssl-ca-certfile", str(keys.superlink_ca_cert), "--ssl-certfile", str(keys.superlink_cert),
+        "--ssl-keyfile", str(keys.superlink_key), "--enable-supernode-auth",
+        "--database", str(state_dir / "state.db"), "--disable-runtime-dependency-installation",
+    ], log=log, env=flower_env(state_dir / "flwr-home", base_env), cwd=state_dir)
+    _wait_for(lambda: _log_contains(log, "Uvicorn running on"), ready_timeout, "the SuperLink to listen", group)
+    return f"{host}:{port}"
+
+
+def start_supernode(group: ProcessGroup, keys: DeployKeys, index: int, superlink: str, node_config_file: Path,
+                    state_dir: Path, base_env: Mapping[str, str], log: Path, *,
+                    host: str = "127.0.0.1", max_retries: int | None = None) -> subprocess.Popen[bytes]:
+    """Start one ``flower-supernode`` authenticating with ``supernodes/node-<index>.key`` over TLS."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        _flower_bin("flower-supernode"), "--superlink", superlink,
+        "--root-certificates", str(keys.superlink_ca_cert),
+        "--auth-supernode-private-key", str(keys.supernode_key(index)),
+        "--node-config", str(node_config_file), "--host", host, "--port", str(free_port(host)),
+    ]
+    if max_retries is not None:
+        argv += ["--max-retries", str(max_retries)]
+    return group.start(f"flower-supernode {index}", argv, log=log,
+                       env=flower_env(state_dir / "flwr-home", base_env), cwd=state_dir)
+
+
+def start_shuffler(keys: DeployKeys, log: Path) -> Any:
+    """Start the shuffler service from ``DIR/shuffler.toml`` (mTLS) and wait until it answers health checks
+    over mTLS with the ServerApp's client certificate. Returns the running :class:`shuffler.process.ShufflerProcess`.
+    """
+    from shuffler.process import ShufflerProcess, ShufflerStartError
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    proc = ShufflerProcess(keys.shuffler_config, root_certificate=keys.shuffler_ca_cert.read_bytes(),
+                           client_certificate=keys.serverapp_cert.read_bytes(),
+                           client_key=keys.serverapp_key.read_bytes(), log_path=log)
+    try:
+        proc.start()
+    except ShufflerStartError as exc:
+        raise DeployError(f"the shuffler service did not start: {exc}") from exc
+    return proc
+
+
+def wait_supernode_accepted(group: ProcessGroup, log: Path, what: str, timeout: float = 120.0) -> None:
+    """Wait until a SuperNode's log shows the node id the SuperLink activated."""
+    _wait_for(lambda: _log_contains(log, "SuperNode ID"), timeout, f"{what} to be accepted by the SuperLink",
+              group)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the local deployment
+
+
+def _app_dir_default() -> Path:
+    """The project directory holding ``pyproject.toml`` with ``[tool.flwr.app]`` (the repository root)."""
+    here = Path(__file__).resolve().parent.parent
+    if (here / "pyproject.toml").is_file():
+        return here
+    return Path.cwd()
+
+
+def _flower_bin(name: str) -> str:
+    """Path of a Flower console script, preferring the one next to this interpreter."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise DeployError(f"{name} not found next to {sys.executable} nor on PATH; install flwr (pip install flwr)")
+    return found
+
+
+@dataclass
+class LocalDeployment:
+    """Settings of ``shuffledp deploy local`` (validated by :meth:`validate`)."""
+
+    nodes: int = 3
+    rounds: int = 2
+    workdir: Path | None = None
+    keys_dir: Path | None = None
+    app_dir: Path | None = None
+    eps0: float = 4.0
+    clip_l1: float = 1.0
+    min_reports: int | None = None
+    reply_timeout: float = 300.0
+    timeout: float = 900.0
+    run_config: dict[str, object] = field(default_factory=dict)
+    keep_workdir: bool = True
+
+    def validate(self) -> None:
+        _check_int("--nodes", self.nodes, 1, 1000)
+        _check_int("--rounds", self.rounds, 1, 10_000)
+        for name, value in (("--eps0", self.eps0), ("--clip-l1", self.clip_l1),
+                            ("--reply-timeout", self.reply_timeout), ("--timeout", self.timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value > 0):
+                raise DeployError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.min_reports is not None:
+            _check_int("--min-reports", self.min_reports, 1, self.nodes)
+        app = (self.app_dir or _app_dir_default()).resolve()
+        if not (app / "pyproject.toml").is_file():
+            raise DeployError(f"--app {app} has no pyproject.toml; point it at the shuffledp project directory")
+        if self.workdir is not None:
+            work = Path(self.workdir).resolve()
+            if work == app or app in work.parents:
+                raise DeployError(
+                    f"--workdir {work} is inside the app directory {app}: `flwr run` would pack its TOML/JSON files "
+                    "(key paths, the enrolment file) into the app bundle; choose a directory outside it")
+
+
+@dataclass
+class DeployResult:
+    """What ``deploy local`` observed: the run's status, the report written by the ServerApp and timings."""
+
+    status: str
+    run_id: str
+    report: dict[str, Any] | None
+    report_path: Path | None
+    timings: dict[str, Any]
+    workdir: Path
+
+
+def _flwr(env: Mapping[str, str], args: Sequence[str], *, cwd: Path | None = None,
+          timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([_flower_bin("flwr"), *args], env=dict(env), cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _json_from_output(text: str) -> dict[str, Any]:
+    """The JSON object in ``flwr ... --format json`` output (Flower may print a banner line before it)."""
+    start = text.find("{")
+    if start < 0:
+        raise DeployError(f"expected JSON from flwr, got: {text.strip()[:500]}")
+    try:
+        doc = json.loads(text[start:])
+    except json.JSONDecodeError as exc:
+        raise DeployError(f"could not parse flwr's JSON output ({exc}): {text.strip()[:500]}") from exc
+    if not isinstance(doc, dict):
+        raise DeployError(f"expected a JSON object from flwr, got {doc!r}")
+    return doc
+
+
+def register_supernode(cli_env: Mapping[str, str], public_key: Path) -> str:
+    """``flwr supernode register`` one public key; returns the node id the SuperLink assigned."""
+    res = _flwr(cli_env, ["supernode", "register", str(public_key), CONNECTION_NAME, "--format", "json"])
+    if res.returncode != 0:
+        raise DeployError(f"flwr supernode register {public_key} failed (exit {res.returncode}): "
+                          f"{(res.stdout + res.stderr).strip()[-800:]}")
+    doc = _json_from_output(res.stdout)
+    if not doc.get("success") or "node-id" not in doc:
+        raise DeployError(f"flwr supernode register {public_key} did not return a node id: {doc}")
+    return str(doc["node-id"])
+
+
+class _LogFollower(threading.Thread):
+    """Streams ``flwr log RUN --stream`` into a file, stamping each line with its arrival time."""
+
+    def __init__(self, popen: subprocess.Popen[str], out: IO[str], t0: float) -> None:
+        super().__init__(daemon=True)
+        self.popen = popen
+        self.out = out
+        self.t0 = t0
+        self.lines: list[tuple[float, str]] = []
+
+    def run(self) -> None:
+        stream = self.popen.stdout
+        if stream is None:
+            return
+        for line in stream:
+            t = time.monotonic() - self.t0
+            self.lines.append((t, line.rstrip("\n")))
+            self.out.write(f"{t:9.3f} {line}")
+            self.out.flush()
+
+
+class FileTailer(threading.Thread):
+    """Follows log files as they grow and records ``(seconds since t0, file key, line)`` for each new line.
+
+    Flower's own log lines carry no timestamps; stamping them on arrival (every ``interval`` seconds) is what
+    lets :func:`round_timings` split a round into polling, client compute and server-side work.
+    """
+
+    def __init__(self, files: Mapping[str, Path], t0: float, interval: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.files = dict(files)
+        self.t0 = t0
+        self.interval = interval
+        self.events: list[tuple[float, str, str]] = []
+        self._offsets = {key: 0 for key in self.files}
+        self._partial = {key: "" for key in self.files}
+        self._stop_event = threading.Event()
+
+    def poll(self) -> None:
+        now = time.monotonic() - self.t0
+        for key, path in self.files.items():
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self._offsets[key])
+                    data = fh.read()
+            except FileNotFoundError:
+                continue
+            if not data:
+                continue
+            self._offsets[key] += len(data)
+            text = self._partial[key] + data.decode(errors="replace")
+            *complete, self._partial[key] = text.split("\n")
+            self.events.extend((now, key, _strip_ansi(line)) for line in complete)
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            self.poll()
+        self.poll()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _strip_ansi(line: str) -> str:
+    return _ANSI.sub("", line)
+
+
+_ROUND_TAG = re.compile(r"\[RUN \d+, ROUND (\S+)\]")
+_PROGRESS = re.compile(r"\[shuffledp\] round (\d+):")
+
+
+def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) -> list[dict[str, float]]:
+    """Split each round's wall time from the stamped log lines of the SuperLink, SuperNodes and the run.
+
+    For round r (the ServerApp sends every message of a round at once, ``group_id = str(r)``):
+
+    * ``wall``: from the end of round r-1 (the run's submission for r = 1, which therefore also holds the
+      ServerApp's start-up: data, model, waiting for the nodes) to the ServerApp's progress line of round r;
+    * ``to-first-node``: until the first SuperNode logs ``Receiving`` (the ServerApp pushing the messages plus the
+      SuperNode's pull interval, about 3 s in Flower 1.41);
+    * ``client``: the slowest node's ``Receiving`` to ``Sent successfully`` (a new ``flwr-clientapp`` process per
+      message: interpreter and PyTorch start-up, local training, noise, sealing);
+    * ``node-spread``: first to last node receiving (SuperNodes poll independently);
+    * ``server-side``: the last reply sent to the progress line: the ServerApp's own polling for replies, the
+      shuffler round trip, opening and applying the reports, central evaluation.
+
+    Times are arrival times of log lines sampled every few tens of ms, so each figure is good to about 0.1 s.
+    """
+    recv: dict[int, dict[str, float]] = {}
+    sent: dict[int, dict[str, float]] = {}
+    done: dict[int, float] = {}
+    current: dict[str, int | None] = {}
+    for t, key, line in sorted(events, key=lambda e: e[0]):
+        m = _PROGRESS.search(line)
+        if m:
+            done.setdefault(int(m.group(1)), t)
+            continue
+        if not key.startswith("supernode"):
+            continue
+        m = _ROUND_TAG.search(line)
+        if m:
+            current[key] = int(m.group(1)) if m.group(1).isdigit() else None
+            continue
+        rnd = current.get(key)
+        if rnd is None:
+            continue
+        if "Receiving:" in line:
+            recv.setdefault(rnd, {}).setdefault(key, t)
+        elif "Sent successfully" in line:
+            sent.setdefault(rnd, {})[key] = t
+    out: list[dict[str, float]] = []
+    previous_end = run_start
+    for rnd in sorted(done):
+        row: dict[str, float] = {"round": rnd, "wall": done[rnd] - previous_end}
+        r_recv, r_sent = recv.get(rnd, {}), sent.get(rnd, {})
+        if r_recv:
+            row["to-first-node"] = min(r_recv.values()) - previous_end
+            row["node-spread"] = max(r_recv.values()) - min(r_recv.values())
+        both = [k for k in r_recv if k in r_sent]
+        if both:
+            row["client"] = max(r_sent[k] - r_recv[k] for k in both)
+            row["server-side"] = done[rnd] - max(r_sent.values())
+        out.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+        previous_end = done[rnd]
+    return out
+
+
+def _find_report(output_dir: Path) -> Path | None:
+    reports = sorted(output_dir.rglob("report.json"), key=lambda p: p.stat().st_mtime)
+    return reports[-1] if reports else None
+
+
+def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResult:
+    """Run the whole local deployment (see the module docstring) and return what it observed.
+
+    Every process is started in its own process group and stopped in ``finally``: on success, on error, on
+    Ctrl-C (KeyboardInterrupt) and on SIGTERM/SIGHUP (converted to an exception while this runs).
+    """
+    cfg.validate()
+    app_dir = (cfg.app_dir or _app_dir_default()).resolve()
+    work = Path(cfg.workdir).resolve() if cfg.workdir else Path(tempfile.mkdtemp(prefix="shuffledp-deploy-"))
+    work.mkdir(parents=True, exist_ok=True)
+    logs = work / "logs"
+    min_reports = cfg.min_reports if cfg.min_reports is not None else cfg.nodes
+
+    if cfg.keys_dir is not None:
+        keys = DeployKeys(Path(cfg.keys_dir).resolve())
+        manifest = keys.load_manifest()
+        if int(manifest["nodes"]) < cfg.nodes:
+            raise DeployError(f"{keys.root} has keys for {manifest['nodes']} nodes, fewer than --nodes {cfg.nodes}")
+        key_epoch = int(manifest["key-epoch"])
+    else:
+        keys = create_deploy_keys(work / "keys", cfg.nodes, k=min_reports)
+        key_epoch = _DEFAULT_KEY_EPOCH
+
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
+    cli_env = flower_env(work / "cli-home", base_env)
+    host = "127.0.0.1"
+    group = ProcessGroup()
+    shuffler: Any = None
+    follower: _LogFollower | None = None
+    tailer: FileTailer | None = None
+    t_submit = 0.0
+    log_proc: subprocess.Popen[str] | None = None
+    run_id = ""
+    status = "not-started"
+    timings: dict[str, Any] = {}
+    run_info: dict[str, Any] = {}
+    t_start = time.monotonic()
+    with _stop_on_signals():
+        try:
+            # 1. SuperLink: TLS, node authentication, a file database (`:memory:` fails under load in 1.4x)
+            address = start_superlink(group, keys, work / "superlink", base_env, logs / "superlink.log", host=host)
+            write_flower_config(work / "cli-home", address, keys.superlink_ca_cert)
+
+            # 2. the shuffler service (mTLS; its own key files)
+            t = time.monotonic()
+            shuffler = start_shuffler(keys, logs / "shuffler.log")
+            shuffler_address = shuffler.address
+            timings["shuffler-start-s"] = time.monotonic() - t
+
+            # 3. register each SuperNode's public key, then start the SuperNodes
+            node_ids = [register_supernode(cli_env, keys.supernode_pub(i)) for i in range(cfg.nodes)]
+            for i in range(cfg.nodes):
+                conf = write_toml(work / "supernodes" / f"node-{i}" / "node-config.toml",
+                                  node_config(keys, i, cfg.nodes, eps0=cfg.eps0, clip_l1=cfg.clip_l1))
+                start_supernode(group, keys, i, address, conf, work / "supernodes" / f"node-{i}", base_env,
+                                logs / f"supernode-{i}.log", host=host)
+            for i in range(cfg.nodes):
+                wait_supernode_accepted(group, logs / f"supernode-{i}.log", f"SuperNode {i}")
+            timings["startup-s"] = time.monotonic() - t_start
+            timings["node-ids"] = node_ids
+            tailer = FileTailer({"superlink": logs / "superlink.log",
+                                 **{f"supernode-{i}": logs / f"supernode-{i}.log" for i in range(cfg.nodes)}},
+                                t_start)
+            tailer.start()
+
+            # 4. submit the app; overrides in a TOML file (paths are quoted properly, nothing secret inside)
+            output_dir = work / "outputs"
+            run_name = "deploy-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+            overrides: dict[str, object] = {
+                "num-server-rounds": cfg.rounds,
+                "fraction": 1.0,
+                "min-reports": min_reports,
+                "reply-timeout": float(cfg.reply_timeout),
+                "eps0": float(cfg.eps0),
+                "clip-l1": float(cfg.clip_l1),
+                "shuffler-address": shuffler_address,
+                "shuffler-root-cert": str(keys.shuffler_ca_cert),
+                "shuffler-client-cert": str(keys.serverapp_cert),
+                "shuffler-client-key": str(keys.serverapp_key),
+                "keys-dir": str(keys.root),
+                "key-epoch": key_epoch,
+                "output-dir": str(output_dir),
+                "run-name": run_name,
+            }
+            overrides.update(cfg.run_config)
+            rc_file = write_toml(work / "run-config.toml", overrides)
+            t_submit = time.monotonic()
+            res = _flwr(cli_env, ["run", str(app_dir), CONNECTION_NAME, "--run-config", str(rc_file),
+                                  "--format", "json"], cwd=app_dir, timeout=300)
+            if res.returncode != 0:
+                raise DeployError(f"flwr run failed (exit {res.returncode}): {(res.stdout + res.stderr)[-1500:]}")
+            doc = _json_from_output(res.stdout)
+            if not doc.get("success") or not doc.get("run-id"):
+                raise DeployError(f"flwr run did not start a run: {doc}")
+            run_id = str(doc["run-id"])
+            timings["submit-s"] = time.monotonic() - t_submit
+            out.write(f"run {run_id} submitted to {address} ({cfg.nodes} SuperNodes, {cfg.rounds} rounds); "
+                      f"logs in {logs}\n")
+            out.flush()
+
+            # 5. follow the run: stream its log (timestamped) and poll its status
+            run_log = open(logs / "run.log", "w")  # noqa: SIM115 - closed in finally
+            log_proc = subprocess.Popen([_flower_bin("flwr"), "log", run_id, CONNECTION_NAME, "--stream"],
+                                        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)
+            follower = _LogFollower(log_proc, run_log, t_start)
+            follower.start()
+            deadline = time.monotonic() + cfg.timeout
+            status = "pending"
+            while not status.startswith("finished"):
+                if time.monotonic() > deadline:
+                    _flwr(cli_env, ["stop", run_id, CONNECTION_NAME], timeout=60)
+                    raise DeployError(f"run {run_id} did not finish within --timeout {cfg.timeout:.0f} s "
+                                      f"(status {status}); stopped it. Logs: {logs}")
+                group.check_alive()
+                time.sleep(1.0)
+                res = _flwr(cli_env, ["ls", CONNECTION_NAME, "--run-id", run_id, "--format", "json"], timeout=60)
+                if res.returncode == 0:
+                    runs = _json_from_output(res.stdout).get("runs") or []
+                    if runs:
+                        status = str(runs[0].get("status", status))
+                        run_info = runs[0]
+            timings["run-s"] = time.monotonic() - t_submit
+            timings["flower-run"] = {k: run_info.get(k) for k in ("elapsed", "compute-time", "network-traffic",
+                                                                  "running-at", "finished-at")}
+            time.sleep(1.0)  # let the log stream deliver the last lines
+        except KeyboardInterrupt:
+            status = "interrupted"
+            out.write("interrupted: stopping every process of the deployment\n")
+            raise
+        finally:
+            if log_proc is not None:
+                _signal_group(log_proc, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    log_proc.wait(timeout=5)
+                _signal_group(log_proc, signal.SIGKILL)
+            if follower is not None:
+                follower.join(timeout=5)
+                follower.out.close()
+            if tailer is not None:
+                tailer.stop()
+            group.stop_all()
+            if shuffler is not None:
+                shuffler.stop()
+
+    report_path = _find_report(work / "outputs")
+    report = json.loads(report_path.read_text()) if report_path else None
+    if tailer is not None:
+        events = list(tailer.events)
+        if follower is not None:
+            events += [(t, "run", line) for t, line in follower.lines]
+        timings["rounds"] = round_timings(events, t_submit - t_start)
+    timings["total-s"] = time.monotonic() - t_start
+    result = DeployResult(status, run_id, report, report_path, timings, work)
+    (work / "deploy-result.json").write_text(json.dumps({
+        "status": status, "run-id": run_id, "report": str(report_path) if report_path else None,
+        "timings": timings}, indent=1, default=str) + "\n")
+    return result
+
+
+def format_report(result: DeployResult) -> str:
+    """The per-round table printed at the end of ``deploy local``."""
+    lines = [f"run {result.run_id}: {result.status}"]
+    if result.report is None:
+        lines.append("no report.json was written (see the logs in " + str(result.workdir / "logs") + ")")
+        return "\n".join(lines)
+    lines.append(f"report: {result.report_path}")
+    lines.append(f"{'round':>5} {'reports':>8} {'accuracy':>9} {'loss':>8} {'eps0':>6} {'epsilon':>10} {'delta':>8}")
+    for r in result.report.get("rounds", []):
+        def num(key: str, fmt: str) -> str:
+            v = r.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+        lines.append(f"{num('round', 'd'):>5} {num('n_reports', 'd'):>8} {num('accuracy', '.4f'):>9} "
+                     f"{num('loss', '.4f'):>8} {num('eps0', '.3g'):>6} {num('epsilon', '.4g'):>10} "
+                     f"{num('delta', '.1e'):>8}")
+    t = result.timings
+    lines.append(f"wall: total {t.get('total-s', 0):.1f} s, start-up {t.get('startup-s', 0):.1f} s, "
+                 f"run {t.get('run-s', 0):.1f} s (submission to finished)")
+    if t.get("rounds"):
+        lines.append("per round (s): wall = to-first-node (push + SuperNode polling) + node-spread + client "
+                     "(clientapp process, training, sealing) + server-side (reply polling, shuffle, apply, "
+                     "evaluate); round 1 includes the ServerApp's start-up")
+        for row in t["rounds"]:
+            parts = " ".join(f"{k}={row[k]:.1f}" for k in ("wall", "to-first-node", "node-spread", "client",
+                                                           "server-side") if k in row)
+            lines.append(f"  round {row['round']}: {parts}")
+    lines.append("With only a handful of nodes the shuffle gives little amplification: epsilon stays close to the "
+                 "no-shuffle bound. Amplification needs about 1,000 reports per round.")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shuffledp deploy", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="action", required=True)
+    k = sub.add_parser("keys", help="create every key and certificate of a deployment")
+    k.add_argument("--out", required=True, type=Path, help="new (empty) directory for the keys")
+    k.add_argument("--nodes", required=True, type=int, help="number of devices (SuperNodes/clients)")
+    k.add_argument("--san", action="append", default=[], metavar="NAME",
+                   help="extra DNS name or IP address of the SuperLink/shuffler (repeatable)")
+    k.add_argument("--key-epoch", type=int, default=_DEFAULT_KEY_EPOCH,
+                   help="key epoch the shuffler expects (raise it when rotating keys)")
+    k.add_argument("--k", type=int, default=None, help="shuffler release threshold (distinct signers)")
+
+    b = sub.add_parser("bundle", help="copy the files one device needs and write its node config")
+    b.add_argument("--keys", required=True, type=Path, help="directory written by `shuffledp deploy keys`")
+    b.add_argument("--node", required=True, type=int, help="device index (partition id)")
+    b.add_argument("--out", required=True, type=Path, help="new directory for the bundle")
+    b.add_argument("--eps0", required=True, type=float, help="eps0 the device pins (it refuses any other)")
+    b.add_argument("--clip-l1", required=True, type=float, help="L1 clip C the device pins")
+    b.add_argument("--prefix", default=None,
+                   help="where the bundle will be on the device (default: --out; /device for the client image)")
+
+    loc = sub.add_parser("local", help="run a TLS deployment with N SuperNodes on this machine")
+    loc.add_argument("--nodes", type=int, default=3)
+    loc.add_argument("--rounds", type=int, default=2)
+    loc.add_argument("--workdir", type=Path, default=None,
+                     help="directory for keys, logs, the database and outputs (default: a new temp directory)")
+    loc.add_argument("--keys", type=Path, default=None, help="use keys from `shuffledp deploy keys` instead")
+    loc.add_argument("--app", type=Path, default=None, help="the Flower app directory (default: this project)")
+    loc.add_argument("--eps0", type=float, default=4.0, help="eps0 pinned on every SuperNode")
+    loc.add_argument("--clip-l1", type=float, default=1.0, help="L1 clip C pinned on every SuperNode")
+    loc.add_argument("--min-reports", type=int, default=None, help="k: smallest batch shuffled (default: --nodes)")
+    loc.add_argument("--reply-timeout", type=float, default=300.0, help="seconds the server waits for replies")
+    loc.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is stopped")
+    loc.add_argument("--run-config", action="append", default=[], metavar="KEY=VALUE",
+                     help="extra run-config override (TOML value), repeatable")
+    loc.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    return parser
+
+
+def _parse_overrides(items: Sequence[str]) -> dict[str, object]:
+    import tomllib
+
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise DeployError(f"--run-config expects KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value  # a bare word is taken as a string, as Flower does for node config
+    return out
+
+
+def main(argv: Sequence[str]) -> int:
+    """``shuffledp deploy ...``; ``argv[0]`` is ``"deploy"``. Returns the exit code."""
+    args_list = list(argv)[1:] if argv and argv[0] == "deploy" else list(argv)
+    parser = _parser()
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        if args.action == "keys":
+            paths = create_deploy_keys(args.out, args.nodes, sans=args.san, key_epoch=args.key_epoch, k=args.k)
+            print(f"wrote deployment keys for {args.nodes} nodes to {paths.root}")
+            print(f"  SuperLink CA (give to devices): {paths.superlink_ca_cert}")
+            print(f"  register each device: flwr supernode register {paths.root}/supernodes/node-<i>.pub <connection>")
+            print("  private keys are mode 0600; see deploy/README.md for which party keeps which file")
+            return 0
+        if args.action == "bundle":
+            dest = create_device_bundle(DeployKeys(args.keys), args.node, args.out, eps0=args.eps0,
+                                        clip_l1=args.clip_l1, prefix=args.prefix)
+            print(f"wrote the bundle of device {args.node} to {dest}; copy it to the device and start it with")
+            print(f"  flower-supernode --superlink <superlink-host>:8000 --root-certificates <dir>/superlink-ca.crt "
+                  f"--auth-supernode-private-key <dir>/supernode.key --node-config <dir>/node-config.toml")
+            return 0
+        cfg = LocalDeployment(nodes=args.nodes, rounds=args.rounds, workdir=args.workdir, keys_dir=args.keys,
+                              app_dir=args.app, eps0=args.eps0, clip_l1=args.clip_l1,
+                              min_reports=args.min_reports, reply_timeout=args.reply_timeout,
+                              timeout=args.timeout, run_config=_parse_overrides(args.run_config))
+        result = run_local(cfg)
+        if args.json:
+            print(json.dumps({"status": result.status, "run-id": result.run_id, "report": result.report,
+                              "timings": result.timings, "workdir": str(result.workdir)}, indent=1, default=str))
+        else:
+            print(format_report(result))
+        return 0 if result.status == "finished:completed" and result.report is not None else 1
+    except DeployError as exc:
+        print(f"shuffledp deploy: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("shuffledp deploy: interrupted; every process was stopped", file=sys.stderr)
+        return 130
+    except _Interrupted as exc:
+        print(f"shuffledp deploy: {exc}; every process was stopped", file=sys.stderr)
+        return 143

@@ -1,0 +1,305 @@
+"""One run of the main job on a Grid: paths, keys, the shuffler connection, the round engine and the outputs.
+
+:func:`run_job` is what ``server.app``'s ``@app.main()`` calls; tests call it directly with a fake Grid.
+
+Outputs in ``<output-dir>/<run-name>/``: ``ledger.sqlite`` (the privacy ledger), ``state.sqlite`` (the
+checkpoint), ``report.json``, ``accuracy_epsilon.png`` and, with ``shuffler-address = "auto"``,
+``shuffler.log``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from server.config import ConfigError, ServerConfig
+from server.report import PLOT_FILE, REPORT_FILE, write_plot, write_report
+from server.rounds import Evaluator, GridLike, RoundEngine, RoundOutcome
+from server.state import SqliteCheckpointStore
+
+__all__ = ["RunPaths", "resolve_paths", "ShufflerConnection", "run_job", "JobResult", "format_progress"]
+
+log = logging.getLogger("shuffledp.server")
+
+LEDGER_FILE = "ledger.sqlite"
+STATE_FILE = "state.sqlite"
+SHUFFLER_LOG = "shuffler.log"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run reads its keys and writes its outputs (absolute paths)."""
+
+    out_dir: Path
+    keys_dir: Path
+
+    @property
+    def ledger(self) -> Path:
+        return self.out_dir / LEDGER_FILE
+
+    @property
+    def state(self) -> Path:
+        return self.out_dir / STATE_FILE
+
+    @property
+    def report(self) -> Path:
+        return self.out_dir / REPORT_FILE
+
+    @property
+    def plot(self) -> Path:
+        return self.out_dir / PLOT_FILE
+
+    @property
+    def shuffler_log(self) -> Path:
+        return self.out_dir / SHUFFLER_LOG
+
+
+def resolve_paths(cfg: ServerConfig, *, run_id: int = 0, base: Path | None = None) -> RunPaths:
+    """Resolve ``output-dir``/``run-name`` and ``keys-dir`` (relative paths against ``base`` or the cwd).
+
+    Raises:
+        ConfigError: ``keys-dir`` is empty (the clients could not find their keys) or does not hold a key
+            directory.
+    """
+    name = cfg.run_name or f"run-{run_id}"
+    out_dir = cfg.resolved_path(cfg.output_dir, base=base) / name
+    if not cfg.keys_dir.strip():
+        raise ConfigError(
+            "run config 'keys-dir' is empty: the server and the simulated clients must share a key directory. "
+            "Use `shuffledp run` (it creates fresh keys for the run and passes their absolute path), or create one "
+            "with `shuffledp keys init --out DIR --clients N` and pass --run-config \"keys-dir='/abs/DIR'\""
+        )
+    keys_dir = cfg.resolved_path(cfg.keys_dir, base=base)
+    if not (keys_dir / "public" / "server_hpke.pub").is_file():
+        raise ConfigError(
+            f"run config 'keys-dir' = {str(keys_dir)!r} does not hold a key directory (no public/server_hpke.pub); "
+            "create it with `shuffledp keys init --out DIR --clients N`"
+        )
+    return RunPaths(out_dir=out_dir, keys_dir=keys_dir)
+
+
+class ShufflerConnection:
+    """The shuffler for a run: a local child process (``auto``) or a remote service over mTLS.
+
+    In ``auto`` mode the process runs ``<keys-dir>/shuffler.toml`` (its journal lives in the key directory, so a
+    resumed run sees the bindings the shuffler already released) and is stopped on exit.
+    """
+
+    def __init__(self, cfg: ServerConfig, paths: RunPaths) -> None:
+        from shuffler.keys import KeyDirectory
+
+        self.cfg = cfg
+        self.paths = paths
+        self.keys = KeyDirectory(paths.keys_dir)
+        self.process: Any = None
+        self.client: Any = None
+
+    def _tls_files(self) -> tuple[bytes, bytes, bytes]:
+        cfg, keys = self.cfg, self.keys
+        files = (
+            Path(cfg.shuffler_root_cert) if cfg.shuffler_root_cert else keys.ca_cert,
+            Path(cfg.shuffler_client_cert) if cfg.shuffler_client_cert else keys.serverapp_cert,
+            Path(cfg.shuffler_client_key) if cfg.shuffler_client_key else keys.serverapp_tls_key,
+        )
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise ConfigError(f"mTLS files for the shuffler connection are missing: {missing}")
+        return files[0].read_bytes(), files[1].read_bytes(), files[2].read_bytes()
+
+    def __enter__(self) -> Any:
+        from shuffler.client import ShufflerClient
+        from shuffler.keys import load_public_key
+        from shuffler.process import ShufflerProcess
+
+        root, cert, key = self._tls_files()
+        verify_key = load_public_key(self.keys.shuffler_signing_pub, "ed25519")
+        if self.cfg.auto_shuffler:
+            if not self.keys.config.is_file():
+                raise ConfigError(f"shuffler-address='auto' needs {self.keys.config} (written by `shuffledp keys init`)")
+            self.paths.out_dir.mkdir(parents=True, exist_ok=True)
+            process = ShufflerProcess(
+                self.keys.config,
+                root_certificate=root,
+                client_certificate=cert,
+                client_key=key,
+                log_path=self.paths.shuffler_log,
+            )
+            if process.config.key_epoch != self.cfg.key_epoch:
+                raise ConfigError(
+                    f"run config 'key-epoch' = {self.cfg.key_epoch} but the shuffler in {self.keys.config} serves "
+                    f"key epoch {process.config.key_epoch}; they must be equal"
+                )
+            self.process = process.start()
+            address = process.address
+        else:
+            address = self.cfg.shuffler_address
+        self.client = ShufflerClient(
+            address,
+            root_certificate=root,
+            client_certificate=cert,
+            client_key=key,
+            shuffler_verify_key=verify_key,
+            max_message_bytes=self.cfg.max_message_bytes,
+        )
+        return self.client
+
+    def __exit__(self, *exc: object) -> None:
+        if self.client is not None:
+            self.client.close()
+        if self.process is not None:
+            self.process.__exit__(None, None, None)  # SIGTERM, wait, remove its temporary files
+
+
+@dataclass
+class JobResult:
+    """What a finished (or stopped) run produced."""
+
+    paths: RunPaths
+    history: list[RoundOutcome]
+    stopped: RoundOutcome | None
+    epsilon: float
+    report: dict[str, Any]
+
+
+def format_progress(o: RoundOutcome) -> str:
+    """One progress line per round: round, reports, accuracy, epsilon so far."""
+    if o.status == "applied":
+        text = (
+            f"[shuffledp] round {o.round}: {o.n_reports} reports (attested), accuracy {o.accuracy:.4f}, "
+            f"loss {o.loss:.4f}, epsilon so far {o.epsilon:.4f} (delta {o.delta:g})"
+        )
+        if o.n_bad_reports:
+            text += f", {o.n_bad_reports} bad reports skipped"
+        return text
+    return f"[shuffledp] round {o.round}: {o.status} - {o.reason}"
+
+
+def _accounting_summary(engine: RoundEngine) -> dict[str, Any]:
+    acct = engine.accountant
+    summary: dict[str, Any] = {
+        "family": acct.family,
+        "kind": "upper",
+        "target_delta": acct.target_delta,
+        "rounds_charged": len(acct.rounds),
+        "epsilon": float(acct.epsilon().value),
+        "comparison": {},
+    }
+    for family, bound in acct.epsilons().items():
+        if family == acct.family:
+            continue
+        summary["comparison"][family] = (
+            {"value": None, "kind": "refused", "reason": bound.reason}
+            if bound.value is None
+            else {"value": float(bound.value), "kind": bound.kind}
+        )
+    return summary
+
+
+def write_outputs(engine: RoundEngine, paths: RunPaths, *, plot: bool = True, finished: bool = False) -> dict[str, Any]:
+    """Write report.json (and the PNG) from the engine's history; return the report document."""
+    skipped = [
+        {"round": o.round, "reason": o.reason, "n_sampled": o.n_sampled, "n_envelopes": o.n_envelopes,
+         "n_reports": o.n_reports}
+        for o in engine.history
+        if o.status == "skipped"
+    ]
+    stopped = None if engine.stopped is None else {"round": engine.stopped.round, "reason": engine.stopped.reason}
+    rows = engine.report_rows()
+    accounting = _accounting_summary(engine)
+    write_report(paths.report, config=engine.cfg.as_dict(), rounds=rows, skipped=skipped, stopped=stopped,
+                 accounting=accounting, finished=finished)
+    if plot and rows:
+        write_plot(paths.plot, rows, title=f"{paths.out_dir.name}: eps0={engine.cfg.eps0:g}, "
+                   f"delta={engine.cfg.target_delta:g} ({engine.cfg.accounting_family})")
+    return {"config": engine.cfg.as_dict(), "rounds": rows, "skipped": skipped, "stopped": stopped,
+            "accounting": accounting, "finished": finished}
+
+
+def run_job(
+    cfg: ServerConfig,
+    grid: GridLike,
+    *,
+    run_id: int = 0,
+    evaluator: Evaluator | None = None,
+    initial_arrays: Sequence[np.ndarray] | None = None,
+    node_wait: float = 120.0,
+    base: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    plot: bool = True,
+) -> JobResult:
+    """Run (or resume) the job described by ``cfg`` on ``grid`` and write its outputs.
+
+    Args:
+        cfg: validated configuration.
+        grid: the Flower Grid (or a fake).
+        run_id: Flower's run id (names the output folder when ``run-name`` is empty).
+        evaluator, initial_arrays: central evaluation and the initial model; by default built from the
+            dataset and model named in ``cfg`` (see :mod:`server.evaluation`).
+        node_wait: seconds to wait for at least ``min-reports`` nodes to connect before each round.
+        base: directory relative paths are resolved against (default: the current directory).
+        progress: where per-round progress lines go (default: stdout, flushed).
+        plot: also write the PNG.
+    """
+    from accounting.ledger import Ledger
+    from shuffler.envelope import open_inner
+    from shuffler.keys import load_private_key
+
+    paths = resolve_paths(cfg, run_id=run_id, base=base)
+    paths.out_dir.mkdir(parents=True, exist_ok=True)
+    if evaluator is None or initial_arrays is None:
+        from server.evaluation import CentralEvaluator
+
+        central = CentralEvaluator(cfg)
+        evaluator = evaluator or central.evaluate
+        initial_arrays = initial_arrays if initial_arrays is not None else central.initial_arrays()
+    server_key = load_private_key(paths.keys_dir / "server" / "hpke.key", "x25519")
+
+    def opener(inner: bytes, round_id: int) -> bytes:
+        return open_inner(inner, server_private_key=server_key, key_epoch=cfg.key_epoch, round_id=round_id)
+
+    say = progress or (lambda line: print(line, file=sys.stdout, flush=True))
+    ledger = Ledger(paths.ledger)
+    store = SqliteCheckpointStore(paths.state)
+    try:
+        with ShufflerConnection(cfg, paths) as shuffler:
+            holder: list[RoundEngine] = []
+
+            def on_round(outcome: RoundOutcome) -> None:
+                say(format_progress(outcome))
+                write_outputs(holder[0], paths, plot=False)  # a partial report survives a killed run
+
+            engine = RoundEngine(
+                cfg,
+                grid=grid,
+                shuffler=shuffler,
+                open_inner=opener,
+                evaluator=evaluator,
+                initial_arrays=initial_arrays,
+                ledger=ledger,
+                store=store,
+                node_wait=node_wait,
+                on_round=on_round,
+            )
+            holder.append(engine)
+            first = engine.restore()
+            if first > 1:
+                say(f"[shuffledp] resuming {paths.out_dir} at round {first} "
+                    f"({len(engine.accountant.rounds)} rounds already charged)")
+            engine.run(start_round=first)
+            report = write_outputs(engine, paths, plot=plot, finished=True)
+    finally:
+        store.close()
+        ledger.close()
+    epsilon = float(report["accounting"]["epsilon"])
+    if engine.stopped is not None:
+        say(f"[shuffledp] stopped: {engine.stopped.reason}")
+    say(f"[shuffledp] done: epsilon={epsilon:.4f} at delta={cfg.target_delta:g} ({cfg.accounting_family}, upper "
+        f"bound); outputs in {paths.out_dir}")
+    return JobResult(paths=paths, history=list(engine.history), stopped=engine.stopped, epsilon=epsilon,
+                     report=report)

@@ -1,0 +1,116 @@
+"""Outputs of a run: ``report.json`` and a PNG of accuracy and epsilon per round.
+
+``report.json``::
+
+    {"config": {...run config, kebab-case...},
+     "rounds": [{"round", "n_reports", "accuracy", "loss", "eps0", "epsilon", "delta"}, ...],
+     "skipped": [{"round", "reason", ...counts}], "stopped": {"round", "reason"} | null,
+     "accounting": {"family", "kind": "upper", "target_delta", "epsilon", "comparison": {family: ...}},
+     "finished": true once the run has ended (finished its rounds or stopped at the budget)}
+
+``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family, an upper bound at
+``delta``. A round charged but whose update was lost in a crash has ``accuracy = loss = null``.
+Both files are written to a temporary file and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_report", "write_plot", "REPORT_FILE", "PLOT_FILE"]
+
+REPORT_FILE = "report.json"
+PLOT_FILE = "accuracy_epsilon.png"
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "inf" if value > 0 else ("-inf" if value < 0 else None)
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_report(
+    path: str | os.PathLike[str],
+    *,
+    config: Mapping[str, Any],
+    rounds: Sequence[Mapping[str, Any]],
+    skipped: Sequence[Mapping[str, Any]] = (),
+    stopped: Mapping[str, Any] | None = None,
+    accounting: Mapping[str, Any] | None = None,
+    finished: bool = False,
+) -> Path:
+    """Write ``report.json`` atomically and return its path (``finished``: the run has ended normally)."""
+    document = {
+        "finished": bool(finished),
+        "config": dict(config),
+        "rounds": [dict(r) for r in rounds],
+        "skipped": [dict(s) for s in skipped],
+        "stopped": None if stopped is None else dict(stopped),
+        "accounting": None if accounting is None else dict(accounting),
+    }
+    target = Path(path)
+    text = json.dumps(_json_safe(document), indent=2, allow_nan=False) + "\n"
+    _atomic_write_bytes(target, text.encode("utf-8"))
+    return target
+
+
+def write_plot(path: str | os.PathLike[str], rounds: Sequence[Mapping[str, Any]], *, title: str = "") -> Path:
+    """Plot test accuracy and cumulative epsilon (upper bound) per charged round into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    xs = [int(r["round"]) for r in rounds]
+    acc = [float("nan") if r.get("accuracy") is None else float(r["accuracy"]) for r in rounds]
+    eps = [float("nan") if r.get("epsilon") is None else float(r["epsilon"]) for r in rounds]
+    fig, ax1 = plt.subplots(figsize=(7, 4), dpi=110)
+    ax1.plot(xs, acc, marker="o", color="tab:blue", label="test accuracy")
+    ax1.set_xlabel("round")
+    ax1.set_ylabel("test accuracy", color="tab:blue")
+    ax1.set_ylim(0.0, 1.0)
+    ax1.grid(alpha=0.3)
+    ax2 = ax1.twinx()
+    ax2.plot(xs, eps, marker="s", color="tab:red", label="cumulative epsilon (upper bound)")
+    ax2.set_ylabel("cumulative epsilon (upper bound)", color="tab:red")
+    ax2.set_ylim(bottom=0.0)
+    if title:
+        ax1.set_title(title, fontsize=9)
+    fig.tight_layout()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=str(target.parent), prefix=f".{target.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, target)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

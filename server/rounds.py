@@ -1,0 +1,599 @@
+"""The server's round logic, written against small protocols so that tests can drive it with a fake Grid.
+
+One round ``r`` (:meth:`RoundEngine.run_round`):
+
+1. sample the nodes (all, or ``fraction`` of them drawn with ``secrets.SystemRandom``);
+2. check the budget *before sending*: stop if even the best case (every sampled node reports) would take the
+   default family above ``budget-epsilon``;
+3. durably mark ``r`` as started (a round id is never reused, see :mod:`server.state`);
+4. send ``train.shuffled`` (model + round config) and collect replies until ``reply-timeout``; keep ONLY the
+   envelope bytes of replies without errors and drop every reply (with its metadata: node id, timestamps)
+   at once; a malformed reply is counted and dropped;
+5. fewer than ``k`` envelopes: skip the round, charge nothing, send nothing to the shuffler;
+6. submit the envelopes to the shuffler bound to (key epoch, round id, digest of the model the server sent);
+   the shuffler drops envelopes that do not open under that binding (a tagged client that received another
+   model) and signs the count it accepted; the client library verifies the attestation;
+7. attested count below ``k`` or a budget overrun at the attested count: do not fetch (nothing is released to
+   the server), skip or stop;
+8. charge the accountant with the attested count and append the ledger row — BEFORE fetching, so a crash
+   while the server holds opened reports can never leave a release unrecorded;
+9. stream the permuted inner ciphertexts, open and decode each one and add it to a running sum (O(model)
+   memory, never the batch); a report that fails to open or decode is counted and skipped;
+10. one server-optimizer step with the mean; central evaluation on the held-out test set;
+11. atomic checkpoint (model, optimizer, accountant, round, history).
+
+Crash consistency (:meth:`RoundEngine.restore`): the ledger is written before the checkpoint, so after a crash
+the ledger is at most one round ahead of the checkpoint. That round's release is re-charged from the ledger row
+(exactly once: the ledger's round primary key) and its model update is lost (marked ``"lost"`` in the
+history); the run continues with a fresh round id.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from accounting.accountant import ShuffleAccountant
+from accounting.events import ShuffleRound
+from accounting.ledger import Ledger
+from clients import messages as M
+from clients.report import ReportError, decode_report
+from server.config import ServerConfig
+from server.optim import ReportAccumulator, ServerOptimizer, num_parameters
+from server.state import Checkpoint, CheckpointError, CheckpointStore
+
+__all__ = [
+    "GridLike",
+    "ShufflerLike",
+    "Evaluator",
+    "RoundOutcome",
+    "RoundEngine",
+    "ResumeError",
+    "BudgetStop",
+    "extract_envelopes",
+    "sample_nodes",
+    "RESUME_KEYS",
+]
+
+log = logging.getLogger("shuffledp.server")
+
+#: Settings that must not change between a run and its resume (they change what the ledger means or what the
+#: checkpoint's arrays are).
+RESUME_KEYS = (
+    "eps0",
+    "clip-l1",
+    "report",
+    "model",
+    "hidden-units",
+    "dataset",
+    "pca-components",
+    "target-delta",
+    "accounting-family",
+    "server-optimizer",
+    "key-epoch",
+)
+
+
+class GridLike(Protocol):
+    """The part of ``flwr.serverapp.Grid`` the round logic uses."""
+
+    def get_node_ids(self) -> Iterable[int]: ...
+
+    def send_and_receive(self, messages: Iterable[Any], *, timeout: float | None = None) -> Iterable[Any]: ...
+
+
+class AttestationLike(Protocol):
+    n_accepted: int
+
+
+class ShufflerLike(Protocol):
+    """The part of ``shuffler.client.ShufflerClient`` the round logic uses."""
+
+    def submit(self, *, round_id: int, key_epoch: int, model_digest: bytes, envelopes: Iterable[bytes]) -> Any: ...
+
+    def fetch(self, attestation: Any) -> Iterator[bytes]: ...
+
+
+#: ``evaluate(arrays) -> (loss, accuracy)`` on the server's held-out test set.
+Evaluator = Callable[[Sequence[np.ndarray]], tuple[float, float]]
+#: ``open_inner(inner, round_id) -> payload`` (the server's HPKE private key is bound inside).
+InnerOpener = Callable[[bytes, int], bytes]
+
+
+class ResumeError(RuntimeError):
+    """The checkpoint, the ledger and the configuration do not agree; resuming would lose or double-count."""
+
+
+class BudgetStop(RuntimeError):
+    """The next round would exceed the privacy budget (raised only internally, reported as a stop)."""
+
+
+class ShufflerRefusal(RuntimeError):
+    """The shuffler refused the batch (e.g. fewer than its threshold of valid, distinct enrolled signers)."""
+
+
+@dataclass
+class RoundOutcome:
+    """What happened in one round (JSON-safe via :meth:`as_dict`).
+
+    ``status``: ``"applied"`` (charged, model updated), ``"skipped"`` (nothing released, nothing charged),
+    ``"stopped"`` (the budget would be exceeded; the run ends), ``"lost"`` (charged, but the process died
+    before the model update was checkpointed; only produced by :meth:`RoundEngine.restore`).
+    """
+
+    round: int
+    status: str
+    reason: str = ""
+    n_sampled: int = 0
+    n_replies: int = 0
+    n_error_replies: int = 0
+    n_malformed_replies: int = 0
+    n_envelopes: int = 0
+    n_reports: int = 0  # attested count, what the accountant is charged with
+    n_bad_reports: int = 0
+    n_applied: int = 0
+    eps0: float = 0.0
+    epsilon: float | None = None
+    delta: float | None = None
+    accuracy: float | None = None
+    loss: float | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RoundOutcome:
+        return cls(**dict(data))
+
+
+def sample_nodes(node_ids: Sequence[int], fraction: float, rng: secrets.SystemRandom | None = None) -> list[int]:
+    """Sample ``max(1, floor(fraction * N))`` distinct nodes uniformly with a CSPRNG (all of them if fraction=1).
+
+    Raises:
+        ValueError: ``fraction`` is not in (0, 1] or there are no nodes.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    nodes = sorted(set(int(n) for n in node_ids))
+    if not nodes:
+        raise ValueError("there are no connected nodes to sample from")
+    if fraction == 1.0:
+        return nodes
+    count = max(1, int(math.floor(fraction * len(nodes))))
+    return (rng or secrets.SystemRandom()).sample(nodes, count)
+
+
+def extract_envelopes(replies: Iterable[Any], *, max_bytes: int) -> tuple[list[bytes], dict[str, int]]:
+    """Keep only the envelope bytes of well-formed, error-free replies; count the rest.
+
+    The replies (and with them every piece of Flower metadata: source node id, timestamps, message ids) are
+    not retained: the returned list holds bytes only, de-duplicated and sorted by value so that not even the
+    arrival order survives this function.
+
+    Returns:
+        (envelopes, counts) with counts ``replies``, ``errors`` (error replies, e.g. a client refusing the
+        request), ``malformed`` (no or ill-formed ``content["envelope"]``, oversized), ``duplicates``.
+    """
+    counts = {"replies": 0, "errors": 0, "malformed": 0, "duplicates": 0}
+    unique: set[bytes] = set()
+    for reply in replies:
+        counts["replies"] += 1
+        try:
+            if reply.has_error():
+                counts["errors"] += 1
+                continue
+            content = reply.content
+            if set(content.keys()) != {M.ENVELOPE_KEY}:
+                raise ValueError(f"reply content must hold exactly {M.ENVELOPE_KEY!r}, got {sorted(content.keys())}")
+            envelope = M.envelope_from_record(content[M.ENVELOPE_KEY])
+            if len(envelope) > max_bytes:
+                raise ValueError(f"envelope of {len(envelope)} bytes exceeds the limit of {max_bytes}")
+        except Exception:  # noqa: BLE001 - any defect in one reply only drops that reply
+            counts["malformed"] += 1
+            continue
+        if envelope in unique:
+            counts["duplicates"] += 1
+        unique.add(envelope)
+    return sorted(unique), counts
+
+
+def _mechanism_label(cfg: ServerConfig, dim: int) -> str:
+    return f"discrete-laplace-l1(d={dim},C={cfg.clip_l1:g},eps0={cfg.eps0:g},report={cfg.report})"
+
+
+class RoundEngine:
+    """Runs rounds, keeps the model/optimizer/accountant, checkpoints and reconciles on resume.
+
+    Args:
+        config: the validated run configuration.
+        grid: a ``flwr.serverapp.Grid`` (or a fake with the same two methods).
+        shuffler: a ``ShufflerClient`` (or anything with ``submit``/``fetch``).
+        open_inner: opens one inner ciphertext for a round (holds the server's private key).
+        evaluator: central evaluation ``arrays -> (loss, accuracy)``.
+        initial_arrays: the model at round 0 (used only when no checkpoint exists).
+        ledger: the run's privacy ledger.
+        store: the run's checkpoint store.
+        node_wait: seconds to wait for at least ``min-reports`` nodes to connect before a round.
+        on_round: called with each finished :class:`RoundOutcome` (progress display).
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        grid: GridLike,
+        shuffler: ShufflerLike,
+        open_inner: InnerOpener,
+        evaluator: Evaluator,
+        initial_arrays: Sequence[np.ndarray],
+        ledger: Ledger,
+        store: CheckpointStore,
+        node_wait: float = 0.0,
+        on_round: Callable[[RoundOutcome], None] | None = None,
+        message_factory: Callable[..., Any] | None = None,
+    ) -> None:
+        self.cfg = config
+        self.grid = grid
+        self.shuffler = shuffler
+        self.open_inner = open_inner
+        self.evaluator = evaluator
+        self.ledger = ledger
+        self.store = store
+        self.node_wait = float(node_wait)
+        self.on_round = on_round
+        self._message_factory = message_factory
+        self._rng = secrets.SystemRandom()
+        self.arrays: list[np.ndarray] = [np.array(a, copy=True) for a in initial_arrays]
+        if not self.arrays:
+            raise ValueError("the initial model has no arrays")
+        self.shapes = [tuple(a.shape) for a in self.arrays]
+        self.dim = num_parameters(self.shapes)
+        self.mechanism = _mechanism_label(config, self.dim)
+        self.optimizer = ServerOptimizer(config.server_optimizer, config.server_lr, momentum=config.server_momentum)
+        self.accountant = ShuffleAccountant(
+            target_delta=config.target_delta,
+            family=config.accounting_family,
+            comparison_families=config.comparison_families,
+        )
+        self.history: list[RoundOutcome] = []
+        self.last_round = 0
+        self.stopped: RoundOutcome | None = None
+
+    # -- checkpoint / resume -----------------------------------------------------------------------------------
+    def _checkpoint(self) -> Checkpoint:
+        meta, buffers = self.optimizer.state_dict()
+        return Checkpoint(
+            round=self.last_round,
+            arrays=[np.array(a, copy=True) for a in self.arrays],
+            optimizer=meta,
+            optimizer_buffers=buffers,
+            accountant=self.accountant.state_dict(),
+            history=[o.as_dict() for o in self.history],
+            config=self.cfg.as_dict(),
+        )
+
+    def save(self) -> None:
+        """Write the current state as the checkpoint (atomic)."""
+        self.store.save(self._checkpoint())
+
+    def restore(self) -> int:
+        """Load the checkpoint (or start fresh), reconcile it with the ledger, and return the next round id.
+
+        * no checkpoint and an empty ledger: a fresh run; a round-0 checkpoint is written at once.
+        * no checkpoint but ledger rows: refused (the ledger belongs to another run or the state file is gone).
+        * ledger rows after the checkpoint's round: each is a round whose release was charged but whose model
+          update was not checkpointed (a crash between the ledger append and the checkpoint). The accountant is
+          charged with it from the ledger row, exactly once, and it is recorded as ``"lost"``.
+        * ledger rows up to the checkpoint's round must match the accountant state in the checkpoint.
+
+        Raises:
+            ResumeError: the stored state and the ledger disagree, or the configuration changed in a setting
+                listed in :data:`RESUME_KEYS`.
+        """
+        try:
+            ckpt = self.store.load()
+        except CheckpointError as exc:
+            raise ResumeError(f"cannot read the checkpoint: {exc}") from None
+        rows = self.ledger.rows()
+        if ckpt is None:
+            if rows:
+                raise ResumeError(
+                    f"the ledger {self.ledger.path} already records rounds {[r['round'] for r in rows]} but there "
+                    "is no checkpoint; refusing to start a run that would mix with another run's ledger "
+                    "(use a fresh run name or output directory)"
+                )
+            self.last_round = 0
+            self.save()
+            return 1
+
+        current = self.cfg.as_dict()
+        changed = {k: (ckpt.config.get(k), current.get(k)) for k in RESUME_KEYS if ckpt.config.get(k) != current.get(k)}
+        if changed:
+            raise ResumeError(
+                "the configuration changed since the checkpoint in settings that a resume must keep: "
+                + ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            )
+        if [tuple(a.shape) for a in ckpt.arrays] != self.shapes:
+            raise ResumeError(
+                f"the checkpoint's model has shapes {[tuple(a.shape) for a in ckpt.arrays]}, this run's model "
+                f"has {self.shapes}"
+            )
+        try:
+            accountant = ShuffleAccountant.from_state_dict(ckpt.accountant)
+            optimizer = ServerOptimizer.from_state_dict(ckpt.optimizer, ckpt.optimizer_buffers)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ResumeError(f"the checkpoint's accountant or optimizer state is invalid: {exc}") from None
+        history = [RoundOutcome.from_dict(h) for h in ckpt.history]
+
+        charged = [h for h in history if h.status in ("applied", "lost")]
+        covered = [r for r in rows if r["round"] <= ckpt.round]
+        if [h.round for h in charged] != [r["round"] for r in covered]:
+            raise ResumeError(
+                f"the checkpoint (round {ckpt.round}) lists charged rounds {[h.round for h in charged]} but the "
+                f"ledger has {[r['round'] for r in covered]} up to that round; they must agree"
+            )
+        if len(accountant.rounds) != len(covered) or any(
+            (ev.n, ev.eps0) != (r["n_reports"], r["eps0"]) for ev, r in zip(accountant.rounds, covered)
+        ):
+            raise ResumeError("the checkpoint's accountant does not match the ledger rows up to its round")
+        ahead = [r for r in rows if r["round"] > ckpt.round]
+        for row in ahead:
+            accountant.compose(ShuffleRound(n=int(row["n_reports"]), eps0=float(row["eps0"])))
+            entry = row["epsilons"].get(accountant.family, {})
+            history.append(
+                RoundOutcome(
+                    round=int(row["round"]),
+                    status="lost",
+                    reason="the process stopped after this round was charged and before its update was saved",
+                    n_reports=int(row["n_reports"]),
+                    eps0=float(row["eps0"]),
+                    epsilon=entry.get("value"),
+                    delta=float(row["delta"]),
+                )
+            )
+            log.warning("round %d was charged (ledger) but its model update was lost in a crash", row["round"])
+
+        self.arrays = [np.array(a, copy=True) for a in ckpt.arrays]
+        self.optimizer = optimizer
+        self.accountant = accountant
+        self.history = history
+        last_ledger = max((int(r["round"]) for r in rows), default=0)
+        self.last_round = max(ckpt.round, last_ledger, self.store.last_started())
+        self.save()  # persist the reconciliation before anything else happens
+        return self.last_round + 1
+
+    # -- one round ---------------------------------------------------------------------------------------------
+    def _train_config(self, round_id: int) -> M.TrainConfig:
+        c = self.cfg
+        return M.TrainConfig(
+            round=round_id,
+            key_epoch=c.key_epoch,
+            eps0=c.eps0,
+            clip_l1=c.clip_l1,
+            report=c.report,
+            local_epochs=c.local_epochs,
+            local_lr=c.local_lr,
+            batch_size=c.batch_size,
+        )
+
+    def _build_messages(self, nodes: Sequence[int], round_id: int) -> list[Any]:
+        from flwr.app import ArrayRecord, Message, RecordDict
+
+        config_record = self._train_config(round_id).to_config_record()
+        arrays_record = ArrayRecord(self.arrays)
+        msgs = []
+        for node in nodes:
+            content = RecordDict({M.ARRAYS_KEY: arrays_record, M.CONFIG_KEY: config_record})
+            msgs.append(Message(content, dst_node_id=int(node), message_type=M.MESSAGE_TYPE, group_id=str(round_id)))
+        return msgs
+
+    def _connected_nodes(self) -> list[int]:
+        deadline = time.monotonic() + self.node_wait
+        while True:
+            nodes = sorted(set(int(n) for n in self.grid.get_node_ids()))
+            if len(nodes) >= self.cfg.min_reports or time.monotonic() >= deadline:
+                return nodes
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _finish(self, outcome: RoundOutcome, *, save: bool = True) -> RoundOutcome:
+        self.history.append(outcome)
+        self.last_round = outcome.round
+        if save:
+            self.save()
+        if self.on_round is not None:
+            self.on_round(outcome)
+        return outcome
+
+    def _epsilon_value(self) -> float:
+        return float(self.accountant.epsilon().value)
+
+    def run_round(self, round_id: int) -> RoundOutcome:
+        """Run round ``round_id`` (must be after every round already used) and return what happened."""
+        if round_id <= self.last_round:
+            raise ValueError(f"round {round_id} is not after the last used round {self.last_round}; ids are never reused")
+        cfg = self.cfg
+        out = RoundOutcome(round=round_id, status="skipped", eps0=cfg.eps0, delta=cfg.target_delta)
+        t0 = time.perf_counter()
+
+        nodes = self._connected_nodes()
+        if len(nodes) < cfg.min_reports:
+            out.reason = f"only {len(nodes)} nodes are connected, fewer than min-reports k={cfg.min_reports}"
+            self.store.mark_started(round_id)
+            return self._finish(out)
+        sampled = sample_nodes(nodes, cfg.fraction, self._rng)
+        out.n_sampled = len(sampled)
+        if len(sampled) < cfg.min_reports:
+            out.reason = (
+                f"sampled {len(sampled)} of {len(nodes)} nodes (fraction {cfg.fraction}), fewer than min-reports "
+                f"k={cfg.min_reports}"
+            )
+            self.store.mark_started(round_id)
+            return self._finish(out)
+
+        # Budget, best case for this round (every sampled node reports): if even that exceeds, stop now.
+        if self.accountant.would_exceed(ShuffleRound(n=len(sampled), eps0=cfg.eps0), cfg.budget_epsilon):
+            out.status = "stopped"
+            out.reason = (
+                f"round {round_id} would exceed the privacy budget epsilon={cfg.budget_epsilon:g} at "
+                f"delta={cfg.target_delta:g} ({cfg.accounting_family}) even with all {len(sampled)} sampled "
+                f"reports; spent so far: epsilon={self._epsilon_value():.6g}"
+            )
+            self.stopped = out
+            return self._finish(out, save=False)
+
+        # From here on the round id is used, whatever happens.
+        self.store.mark_started(round_id)
+        sent_arrays = [np.array(a, copy=True) for a in self.arrays]
+        digest = M.arrays_digest(sent_arrays)
+        messages = self._build_messages(sampled, round_id)
+        replies = self.grid.send_and_receive(messages, timeout=cfg.reply_timeout)
+        del messages
+        envelopes, counts = extract_envelopes(replies, max_bytes=cfg.max_message_bytes)
+        del replies  # every reply (and its metadata) is gone from here on
+        out.n_replies = counts["replies"]
+        out.n_error_replies = counts["errors"]
+        out.n_malformed_replies = counts["malformed"] + counts["duplicates"]
+        out.n_envelopes = len(envelopes)
+        t1 = time.perf_counter()
+        out.seconds["collect"] = t1 - t0
+        if len(envelopes) < cfg.min_reports:
+            out.reason = (
+                f"{len(envelopes)} envelopes arrived ({counts['errors']} error replies, {counts['malformed']} "
+                f"malformed, {len(sampled) - counts['replies']} no reply), fewer than min-reports k={cfg.min_reports}"
+            )
+            return self._finish(out)
+
+        try:
+            attestation = self.shuffler.submit(
+                round_id=round_id, key_epoch=cfg.key_epoch, model_digest=digest, envelopes=iter(envelopes)
+            )
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if not _is_refusal(exc):
+                raise
+            out.reason = f"the shuffler refused the batch: {exc}"
+            return self._finish(out)
+        del envelopes
+        n_attested = int(attestation.n_accepted)
+        out.n_reports = n_attested
+        t2 = time.perf_counter()
+        out.seconds["shuffle"] = t2 - t1
+        _check_attestation(attestation, round_id=round_id, key_epoch=cfg.key_epoch, digest=digest,
+                           submitted=out.n_envelopes)
+        if n_attested < cfg.min_reports:
+            out.reason = (
+                f"the shuffler accepted {n_attested} of {out.n_envelopes} envelopes, fewer than min-reports "
+                f"k={cfg.min_reports}; the batch was not fetched (nothing released, nothing charged)"
+            )
+            return self._finish(out)
+        event = ShuffleRound(n=n_attested, eps0=cfg.eps0)
+        if self.accountant.would_exceed(event, cfg.budget_epsilon):
+            out.status = "stopped"
+            out.reason = (
+                f"round {round_id} with the attested n={n_attested} would exceed the privacy budget "
+                f"epsilon={cfg.budget_epsilon:g}; the batch was not fetched (nothing released, nothing charged)"
+            )
+            self.stopped = out
+            return self._finish(out)
+
+        # Charge first, then fetch: a crash while reports are open can never leave the release unrecorded.
+        self.accountant.compose(event)
+        self.ledger.record(self.accountant, round=round_id, mechanism=self.mechanism)
+        out.epsilon = self._epsilon_value()
+        t3 = time.perf_counter()
+        out.seconds["account"] = t3 - t2
+
+        acc = ReportAccumulator(self.dim)
+        bad = 0
+        for inner in self.shuffler.fetch(attestation):
+            try:
+                payload = self.open_inner(bytes(inner), round_id)
+                acc.add(decode_report(payload, expected_dim=self.dim))
+            except Exception:  # noqa: BLE001 - one bad report is counted and skipped, never fatal
+                bad += 1
+        out.n_bad_reports = bad
+        out.n_applied = acc.count
+        t4 = time.perf_counter()
+        out.seconds["open_apply"] = t4 - t3
+        if acc.count:
+            mean = acc.mean()
+            # "delta" reports are w_local - w: the pseudo-gradient is their negated mean (FedOpt, Reddi et al.)
+            pseudo_gradient = mean if cfg.report == "gradient" else -mean
+            self.arrays = self.optimizer.step(self.arrays, pseudo_gradient)
+            out.status = "applied"
+            out.reason = "" if not bad else f"{bad} reports failed to open or decode and were skipped"
+        else:
+            out.status = "applied"
+            out.reason = f"charged, but none of the {n_attested} reports opened and decoded; the model is unchanged"
+        out.loss, out.accuracy = (float(v) for v in self.evaluator(self.arrays))
+        out.seconds["evaluate"] = time.perf_counter() - t4
+        return self._finish(out)
+
+    # -- the run -----------------------------------------------------------------------------------------------
+    def run(self, *, start_round: int | None = None) -> list[RoundOutcome]:
+        """Restore (or start) and run rounds up to ``num-server-rounds`` or until the budget stops the run."""
+        next_round = self.restore() if start_round is None else start_round
+        while next_round <= self.cfg.num_server_rounds:
+            outcome = self.run_round(next_round)
+            if outcome.status == "stopped":
+                break
+            next_round += 1
+        return self.history
+
+    def report_rows(self) -> list[dict[str, Any]]:
+        """The per-round rows of report.json: charged rounds only (applied or lost)."""
+        return [
+            {
+                "round": o.round,
+                "n_reports": o.n_reports,
+                "accuracy": o.accuracy,
+                "loss": o.loss,
+                "eps0": o.eps0,
+                "epsilon": o.epsilon,
+                "delta": o.delta,
+            }
+            for o in self.history
+            if o.status in ("applied", "lost")
+        ]
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """A shuffler refusal of the batch skips the round; transport failures and bad attestations are fatal.
+
+    ``shuffler.client.ShufflerError`` carries the gRPC status code: FAILED_PRECONDITION (e.g. fewer than the
+    shuffler's threshold of valid distinct signers), INVALID_ARGUMENT, ALREADY_EXISTS (binding already used) and
+    RESOURCE_EXHAUSTED are refusals of this batch; UNAVAILABLE, DEADLINE_EXCEEDED, ... are not.
+    """
+    if isinstance(exc, ShufflerRefusal):
+        return True
+    try:
+        import grpc
+    except ImportError:  # pragma: no cover
+        return False
+    code = getattr(exc, "code", None)
+    if callable(code):
+        code = code()
+    return code in (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+
+
+def _check_attestation(att: Any, *, round_id: int, key_epoch: int, digest: bytes, submitted: int) -> None:
+    """Cross-check the (already signature-verified) attestation against what was submitted."""
+    n = int(att.n_accepted)
+    if not 0 <= n <= submitted:
+        raise RuntimeError(f"the shuffler attested {n} reports for a batch of {submitted} envelopes")
+    for attr, expected in (("round_id", round_id), ("key_epoch", key_epoch), ("model_digest", digest)):
+        value = getattr(att, attr, None)
+        if value is not None and value != expected:
+            raise RuntimeError(f"the attestation's {attr} {value!r} does not match the submitted {expected!r}")

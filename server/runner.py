@@ -1,0 +1,365 @@
+"""``shuffledp run`` and ``shuffledp resume``: the main job as one command.
+
+``shuffledp run [--rounds R] [--clients N] [--eps0 E] [--run-name NAME] [--output-dir DIR] [--run-config K=V ...]``
+
+1. creates ``<output-dir>/<run>/keys`` with fresh keys for the run (``shuffledp keys init``: shuffler, server and
+   N client keys, the enrolment, mTLS certificates, the shuffler config with threshold k = min-reports);
+2. starts a private Flower SuperLink in simulation mode on a free 127.0.0.1 port, with a project-local
+   ``FLWR_HOME`` (``.flwr/``), runtime dependency installation, telemetry and update checks disabled, and a
+   connection entry pointing at it (Flower's managed local SuperLink would outlive the command);
+3. runs ``flwr run <project> <connection> --run-config ... --federation-config "num-supernodes=N
+   client-resources-num-cpus=1" --stream`` and relays its output (one ``[shuffledp] round ...`` line per round);
+4. stops the SuperLink (and its children) and prints the path of ``outputs/<run>/``.
+
+``shuffledp resume RUN`` (a run name under the output directory, or the run's folder) relaunches the same run:
+the ServerApp continues from the run's checkpoint and ledger (see :meth:`server.rounds.RoundEngine.restore`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "find_project", "RUNNER_FILE"]
+
+RUNNER_FILE = "runner.json"
+CONNECTION = "shuffledp-local"
+_NOISE = ("FutureWarning", "warnings.warn(", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO")
+
+
+class RunnerError(RuntimeError):
+    """The job could not be started or did not finish; the message says why and what to do."""
+
+
+def find_project(start: Path | None = None) -> Path:
+    """The Flower app directory: the current directory if it is the shuffledp project, else the package's.
+
+    Raises:
+        RunnerError: no ``pyproject.toml`` with ``[tool.flwr.app]`` of publisher ``shuffledp`` was found.
+    """
+    candidates = [start or Path.cwd(), Path(__file__).resolve().parent.parent]
+    for directory in candidates:
+        pyproject = directory / "pyproject.toml"
+        if not pyproject.is_file():
+            continue
+        try:
+            doc = tomllib.loads(pyproject.read_text())
+        except tomllib.TOMLDecodeError:
+            continue
+        app = doc.get("tool", {}).get("flwr", {}).get("app", {})
+        if app.get("publisher") == "shuffledp" and app.get("components", {}).get("serverapp") == "server.app:app":
+            return directory.resolve()
+    raise RunnerError(
+        "cannot find the shuffledp Flower app (a pyproject.toml with [tool.flwr.app] publisher 'shuffledp'); run "
+        "this command from the repository, where `pip install -e .` was done"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def _parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``k=v`` pairs (TOML values, as ``flwr run --run-config``) into a dict; strings may be unquoted."""
+    out: dict[str, Any] = {}
+    for item in items:
+        for token in shlex.split(item):
+            if "=" not in token:
+                raise RunnerError(f"--run-config expects key=value pairs, got {token!r}")
+            key, raw = token.split("=", 1)
+            key = key.strip()
+            try:
+                out[key] = tomllib.loads(f"v = {raw}")["v"]
+            except tomllib.TOMLDecodeError:
+                out[key] = raw
+    return out
+
+
+def _flower_env(flwr_home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "FLWR_HOME": str(flwr_home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+class _SuperLink:
+    """A private ``flower-superlink --simulation`` on a free port; stopped (with its process group) on exit."""
+
+    def __init__(self, flwr_home: Path, cwd: Path, env: Mapping[str, str]) -> None:
+        self.flwr_home = flwr_home
+        self.cwd = cwd
+        self.env = dict(env)
+        self.port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = flwr_home / "superlink.log"
+
+    def __enter__(self) -> _SuperLink:
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        (self.flwr_home / "config.toml").write_text(
+            "\n".join(
+                [
+                    "# written by `shuffledp run`: a private SuperLink for this run",
+                    "[superlink]",
+                    f'default = "{CONNECTION}"',
+                    f"[superlink.{CONNECTION}]",
+                    f'address = "127.0.0.1:{self.port}"',
+                    "insecure = true",
+                    "",
+                ]
+            )
+        )
+        command = [
+            "flower-superlink",
+            "--insecure",
+            "--simulation",
+            "--isolation",
+            "subprocess",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--database",
+            str(self.flwr_home / "state.db"),
+            "--disable-runtime-dependency-installation",
+        ]
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                command, cwd=str(self.cwd), env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        finally:
+            log.close()
+        self._wait_ready(timeout=60.0)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RunnerError(f"flower-superlink exited with code {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=0.5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RunnerError(f"flower-superlink did not become ready within {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the SuperLink leads its own process group
+        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+            # the leader is gone; give its children the same signal once more, then stop
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+            break
+        self.proc = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _relay(proc: subprocess.Popen[str], log_file: Path) -> None:
+    if proc.stdout is None:
+        raise RunnerError("the flwr process has no output pipe")
+    with open(log_file, "a", encoding="utf-8") as log:
+        for line in proc.stdout:
+            log.write(line)
+            if any(noise in line for noise in _NOISE):
+                continue
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def _launch(project: Path, out_dir: Path, spec: Mapping[str, Any], *, flwr_home: Path) -> int:
+    """Start the SuperLink, run the app with the recorded spec, relay its output; return flwr's exit code."""
+    env = _flower_env(flwr_home)
+    run_config = " ".join(f"{k}={_toml_value(v)}" for k, v in spec["run_config"].items())
+    federation = f"num-supernodes={int(spec['clients'])} client-resources-num-cpus=1"
+    command = [
+        "flwr", "run", str(project), CONNECTION,
+        "--run-config", run_config,
+        "--federation-config", federation,
+        "--stream",
+    ]
+    with _SuperLink(flwr_home, project, env):
+        proc = subprocess.Popen(
+            command, cwd=str(project), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            _relay(proc, out_dir / "flower.log")
+            return proc.wait()
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+
+
+def _finished(out_dir: Path) -> tuple[bool, str]:
+    report = out_dir / "report.json"
+    if not report.is_file():
+        return False, "no report.json was written"
+    try:
+        doc = json.loads(report.read_text())
+    except json.JSONDecodeError:
+        return False, "report.json is unreadable"
+    if not doc.get("finished"):
+        return False, "the run did not finish (report.json is from an unfinished run)"
+    return True, ""
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shuffledp run", description="run the main job (Flower simulation)")
+    p.add_argument("--rounds", type=int, default=None, help="number of rounds (run config num-server-rounds)")
+    p.add_argument("--clients", type=int, default=1437, help="simulated clients (one partition each; default 1437)")
+    p.add_argument("--eps0", type=float, default=None, help="local epsilon of each report")
+    p.add_argument("--run-name", default=None, help="name of outputs/<run> (default: run-<UTC time>)")
+    p.add_argument("--output-dir", default="outputs", help="parent folder of the run's outputs (default outputs)")
+    p.add_argument("--run-config", action="append", default=[], metavar="K=V",
+                   help="further run-config overrides, as for `flwr run --run-config` (repeatable)")
+    return p
+
+
+def _resume_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shuffledp resume", description="continue a killed run from its checkpoint")
+    p.add_argument("run", help="the run's name under --output-dir, or the path of its folder")
+    p.add_argument("--output-dir", default="outputs")
+    return p
+
+
+def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
+    from server.config import DEFAULTS, ConfigError, parse_run_config
+
+    ns = _run_parser().parse_args(list(argv))
+    project = find_project()
+    overrides = _parse_overrides(ns.run_config)
+    if ns.rounds is not None:
+        overrides["num-server-rounds"] = ns.rounds
+    if ns.eps0 is not None:
+        overrides["eps0"] = ns.eps0
+    if ns.clients < 1:
+        raise RunnerError(f"--clients must be >= 1, got {ns.clients}")
+    run_name = ns.run_name or overrides.get("run-name") or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
+    out_root = Path(ns.output_dir).expanduser().resolve()
+    out_dir = out_root / str(run_name)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise RunnerError(f"{out_dir} already exists; choose another --run-name, or `shuffledp resume {run_name}`")
+    keys_dir = out_dir / "keys"
+    overrides.update({"run-name": str(run_name), "output-dir": str(out_root), "keys-dir": str(keys_dir)})
+    if "min-reports" not in overrides:
+        overrides["min-reports"] = min(int(DEFAULTS["min-reports"]), ns.clients)
+    try:
+        cfg = parse_run_config(overrides)  # validate before anything is created
+    except ConfigError as exc:
+        raise RunnerError(str(exc)) from None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from shuffler import cli as shuffler_cli
+
+    code = shuffler_cli.main(["keys", "init", "--out", str(keys_dir), "--clients", str(ns.clients),
+                              "--k", str(cfg.min_reports), "--key-epoch", str(cfg.key_epoch)])
+    if code != 0:
+        raise RunnerError(f"`shuffledp keys init` failed with exit code {code}")
+    spec = {"clients": ns.clients, "run_config": overrides, "project": str(project)}
+    (out_dir / RUNNER_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+    return project, out_dir, spec
+
+
+def _resume(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
+    ns = _resume_parser().parse_args(list(argv))
+    candidate = Path(ns.run).expanduser()
+    out_dir = candidate if (candidate / RUNNER_FILE).is_file() else Path(ns.output_dir).expanduser() / ns.run
+    out_dir = out_dir.resolve()
+    spec_file = out_dir / RUNNER_FILE
+    if not spec_file.is_file():
+        raise RunnerError(f"{out_dir} is not a run started by `shuffledp run` (no {RUNNER_FILE})")
+    spec = json.loads(spec_file.read_text())
+    project = find_project()
+    return project, out_dir, spec
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``argv[0]`` is ``"run"`` or ``"resume"``; returns the exit code (0: the run finished or stopped at its
+    budget; 1: it failed; 2: usage or configuration error)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in ("run", "resume"):
+        sys.stderr.write("usage: shuffledp run [options] | shuffledp resume RUN\n")
+        return 2
+    try:
+        project, out_dir, spec = _start(args[1:]) if args[0] == "run" else _resume(args[1:])
+    except SystemExit as exc:  # argparse
+        return int(exc.code) if isinstance(exc.code, int) else 2
+    except RunnerError as exc:
+        sys.stderr.write(f"shuffledp {args[0]}: {exc}\n")
+        return 2
+    flwr_home = Path(os.environ.get("SHUFFLEDP_FLWR_HOME") or project / ".flwr")
+    sys.stdout.write(f"[shuffledp] {args[0]}: {spec['clients']} simulated clients, outputs in {out_dir}\n")
+    sys.stdout.flush()
+    try:
+        code = _launch(project, out_dir, spec, flwr_home=flwr_home)
+    except RunnerError as exc:
+        sys.stderr.write(f"shuffledp {args[0]}: {exc}\n")
+        return 1
+    ok, why = _finished(out_dir)
+    if not ok:
+        sys.stderr.write(
+            f"shuffledp {args[0]}: the run failed ({why}; flwr exit code {code}); see {out_dir / 'flower.log'}. "
+            f"Continue it with `shuffledp resume {out_dir}`\n"
+        )
+        return 1
+    sys.stdout.write(f"[shuffledp] outputs: {out_dir}\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""``shuffledp shuffler ...`` and ``shuffledp keys ...``.
+
+    shuffledp shuffler serve --config FILE [--port-file PATH] [--log-level LEVEL]
+    shuffledp keys init --out DIR --clients N [--key-epoch E] [--k K] [--max-envelope-bytes B]
+
+``python -m shuffler.cli shuffler serve ...`` is the same as ``shuffledp shuffler serve ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _shuffler_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shuffledp shuffler", description="the shuffler service")
+    sub = p.add_subparsers(dest="verb", required=True)
+    s = sub.add_parser("serve", help="run the shuffler service until SIGTERM")
+    s.add_argument("--config", required=True, help="TOML config file (see docs/shuffler.md)")
+    s.add_argument("--port-file", help="write the bound port here once serving (for port 0)")
+    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _keys_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shuffledp keys", description="keys, certificates and enrolment")
+    sub = p.add_subparsers(dest="verb", required=True)
+    s = sub.add_parser("init", help="create a complete key directory (see docs/interfaces.md)")
+    s.add_argument("--out", required=True, help="directory to create (must not hold keys already)")
+    s.add_argument("--clients", type=int, required=True, help="number of clients to enrol (ids client-0..N-1)")
+    s.add_argument("--key-epoch", type=int, default=0)
+    s.add_argument("--k", type=int, default=None, help="release threshold (default min(N, max(2, N // 2)))")
+    s.add_argument("--max-envelope-bytes", type=int, default=None)
+    return p
+
+
+def _run_shuffler(args: list[str]) -> int:
+    ns = _shuffler_parser().parse_args(args)
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from shuffler.config import ConfigError
+    from shuffler.service import serve
+
+    try:
+        return serve(ns.config, port_file=ns.port_file)
+    except (ConfigError, FileNotFoundError, PermissionError, ValueError) as exc:
+        sys.stderr.write(f"shuffledp shuffler: {exc}\n")
+        return 2
+
+
+def _run_keys(args: list[str]) -> int:
+    ns = _keys_parser().parse_args(args)
+    from shuffler.keys import DEFAULT_MAX_ENVELOPE_BYTES, init_key_directory
+
+    try:
+        d = init_key_directory(
+            ns.out,
+            ns.clients,
+            key_epoch=ns.key_epoch,
+            k=ns.k,
+            max_envelope_bytes=ns.max_envelope_bytes or DEFAULT_MAX_ENVELOPE_BYTES,
+        )
+    except (ValueError, FileExistsError) as exc:
+        sys.stderr.write(f"shuffledp keys: {exc}\n")
+        return 2
+    sys.stdout.write(f"wrote key directory {d.root} ({ns.clients} enrolled clients); config {d.config}\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; ``argv[0]`` is ``"shuffler"`` or ``"keys"``. Returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in ("shuffler", "keys"):
+        sys.stderr.write("usage: shuffledp {shuffler serve --config FILE | keys init --out DIR --clients N}\n")
+        return 2
+    try:
+        if args[0] == "shuffler":
+            return _run_shuffler(args[1:])
+        return _run_keys(args[1:])
+    except SystemExit as exc:  # argparse
+        return int(exc.code) if isinstance(exc.code, int) else 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""``ShufflerClient``: what the ServerApp uses to submit a round's envelopes and fetch the shuffled batch.
+
+``submit`` streams the header and the envelopes (client-streaming, one envelope per message) and returns an
+:class:`~shuffler.attestation.Attestation` verified with the pinned shuffler verify key and checked against
+what was sent (round, key epoch, model digest, count). ``fetch`` streams the sealed batch and checks each
+length, the count and the output digest against the attestation; a mismatch raises
+:class:`~shuffler.attestation.AttestationError` at the end of the stream, so apply nothing until the iterator
+has finished (or use :meth:`ShufflerClient.fetch_all`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import grpc
+
+from shuffler import envelope as env
+from shuffler import shuffler_pb2 as pb
+from shuffler import shuffler_pb2_grpc as pb_grpc
+from shuffler.attestation import Attestation, AttestationError, OutputDigest
+from shuffler.config import is_loopback
+from shuffler.service import grpc_options
+
+__all__ = ["ShufflerClient", "ShufflerError", "Attestation", "AttestationError"]
+
+
+class ShufflerError(RuntimeError):
+    """The shuffler refused a request or could not be reached.
+
+    ``code`` is the ``grpc.StatusCode``; ``reason`` the shuffler's reason tag (e.g. ``below_threshold``) when it
+    sent one, else ``""``.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"shuffler: {code.name}: {details}")
+        self.code = code
+        self.details = details
+        head = details.split(":", 1)[0] if ":" in details else ""
+        self.reason = head if head and " " not in head else ""
+
+
+class ShufflerClient:
+    """Client for the shuffler service.
+
+    ``root_certificate``, ``client_certificate`` and ``client_key`` (PEM bytes) give mutual TLS; all three
+    ``None`` means a plaintext channel, which is allowed only to a loopback address (tests). ``max_message_bytes``
+    must be at least the envelope size.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        root_certificate: bytes | None,
+        client_certificate: bytes | None,
+        client_key: bytes | None,
+        shuffler_verify_key: bytes,
+        max_message_bytes: int,
+        timeout: float | None = 600.0,
+    ) -> None:
+        if not isinstance(address, str) or ":" not in address:
+            raise ValueError(f"address must be 'host:port', got {address!r}")
+        if not isinstance(shuffler_verify_key, (bytes, bytearray)) or len(shuffler_verify_key) != 32:
+            raise ValueError("shuffler_verify_key must be the shuffler's raw 32-byte Ed25519 public key")
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be an int >= 1024, got {max_message_bytes!r}")
+        tls = (root_certificate, client_certificate, client_key)
+        options = grpc_options(max_message_bytes)
+        if all(x is None for x in tls):
+            if not is_loopback(address):
+                raise ValueError("a plaintext channel is only allowed to a loopback address; pass mTLS credentials")
+            self._channel = grpc.insecure_channel(address, options=options)
+        elif any(x is None for x in tls):
+            raise ValueError("mTLS needs all of root_certificate, client_certificate and client_key")
+        else:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=root_certificate, private_key=client_key, certificate_chain=client_certificate
+            )
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        self._stub = pb_grpc.ShufflerStub(self._channel)
+        self._verify_key = bytes(shuffler_verify_key)
+        self._max = max_message_bytes
+        self._timeout = timeout
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ShufflerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(
+        self, *, round_id: int, key_epoch: int, model_digest: bytes, envelopes: Iterable[bytes]
+    ) -> Attestation:
+        """Submit one round's batch; returns the verified attestation. Raises :class:`ShufflerError` on refusal.
+
+        ``envelopes`` may be a list or any iterable (it is consumed once, streamed, and counted). The header's
+        expected count needs the number up front, so a non-sized iterable is materialised first.
+        """
+        env.binding(key_epoch, round_id, model_digest)  # validates types and ranges
+        items = envelopes if hasattr(envelopes, "__len__") else list(envelopes)
+        count = len(items)  # type: ignore[arg-type]
+        if count >= 2**32:
+            raise ValueError("too many envelopes for one batch")
+        sent = 0
+
+        def requests() -> Iterator[pb.SubmitRequest]:
+            nonlocal sent
+            yield pb.SubmitRequest(
+                header=pb.SubmitHeader(
+                    protocol_version=env.ENVELOPE_VERSION,
+                    key_epoch=key_epoch,
+                    round_id=round_id,
+                    model_digest=bytes(model_digest),
+                    expected_count=count,
+                )
+            )
+            for e in items:
+                sent += 1
+                yield pb.SubmitRequest(envelope=bytes(e))
+
+        try:
+            resp = self._stub.Submit(requests(), timeout=self._timeout)
+        except grpc.RpcError as exc:
+            raise ShufflerError(exc.code(), exc.details() or "") from None
+        att = Attestation.verify(resp.statement, resp.signature, self._verify_key)
+        if att.batch_id != bytes(resp.batch_id):
+            raise AttestationError("attestation batch id differs from the response's batch id")
+        if (att.round_id, att.key_epoch, att.model_digest) != (round_id, key_epoch, bytes(model_digest)):
+            raise AttestationError("attestation binding (round, key epoch, model digest) differs from the submission")
+        if att.n_received != sent or sent != count:
+            raise AttestationError(f"attestation says {att.n_received} envelopes received; {sent} were sent")
+        if att.protocol_version != env.ENVELOPE_VERSION:
+            raise AttestationError(f"attestation protocol version {att.protocol_version}")
+        return att
+
+    def fetch(self, attestation: Attestation) -> Iterator[bytes]:
+        """Stream the batch's inner ciphertexts; verifies lengths, count and output digest (raises at the end)."""
+        if not isinstance(attestation, Attestation) or not attestation.signature:
+            raise TypeError("fetch needs an Attestation returned by submit() (or Attestation.verify)")
+        digest = OutputDigest()
+        try:
+            for msg in self._stub.Fetch(pb.FetchRequest(batch_id=attestation.batch_id), timeout=self._timeout):
+                inner = msg.inner
+                if len(inner) != attestation.inner_length:
+                    raise AttestationError(
+                        f"fetched item of {len(inner)} bytes; the attestation says {attestation.inner_length}"
+                    )
+                if digest.count >= attestation.n_accepted:
+                    raise AttestationError("fetched more items than the attestation's n_accepted")
+                digest.update(inner)
+                yield inner
+        except grpc.RpcError as exc:
+            raise ShufflerError(exc.code(), exc.details() or "") from None
+        if digest.count != attestation.n_accepted:
+            raise AttestationError(f"fetched {digest.count} items; the attestation says {attestation.n_accepted}")
+        if digest.digest() != attestation.output_digest:
+            raise AttestationError("fetched batch does not match the attested output digest")
+
+    def fetch_all(self, attestation: Attestation) -> list[bytes]:
+        """:meth:`fetch` into a list, returned only once everything verified."""
+        return list(self.fetch(attestation))
+
+    def stats(self) -> dict[str, object]:
+        """The shuffler's aggregate counters."""
+        try:
+            s = self._stub.Stats(pb.StatsRequest(), timeout=self._timeout)
+        except grpc.RpcError as exc:
+            raise ShufflerError(exc.code(), exc.details() or "") from None
+        return {
+            "batches_sealed": s.batches_sealed,
+            "batches_refused": s.batches_refused,
+            "reports_accepted": s.reports_accepted,
+            "dropped": dict(s.dropped),
+        }

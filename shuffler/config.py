@@ -1,0 +1,166 @@
+"""The service's TOML configuration (``shuffledp shuffler serve --config FILE``).
+
+Relative paths are resolved against the directory of the config file. Unknown keys are an error (a typo must
+not silently fall back to a default)::
+
+    address = "127.0.0.1:0"            # host:port; port 0 picks a free port (reported via --port-file)
+    key_epoch = 0                      # the only epoch this process accepts
+    k = 10                             # release threshold: distinct enrolled signers per batch
+    max_envelope_bytes = 67108864      # larger envelopes are dropped; gRPC message limits derive from it
+    max_batch_reports = 100000         # optional
+    hpke_key = "shuffler/hpke.key"     # X25519, 0600
+    signing_key = "shuffler/signing.key"  # Ed25519, 0600
+    enrolment = "enrolment.json"
+    journal_dir = "journal"
+    insecure = false                   # optional; true = no TLS, allowed only on a loopback address (tests)
+
+    [tls]                              # required unless insecure = true
+    ca = "tls/ca.crt"                  # CA that issued the allowed clients' certificates (mTLS is required)
+    cert = "tls/shuffler.crt"
+    key = "tls/shuffler.key"
+    client_common_names = ["serverapp"]   # optional: only these certificate CNs may call the service
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ServiceConfig", "TLSConfig", "load_config", "ConfigError"]
+
+_TOP = {
+    "address",
+    "key_epoch",
+    "k",
+    "max_envelope_bytes",
+    "max_batch_reports",
+    "hpke_key",
+    "signing_key",
+    "enrolment",
+    "journal_dir",
+    "insecure",
+    "tls",
+}
+_TLS = {"ca", "cert", "key", "client_common_names"}
+_REQUIRED = ("address", "key_epoch", "k", "max_envelope_bytes", "hpke_key", "signing_key", "enrolment", "journal_dir")
+
+
+class ConfigError(ValueError):
+    """The configuration file is invalid; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    ca: Path
+    cert: Path
+    key: Path
+    client_common_names: tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    address: str
+    key_epoch: int
+    k: int
+    max_envelope_bytes: int
+    max_batch_reports: int
+    hpke_key: Path
+    signing_key: Path
+    enrolment: Path
+    journal_dir: Path
+    insecure: bool
+    tls: TLSConfig | None
+
+
+def _int(doc: dict[str, Any], key: str, lo: int, hi: int, where: Path) -> int:
+    v = doc[key]
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ConfigError(f"{where}: {key} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _path(doc: dict[str, Any], key: str, base: Path, where: Path) -> Path:
+    v = doc[key]
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"{where}: {key} must be a non-empty path string, got {v!r}")
+    p = Path(v)
+    return p if p.is_absolute() else base / p
+
+
+def is_loopback(address: str) -> bool:
+    """True if ``host:port`` names a loopback host."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
+    """Parse and validate the config file. Raises :class:`ConfigError` with what was wrong."""
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    base = path.resolve().parent
+    unknown = set(doc) - _TOP
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(_TOP)}")
+    missing = [k for k in _REQUIRED if k not in doc]
+    if missing:
+        raise ConfigError(f"{path}: missing required keys {missing}")
+    address = doc["address"]
+    if not isinstance(address, str) or ":" not in address:
+        raise ConfigError(f"{path}: address must be 'host:port' (port 0 for any free port), got {address!r}")
+    insecure = doc.get("insecure", False)
+    if not isinstance(insecure, bool):
+        raise ConfigError(f"{path}: insecure must be true or false, got {insecure!r}")
+    tls_doc = doc.get("tls")
+    tls: TLSConfig | None = None
+    if insecure:
+        if not is_loopback(address):
+            raise ConfigError(f"{path}: insecure = true is only allowed on a loopback address, not {address!r}")
+        if tls_doc is not None:
+            raise ConfigError(f"{path}: insecure = true and a [tls] table are contradictory; remove one")
+    else:
+        if not isinstance(tls_doc, dict):
+            raise ConfigError(f"{path}: a [tls] table (ca, cert, key) is required unless insecure = true")
+        unknown = set(tls_doc) - _TLS
+        if unknown:
+            raise ConfigError(f"{path}: unknown keys in [tls] {sorted(unknown)}; allowed: {sorted(_TLS)}")
+        for key in ("ca", "cert", "key"):
+            if key not in tls_doc:
+                raise ConfigError(f"{path}: [tls] needs {key} (mutual TLS is required)")
+        names = tls_doc.get("client_common_names")
+        if names is not None and (
+            not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names)
+        ):
+            raise ConfigError(f"{path}: [tls] client_common_names must be a non-empty list of strings")
+        tls = TLSConfig(
+            ca=_path(tls_doc, "ca", base, path),
+            cert=_path(tls_doc, "cert", base, path),
+            key=_path(tls_doc, "key", base, path),
+            client_common_names=tuple(names) if names is not None else None,
+        )
+    return ServiceConfig(
+        address=address,
+        key_epoch=_int(doc, "key_epoch", 0, 2**32 - 1, path),
+        k=_int(doc, "k", 1, 10**9, path),
+        max_envelope_bytes=_int(doc, "max_envelope_bytes", 1024, 2**31 - 65536, path),
+        max_batch_reports=_int(
+            {"max_batch_reports": doc.get("max_batch_reports", 100_000)}, "max_batch_reports", 1, 10**8, path
+        ),
+        hpke_key=_path(doc, "hpke_key", base, path),
+        signing_key=_path(doc, "signing_key", base, path),
+        enrolment=_path(doc, "enrolment", base, path),
+        journal_dir=_path(doc, "journal_dir", base, path),
+        insecure=insecure,
+        tls=tls,
+    )

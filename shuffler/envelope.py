@@ -1,0 +1,306 @@
+"""The sealed-report envelope (format version 1).
+
+A client seals one fixed-length payload twice with HPKE (RFC 9180, base mode; suite DHKEM(X25519,
+HKDF-SHA256), HKDF-SHA256, AES-128-GCM, as implemented by ``cryptography``) and signs it with its enrolled
+Ed25519 key (RFC 8032). ``cryptography``'s HPKE has no AAD argument, so all context is bound through ``info``.
+
+All integers are big-endian. ``||`` is concatenation.
+
+``binding = "SDPB" || version:u8 || key_epoch:u32 || round_id:u64 || model_digest:32B`` (49 bytes)
+
+Inner layer (only the server can open it)::
+
+    inner      = HPKE.Seal(pk_server, info = "shuffledp/inner" || version:u8 || key_epoch:u32 || round_id:u64,
+                           pt = payload)                      # = enc:32B || ct(payload) || tag:16B
+
+Outer layer (only the shuffler can open it)::
+
+    message    = "shuffledp/report-signature/v1" || binding || report_id:16B || len(inner):u64 || SHA-256(inner)
+    outer_pt   = version:u8 || report_id:16B || signer_public_key:32B || Ed25519.Sign(sk_client, message):64B
+                 || inner
+    envelope   = version:u8 || key_epoch:u32 || HPKE.Seal(pk_shuffler, info = "shuffledp/outer" || binding,
+                                                             pt = outer_pt)
+
+The 5-byte clear prefix (version, key epoch) only lets the shuffler reject a stale epoch with a precise reason;
+both values are also bound into ``info``, so changing them makes the envelope undecryptable. The signer's
+public key and the signature sit *inside* the outer layer: the server, which relays envelopes, cannot read
+who signed one. The report id is 16 random bytes from ``secrets``; the shuffler's replay cache is keyed by it
+and by the outer HPKE encapsulated key ``enc`` (fresh per seal).
+
+Sizes: ``len(inner) = len(payload) + 48`` and ``len(envelope) = len(payload) + ENVELOPE_OVERHEAD`` (214 bytes),
+so fixed-length payloads give fixed-length envelopes.
+
+Why these choices: Prochlo's ESA shuffler (Bittau et al., SOSP 2017) used a home-made KDF and no context
+binding; HPKE gives a standard KEM/KDF/AEAD composition, ``info`` binding stops cross-round and cross-model
+replays (the decryption fails), and the signature lets the shuffler count distinct enrolled clients.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
+from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
+
+__all__ = [
+    "ENVELOPE_VERSION",
+    "ENVELOPE_OVERHEAD",
+    "INNER_OVERHEAD",
+    "DIGEST_BYTES",
+    "REPORT_ID_BYTES",
+    "ENC_BYTES",
+    "EnvelopeError",
+    "OpenedReport",
+    "binding",
+    "model_digest",
+    "seal",
+    "open_outer",
+    "OuterOpener",
+    "open_inner",
+    "peek_prefix",
+]
+
+ENVELOPE_VERSION = 1
+DIGEST_BYTES = 32
+REPORT_ID_BYTES = 16
+ENC_BYTES = 32  # X25519 encapsulated key
+_TAG_BYTES = 16  # AES-128-GCM
+_KEY_BYTES = 32
+_SIG_BYTES = 64
+_PREFIX = struct.Struct(">BI")  # version, key_epoch
+_OUTER_HEAD = struct.Struct(f">B{REPORT_ID_BYTES}s{_KEY_BYTES}s{_SIG_BYTES}s")
+INNER_OVERHEAD = ENC_BYTES + _TAG_BYTES
+ENVELOPE_OVERHEAD = _PREFIX.size + ENC_BYTES + _TAG_BYTES + _OUTER_HEAD.size + INNER_OVERHEAD
+MIN_ENVELOPE_BYTES = ENVELOPE_OVERHEAD
+
+_SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
+_MAX_U32 = 2**32 - 1
+_MAX_U64 = 2**64 - 1
+_SIG_DOMAIN = b"shuffledp/report-signature/v1"
+_DIGEST_DOMAIN = b"shuffledp/model-digest/v1"
+
+
+class EnvelopeError(ValueError):
+    """An envelope or inner ciphertext was rejected. ``reason`` is a short machine-readable code.
+
+    Reasons: ``malformed`` (too short, bad structure), ``wrong_version``, ``wrong_epoch``, ``undecryptable``
+    (HPKE authentication failed: wrong key, wrong round/epoch/model digest, or modified bytes; these are
+    indistinguishable by design), ``bad_signature``.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class OpenedReport:
+    """What the shuffler learns from a verified envelope (see :func:`open_outer`)."""
+
+    signer_public_key: bytes  # raw Ed25519 public key (32 bytes); looked up in the enrolment
+    report_id: bytes  # 16 random bytes chosen by the client
+    enc: bytes  # outer HPKE encapsulated key (32 bytes), the replay tag
+    inner: bytes | memoryview  # the inner ciphertext (a view, not a copy), forwarded after shuffling
+
+
+def _check_uint(name: str, value: int, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value <= maximum:
+        raise ValueError(f"{name} must be in [0, {maximum}], got {value}")
+
+
+def _check_bytes(name: str, value: object, length: int | None = None) -> bytes:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{name} must be bytes, got {type(value).__name__}")
+    value = bytes(value)
+    if length is not None and len(value) != length:
+        raise ValueError(f"{name} must be exactly {length} bytes, got {len(value)}")
+    return value
+
+
+def binding(key_epoch: int, round_id: int, model_digest: bytes) -> bytes:
+    """The 49-byte context a report is bound to: version, key epoch, round id and model digest."""
+    _check_uint("key_epoch", key_epoch, _MAX_U32)
+    _check_uint("round_id", round_id, _MAX_U64)
+    digest = _check_bytes("model_digest", model_digest, DIGEST_BYTES)
+    return b"SDPB" + struct.pack(">BIQ", ENVELOPE_VERSION, key_epoch, round_id) + digest
+
+
+def _inner_info(key_epoch: int, round_id: int) -> bytes:
+    return b"shuffledp/inner" + struct.pack(">BIQ", ENVELOPE_VERSION, key_epoch, round_id)
+
+
+def _outer_info(bind: bytes) -> bytes:
+    return b"shuffledp/outer" + bind
+
+
+def _signed_message(bind: bytes, report_id: bytes, inner: bytes | memoryview) -> bytes:
+    # The signature covers a SHA-256 of the inner ciphertext rather than the ciphertext itself, so that
+    # Ed25519 (which hashes its message twice with SHA-512) stays cheap for megabyte-sized reports.
+    return (
+        _SIG_DOMAIN
+        + bind
+        + report_id
+        + struct.pack(">Q", len(inner))
+        + hashlib.sha256(inner).digest()
+    )
+
+
+def model_digest(chunks: Iterable[bytes]) -> bytes:
+    """SHA-256 over domain tag || count-free sequence of (len:u64 || chunk) for each chunk.
+
+    Each chunk is length-prefixed, so no two different chunk sequences hash the same input. Chunks may be any
+    bytes-like objects (for example ``memoryview`` of a contiguous numpy array). Returns 32 bytes.
+    """
+    h = hashlib.sha256(_DIGEST_DOMAIN)
+    for i, chunk in enumerate(chunks):
+        try:
+            view = memoryview(chunk)
+        except TypeError:
+            raise TypeError(f"model_digest: chunk {i} must be bytes-like, got {type(chunk).__name__}") from None
+        if not view.c_contiguous:
+            raise ValueError(f"model_digest: chunk {i} is not C-contiguous; pass a contiguous copy")
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        h.update(struct.pack(">Q", view.nbytes))
+        h.update(view)
+    return h.digest()
+
+
+def seal(
+    payload: bytes,
+    *,
+    server_public_key: bytes,
+    shuffler_public_key: bytes,
+    signing_key: bytes,
+    key_epoch: int,
+    round_id: int,
+    model_digest: bytes,
+) -> bytes:
+    """Seal ``payload`` into an envelope (format version 1, see the module docstring).
+
+    Keys are raw bytes: X25519 public keys of the server and the shuffler (32 bytes each) and the client's
+    Ed25519 private key (32 bytes). Returns ``len(payload) + ENVELOPE_OVERHEAD`` bytes.
+    """
+    payload = _check_bytes("payload", payload)
+    server_pk = x25519.X25519PublicKey.from_public_bytes(
+        _check_bytes("server_public_key", server_public_key, _KEY_BYTES)
+    )
+    shuffler_pk = x25519.X25519PublicKey.from_public_bytes(
+        _check_bytes("shuffler_public_key", shuffler_public_key, _KEY_BYTES)
+    )
+    sk = ed25519.Ed25519PrivateKey.from_private_bytes(_check_bytes("signing_key", signing_key, _KEY_BYTES))
+    bind = binding(key_epoch, round_id, model_digest)
+
+    inner = _SUITE.encrypt(payload, server_pk, info=_inner_info(key_epoch, round_id))
+    report_id = secrets.token_bytes(REPORT_ID_BYTES)
+    signature = sk.sign(_signed_message(bind, report_id, inner))
+    signer = sk.public_key().public_bytes_raw()
+    outer_pt = _OUTER_HEAD.pack(ENVELOPE_VERSION, report_id, signer, signature) + inner
+    return _PREFIX.pack(ENVELOPE_VERSION, key_epoch) + _SUITE.encrypt(
+        outer_pt, shuffler_pk, info=_outer_info(bind)
+    )
+
+
+def peek_prefix(envelope: bytes) -> tuple[int, int]:
+    """Return the clear ``(version, key_epoch)`` prefix of an envelope (unauthenticated until opened)."""
+    if len(envelope) < _PREFIX.size:
+        raise EnvelopeError("malformed", f"envelope is {len(envelope)} bytes, shorter than its 5-byte prefix")
+    version, epoch = _PREFIX.unpack_from(envelope, 0)
+    return version, epoch
+
+
+def open_outer(
+    envelope: bytes,
+    *,
+    shuffler_private_key: bytes,
+    key_epoch: int,
+    round_id: int,
+    model_digest: bytes,
+) -> OpenedReport:
+    """Open and verify the outer layer (the shuffler's side).
+
+    Checks, in order: length, version, key epoch, HPKE authentication under the expected binding, inner
+    version, and the Ed25519 signature over (binding, report id, inner) by the key carried inside. Enrolment of
+    that key is the caller's check. Raises :class:`EnvelopeError` with a ``reason`` on any failure.
+    """
+    sk = x25519.X25519PrivateKey.from_private_bytes(
+        _check_bytes("shuffler_private_key", shuffler_private_key, _KEY_BYTES)
+    )
+    return OuterOpener(sk, key_epoch=key_epoch, round_id=round_id, model_digest=model_digest).open(envelope)
+
+
+class OuterOpener:
+    """:func:`open_outer` with the key and binding prepared once, for opening a whole batch."""
+
+    def __init__(
+        self, private_key: x25519.X25519PrivateKey, *, key_epoch: int, round_id: int, model_digest: bytes
+    ) -> None:
+        self._sk = private_key
+        self._epoch = key_epoch
+        self._bind = binding(key_epoch, round_id, model_digest)
+        self._info = _outer_info(self._bind)
+
+    def open(self, envelope: bytes) -> OpenedReport:
+        if not isinstance(envelope, (bytes, bytearray, memoryview)):
+            raise TypeError(f"envelope must be bytes, got {type(envelope).__name__}")
+        if len(envelope) < ENVELOPE_OVERHEAD:
+            raise EnvelopeError(
+                "malformed", f"envelope is {len(envelope)} bytes; at least {ENVELOPE_OVERHEAD} are required"
+            )
+        version, epoch = peek_prefix(envelope)
+        if version != ENVELOPE_VERSION:
+            raise EnvelopeError(
+                "wrong_version", f"envelope version {version}; this shuffler speaks {ENVELOPE_VERSION}"
+            )
+        if epoch != self._epoch:
+            raise EnvelopeError("wrong_epoch", f"envelope key epoch {epoch}; expected {self._epoch}")
+        body = memoryview(envelope)[_PREFIX.size :]
+        try:
+            outer_pt = _SUITE.decrypt(body, self._sk, info=self._info)
+        except (InvalidTag, ValueError) as exc:
+            raise EnvelopeError("undecryptable", "outer layer failed HPKE authentication") from exc
+        if len(outer_pt) < _OUTER_HEAD.size + INNER_OVERHEAD:
+            raise EnvelopeError("malformed", "outer plaintext too short")
+        inner_version, report_id, signer, signature = _OUTER_HEAD.unpack_from(outer_pt, 0)
+        if inner_version != ENVELOPE_VERSION:
+            raise EnvelopeError("wrong_version", f"outer plaintext version {inner_version}")
+        inner = memoryview(outer_pt)[_OUTER_HEAD.size :]
+        try:
+            pk = ed25519.Ed25519PublicKey.from_public_bytes(signer)
+            pk.verify(signature, _signed_message(self._bind, report_id, inner))
+        except (InvalidSignature, ValueError) as exc:
+            raise EnvelopeError("bad_signature", "report signature does not verify") from exc
+        return OpenedReport(signer_public_key=signer, report_id=report_id, enc=bytes(body[:ENC_BYTES]), inner=inner)
+
+
+def open_inner(inner: bytes, *, server_private_key: bytes, key_epoch: int, round_id: int) -> bytes:
+    """Open an inner ciphertext (the server's side) and return the payload.
+
+    Raises :class:`EnvelopeError` (reason ``undecryptable``) if the key, key epoch or round id do not match or
+    the bytes were modified, and ``malformed`` if it is shorter than the HPKE overhead.
+    """
+    _check_uint("key_epoch", key_epoch, _MAX_U32)
+    _check_uint("round_id", round_id, _MAX_U64)
+    sk = x25519.X25519PrivateKey.from_private_bytes(
+        _check_bytes("server_private_key", server_private_key, _KEY_BYTES)
+    )
+    inner = _check_bytes("inner", inner)
+    if len(inner) < INNER_OVERHEAD:
+        raise EnvelopeError("malformed", f"inner ciphertext is {len(inner)} bytes; at least {INNER_OVERHEAD} needed")
+    try:
+        return _SUITE.decrypt(inner, sk, info=_inner_info(key_epoch, round_id))
+    except (InvalidTag, ValueError) as exc:
+        raise EnvelopeError("undecryptable", "inner layer failed HPKE authentication") from exc
+
+
+def constant_time_equal(a: bytes, b: bytes) -> bool:
+    """Compare two byte strings in constant time (for digests)."""
+    return hmac.compare_digest(a, b)

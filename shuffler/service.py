@@ -1,0 +1,232 @@
+"""Thin gRPC layer over :mod:`shuffler.core`: translate requests, map refusals to status codes, serve.
+
+Status codes (the reason tag is the first word of the details string, ``"<reason>: <message>"``):
+
+=====================  ==================================================================================
+INVALID_ARGUMENT       no header / header not first / second header, protocol version, model digest not 32
+                       bytes, empty batch (expected_count 0), count mismatch, mixed inner lengths, bad
+                       batch id
+FAILED_PRECONDITION    key epoch is not the shuffler's, fewer than k distinct enrolled signers (below_threshold)
+ALREADY_EXISTS         a different batch was already sealed for this (key epoch, round) (binding_used)
+RESOURCE_EXHAUSTED     expected_count above max_batch_reports; a message above the gRPC size limit (gRPC)
+NOT_FOUND              fetch of an unknown batch id
+PERMISSION_DENIED      mTLS peer certificate CN not in ``client_common_names``
+INTERNAL               unexpected server error (details never include report data)
+UNAVAILABLE            (client side) TLS handshake failed, e.g. a peer without a certificate from the CA
+=====================  ==================================================================================
+
+Per-envelope failures are not errors: they are counted drops, reported per reason in the attestation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shuffler import keys as keyfiles
+from shuffler import shuffler_pb2 as pb
+from shuffler import shuffler_pb2_grpc as pb_grpc
+from shuffler.config import ServiceConfig, load_config
+from shuffler.core import CoreConfig, Header, Refused, ShufflerCore
+
+__all__ = ["SERVICE_NAME", "STATUS_FOR", "ShufflerServicer", "build_server", "serve", "grpc_options"]
+
+log = logging.getLogger("shuffler.service")
+SERVICE_NAME = "shuffledp.shuffler.v1.Shuffler"
+#: Slack above max_envelope_bytes for protobuf framing of one SubmitRequest.
+FRAMING_SLACK = 1024
+
+STATUS_FOR: dict[str, grpc.StatusCode] = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
+def grpc_options(max_envelope_bytes: int) -> list[tuple[str, int]]:
+    """Channel/server options: message limits just above the largest allowed envelope."""
+    limit = max_envelope_bytes + FRAMING_SLACK
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
+class ShufflerServicer(pb_grpc.ShufflerServicer):
+    """The Shuffler service. Never forwards peer, time, identity or position."""
+
+    def __init__(self, core: ShufflerCore, client_common_names: tuple[str, ...] | None) -> None:
+        self.core = core
+        self.allowed = set(client_common_names) if client_common_names else None
+
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        if self.allowed is None:
+            return
+        names = {n.decode(errors="replace") for n in context.auth_context().get("x509_common_name", [])}
+        if not names & self.allowed:
+            raise Refused("permission_denied", "client_not_allowed", "client certificate is not allowed here")
+
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, exc: Refused) -> None:
+        context.abort(STATUS_FOR[exc.code], f"{exc.reason}: {exc}")
+
+    def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> pb.SubmitResponse:
+        builder = None
+        refusal: Refused | None = None
+        try:
+            self._authorize(context)
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("item") != "header":
+                raise Refused("invalid_argument", "no_header", "the first message of Submit must be a SubmitHeader")
+            h = first.header
+            builder = self.core.begin(
+                Header(
+                    protocol_version=h.protocol_version,
+                    key_epoch=h.key_epoch,
+                    round_id=h.round_id,
+                    model_digest=bytes(h.model_digest),
+                    expected_count=h.expected_count,
+                )
+            )
+            for req in request_iterator:
+                if req.WhichOneof("item") != "envelope":
+                    raise Refused("invalid_argument", "not_envelope", "only envelopes may follow the header")
+                builder.add(req.envelope)
+            sealed = builder.finish()
+            return pb.SubmitResponse(batch_id=sealed.batch_id, statement=sealed.statement, signature=sealed.signature)
+        except Refused as exc:
+            refusal = exc
+        except Exception as exc:  # noqa: BLE001 - the edge: log the type only, never report data
+            if not context.is_active():
+                log.info("submit: stream ended by the client (%s)", type(exc).__name__)
+                return pb.SubmitResponse()
+            log.error("submit: internal error (%s)", type(exc).__name__)
+            context.abort(grpc.StatusCode.INTERNAL, "internal error")
+        finally:
+            if builder is not None:
+                builder.abort()
+        self._abort(context, refusal)  # type: ignore[arg-type]  # raises
+        return pb.SubmitResponse()
+
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FetchResponse]:
+        try:
+            self._authorize(context)
+            chunks = self.core.read_batch(bytes(request.batch_id))
+        except Refused as exc:
+            self._abort(context, exc)
+            return
+        for chunk in chunks:
+            yield pb.FetchResponse(inner=chunk)
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        try:
+            self._authorize(context)
+        except Refused as exc:
+            self._abort(context, exc)
+        s = self.core.stats()
+        return pb.StatsResponse(
+            batches_sealed=s["batches_sealed"],
+            batches_refused=s["batches_refused"],
+            reports_accepted=s["reports_accepted"],
+            dropped=s["dropped"],
+        )
+
+
+def core_from_config(config: ServiceConfig) -> ShufflerCore:
+    """Load keys and enrolment named by the config and open (recover) the journal."""
+    return ShufflerCore(
+        CoreConfig(
+            key_epoch=config.key_epoch,
+            k=config.k,
+            hpke_private_key=keyfiles.load_private_key(config.hpke_key, "x25519"),
+            signing_private_key=keyfiles.load_private_key(config.signing_key, "ed25519"),
+            enrolment=keyfiles.load_enrolment(config.enrolment),
+            journal_dir=config.journal_dir,
+            max_envelope_bytes=config.max_envelope_bytes,
+            max_batch_reports=config.max_batch_reports,
+        )
+    )
+
+
+def build_server(
+    config: ServiceConfig, core: ShufflerCore, *, max_workers: int = 8
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Create and start the gRPC server; returns ``(server, bound_port, health_servicer)``."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shuffler"),
+        options=grpc_options(config.max_envelope_bytes),
+        maximum_concurrent_rpcs=4 * max_workers,
+    )
+    pb_grpc.add_ShufflerServicer_to_server(
+        ShufflerServicer(core, config.tls.client_common_names if config.tls else None), server
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if config.insecure:
+        port = server.add_insecure_port(config.address)
+    else:
+        if config.tls is None:
+            raise ValueError("a [tls] section is required unless insecure = true")
+        creds = grpc.ssl_server_credentials(
+            [(config.tls.key.read_bytes(), config.tls.cert.read_bytes())],
+            root_certificates=config.tls.ca.read_bytes(),
+            require_client_auth=True,
+        )
+        port = server.add_secure_port(config.address, creds)
+    if port == 0:
+        raise OSError(f"could not bind {config.address}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def serve(config_path: str | os.PathLike[str], *, port_file: str | os.PathLike[str] | None = None) -> int:
+    """Run the service until SIGTERM/SIGINT, then stop gracefully. Returns the exit code."""
+    config = load_config(config_path)
+    core = core_from_config(config)
+    if core.journal.torn_bytes:
+        log.warning("recovered journal: ignored a torn tail of %d bytes", core.journal.torn_bytes)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server, port, health_servicer = build_server(config, core)
+    log.info(
+        "shuffler serving on port %d (key epoch %d, k=%d, %d enrolled clients, %s, %d sealed batches recovered)",
+        port,
+        config.key_epoch,
+        config.k,
+        len(core.config.enrolment),
+        "INSECURE (loopback test mode)" if config.insecure else "mTLS",
+        len(core._sealed),
+    )
+    if port_file is not None:
+        _write_port_file(Path(port_file), port)
+    while not stop.wait(0.5):
+        pass
+    log.info("shuffler stopping (signal received)")
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=10).wait()
+    core.close()
+    log.info("shuffler stopped")
+    return 0

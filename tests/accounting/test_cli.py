@@ -1,0 +1,253 @@
+"""The ``shuffledp account`` / ``shuffledp ledger`` contract (issue 2), run as real subprocesses.
+
+Exit 0 with exactly one JSON object on stdout under ``--json``; exit 2 with the reason on stderr and nothing on
+stdout for invalid or refused parameters. A few error cases are also driven in-process through
+``accounting.cli.main`` to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from accounting import FAMILIES, bounds
+from accounting.cli import main
+from accounting.ledger import Ledger
+
+EXPECTED_FAMILIES = (
+    "clones", "clones-focs", "ccg-gdp", "ccg-rdp", "girgis", "fmt", "rr-lower", "canonical-gdp", "no-shuffle",
+)
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m server.cli ARGS`` (the ``shuffledp`` entry point) and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def ok_json(*args: str) -> dict[str, object]:
+    proc = run(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, f"expected exactly one JSON line, got {proc.stdout!r}"
+    obj = json.loads(lines[0])
+    assert isinstance(obj, dict)
+    return obj
+
+
+def ok_json_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    """Like :func:`ok_json`, through ``accounting.cli.main`` in this process (no interpreter start-up)."""
+    code = main([*args, "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    lines = captured.out.strip().splitlines()
+    assert len(lines) == 1, f"expected exactly one JSON line, got {captured.out!r}"
+    obj = json.loads(lines[0])
+    assert isinstance(obj, dict)
+    return obj
+
+
+def test_the_families_of_the_contract() -> None:
+    assert tuple(FAMILIES) == EXPECTED_FAMILIES
+
+
+def test_epsilon_json_contract() -> None:
+    obj = ok_json("account", "epsilon", "--eps0", "2", "--n", "10000", "--delta", "1e-6")
+    assert set(obj) == {"quantity", "value", "kind", "bound", "eps0", "n", "delta", "rounds"}
+    assert obj["quantity"] == "epsilon" and obj["kind"] == "upper" and obj["bound"] == "clones"
+    assert obj["eps0"] == 2.0 and obj["n"] == 10000 and obj["delta"] == 1e-6 and obj["rounds"] == 1
+    assert isinstance(obj["value"], float)
+    assert obj["value"] == pytest.approx(0.1143996153, rel=1e-6)  # reference: exact stronger-clone value
+    assert obj["value"] == bounds.epsilon("clones", 2.0, 10000, 1e-6, 1).value
+
+
+def test_epsilon_with_bound_rounds_and_scientific_n(capsys: pytest.CaptureFixture[str]) -> None:
+    obj = ok_json_in_process(capsys, "account", "epsilon", "--eps0", "1", "--n", "1e4", "--delta", "1e-6", "--rounds", "10",
+                  "--bound", "clones-focs")
+    assert obj["bound"] == "clones-focs" and obj["rounds"] == 10 and obj["n"] == 10000
+    assert obj["value"] == bounds.epsilon("clones-focs", 1.0, 10000, 1e-6, 10).value
+
+
+def test_epsilon_table_without_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["account", "epsilon", "--eps0", "2", "--n", "10000", "--delta", "1e-6"]) == 0
+    out = capsys.readouterr().out
+    value = bounds.epsilon("clones", 2.0, 10000, 1e-6, 1).value
+    assert "upper" in out and f"{value:.10g}" in out and "clones" in out
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out)
+
+
+def test_delta_renyi_and_calibrate_json_contracts(capsys: pytest.CaptureFixture[str]) -> None:
+    obj = ok_json("account", "delta", "--eps0", "2", "--n", "10000", "--epsilon", "0.1")
+    assert set(obj) == {"quantity", "value", "kind", "bound", "eps0", "n", "epsilon", "rounds"}
+    assert obj["quantity"] == "delta" and obj["epsilon"] == 0.1 and obj["kind"] == "upper"
+    assert obj["value"] == pytest.approx(6.021292672e-06, rel=1e-6)  # reference value
+
+    obj = ok_json_in_process(capsys, "account", "renyi", "--eps0", "1", "--n", "10000", "--order", "2")
+    assert set(obj) == {"quantity", "value", "kind", "bound", "eps0", "n", "order", "rounds"}
+    assert obj["quantity"] == "renyi" and obj["order"] == 2.0
+    assert obj["value"] == pytest.approx(1.588158093e-4, rel=1e-6)  # reference value
+
+    obj = ok_json_in_process(capsys, "account", "calibrate", "--target-epsilon", "1", "--delta", "1e-6",
+                             "--n", "10000", "--rounds", "1")
+    assert set(obj) == {"quantity", "value", "kind", "bound", "target_epsilon", "delta", "n", "rounds"}
+    assert obj["quantity"] == "eps0" and obj["target_epsilon"] == 1.0 and obj["rounds"] == 1
+    assert obj["kind"] == "upper" and obj["bound"] == "clones"
+    eps0 = obj["value"]
+    assert isinstance(eps0, float) and eps0 > 1.0  # amplification: n = 1e4 reports allow eps0 well above 1
+    assert bounds.epsilon("clones", eps0, 10000, 1e-6, 1).value <= 1.0  # calibrated eps0 respects the target
+
+    obj = ok_json_in_process(capsys, "account", "calibrate", "--target-epsilon", "0.5", "--delta", "1e-6",
+                             "--n", "10000", "--rounds", "2", "--bound", "ccg-gdp")
+    assert obj["bound"] == "ccg-gdp" and obj["kind"] == "approximate" and obj["rounds"] == 2
+
+
+def test_clt_refusal_and_allow_approximate(capsys: pytest.CaptureFixture[str]) -> None:
+    # n/(e^eps0+1) = 1e4/(e^8+1) ~ 3.4 expected clones < 2 ln(1/delta) ~ 27.6 -> refused
+    args = ("account", "epsilon", "--eps0", "8", "--n", "10000", "--delta", "1e-6", "--bound", "ccg-gdp", "--json")
+    proc = run(*args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "refused" in proc.stderr and proc.stderr.strip()
+    obj = ok_json_in_process(capsys, *args[:-1], "--allow-approximate")
+    assert obj["kind"] == "approximate" and obj["bound"] == "ccg-gdp"
+
+
+def test_fmt_outside_its_validity_region_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # log(n / (16 log(2/delta))) = log(1000 / (16 log 2e6)) ~ 1.4 < eps0 = 4
+    assert main(["account", "epsilon", "--eps0", "4", "--n", "1000", "--delta", "1e-6", "--bound", "fmt",
+                 "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "refused" in captured.err and "fmt" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--eps0", "-1", "--n", "100", "--delta", "1e-6"), "--eps0"),
+        (("--eps0", "nan", "--n", "100", "--delta", "1e-6"), "--eps0"),
+        (("--eps0", "1", "--n", "0", "--delta", "1e-6"), "--n"),
+        (("--eps0", "1", "--n", "1.5", "--delta", "1e-6"), "--n"),
+        (("--eps0", "1", "--n", "100", "--delta", "1"), "--delta"),
+        (("--eps0", "1", "--n", "100"), "--delta"),
+        (("--eps0", "1", "--n", "100", "--delta", "1e-6", "--bound", "nope"), "--bound"),
+        (("--eps0", "1", "--n", "100", "--delta", "1e-6", "--rounds", "0"), "--rounds"),
+        (("--eps0", "1", "--n", "100", "--delta", "1e-6", "--unknown"), "unrecognized"),
+    ],
+)
+def test_invalid_parameters_exit_2_in_process(
+    args: tuple[str, ...], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["account", "epsilon", *args, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and needle in captured.err
+
+
+def test_invalid_parameters_exit_2_through_the_dispatcher() -> None:
+    proc = run("account", "renyi", "--eps0", "1", "--n", "100", "--order", "1", "--json")
+    assert proc.returncode == 2 and proc.stdout == "" and "--order" in proc.stderr
+    proc = run("account", "frobnicate")
+    assert proc.returncode == 2 and proc.stdout == "" and "frobnicate" in proc.stderr
+
+
+def test_compare_lists_every_family_and_never_a_number_for_a_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    obj = ok_json_in_process(capsys, "account", "compare", "--eps0", "8", "--n", "10000", "--delta", "1e-6")
+    assert obj["quantity"] == "epsilon" and obj["n"] == 10000
+    results = obj["results"]
+    assert [r["bound"] for r in results] == list(EXPECTED_FAMILIES)
+    by_family = {r["bound"]: r for r in results}
+    assert by_family["ccg-gdp"]["kind"] == "refused" and by_family["ccg-gdp"]["value"] is None
+    assert by_family["ccg-gdp"]["reason"]
+    assert by_family["clones"]["kind"] == "upper"
+    assert by_family["clones"]["value"] == bounds.epsilon("clones", 8.0, 10000, 1e-6).value
+    for r in results:
+        assert (r["value"] is None) == (r["kind"] == "refused")
+        if r["kind"] == "upper":
+            assert r["value"] >= by_family["rr-lower"]["value"] * (1 - 1e-9)
+
+
+def test_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["account", "compare", "--eps0", "2", "--n", "10000", "--delta", "1e-6", "--bound", "clones",
+                 "--bound", "rr-lower"]) == 0
+    out = capsys.readouterr().out
+    assert "clones" in out and "rr-lower" in out and "guarantee" in out and "lower bound" in out
+    assert "ccg-gdp" not in out
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "eps.png"
+    obj = ok_json_in_process(capsys, "account", "plot", "--eps0", "1", "--n", "10000", "--delta", "1e-6", "--max-rounds", "10",
+                  "--points", "3", "--bound", "clones", "--bound", "rr-lower", "--out", str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    series = {s["bound"]: s for s in obj["series"]}
+    assert set(series) == {"clones", "rr-lower"}
+    xs = [p[0] for p in series["clones"]["points"]]
+    assert xs[0] == 1 and xs[-1] == 10
+    values = [p[1] for p in series["clones"]["points"]]
+    assert all(b > a for a, b in zip(values, values[1:]))
+    assert values[-1] == bounds.epsilon("clones", 1.0, 10000, 1e-6, 10).value
+
+
+def test_plot_versus_n_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "n.png"
+    code = main(["account", "plot", "--x", "n", "--eps0", "4", "--delta", "1e-6", "--n-min", "1000",
+                 "--n-max", "100000", "--points", "3", "--bound", "fmt", "--bound", "clones", "--out", str(out)])
+    assert code == 0 and out.stat().st_size > 0
+    text = capsys.readouterr().out
+    assert "fmt" in text and "refused" in text  # fmt is outside its region at n = 1000, eps0 = 4
+
+
+def _ledger(path: Path) -> None:
+    with Ledger(path) as ledger:
+        for rnd in (1, 2):
+            ledger.append(
+                round=rnd, n_reports=10_000, eps0=1.0, mechanism="binary-rr", delta=1e-6,
+                epsilons={"clones": 0.1 * rnd, "ccg-gdp": None}, kinds={"clones": "upper", "ccg-gdp": "refused"},
+                reasons={"ccg-gdp": "a reason"},
+            )
+
+
+def test_ledger_show_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "ledger.db"
+    _ledger(path)
+    obj = ok_json("ledger", "show", str(path))
+    assert [r["round"] for r in obj["rows"]] == [1, 2]
+    assert obj["rows"][1]["epsilons"]["clones"]["value"] == 0.2
+    assert main(["ledger", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "binary-rr" in out and "refused" in out and "0.2" in out
+    proc = run("ledger", "export", str(path), "--format", "json", "--out", str(tmp_path / "export.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert main(["ledger", "export", str(path), "--format", "csv", "--out", str(tmp_path / "export.csv")]) == 0
+    assert json.loads((tmp_path / "export.json").read_text())["rows"] == obj["rows"]
+    assert (tmp_path / "export.csv").read_text().splitlines()[0].startswith("round,time,n_reports,eps0")
+
+
+def test_ledger_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.db"
+    assert main(["ledger", "show", str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "does not exist" in captured.err
+    assert not missing.exists()
+    assert main(["ledger", "export", str(missing), "--format", "xml", "--out", str(tmp_path / "x")]) == 2
+    assert "--format" in capsys.readouterr().err
+
+
+def test_account_imports_no_torch_flwr_grpc_or_matplotlib() -> None:
+    code = (
+        "import sys\n"
+        "from server.cli import main\n"
+        "rc = main(['account', 'compare', '--eps0', '1', '--n', '1000', '--delta', '1e-6', '--json'])\n"
+        "assert rc == 0, rc\n"
+        "bad = [m for m in ('torch', 'flwr', 'grpc', 'matplotlib') if m in sys.modules]\n"
+        "print('BAD', bad, file=sys.stderr)\n"
+        "raise SystemExit(3 if bad else 0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert math.isfinite(json.loads(proc.stdout)["results"][0]["value"])

@@ -1,0 +1,282 @@
+"""The SQLite ledger: append-only, one row per round, exports, and durability under SIGKILL."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from accounting.ledger import LEDGER_FORMAT, Ledger, LedgerError
+
+FAMILIES_IN_TEST = ("clones", "ccg-gdp", "rr-lower")
+
+
+def _append(ledger: Ledger, rnd: int, **overrides: object) -> None:
+    record: dict[str, object] = {
+        "round": rnd,
+        "n_reports": 1000 + rnd,
+        "eps0": 1.0,
+        "mechanism": "laplace(d=10,C=1,b=2)",
+        "delta": 1e-6,
+        "epsilons": {"clones": 0.1 * rnd, "ccg-gdp": 0.05 * rnd, "rr-lower": 0.01 * rnd},
+        "kinds": {"clones": "upper", "ccg-gdp": "approximate", "rr-lower": "lower"},
+    }
+    record.update(overrides)
+    ledger.append(**record)  # type: ignore[arg-type]
+
+
+def test_round_trip_of_rows_and_order(tmp_path: Path) -> None:
+    with Ledger(tmp_path / "l.db") as ledger:
+        assert ledger.last_round() is None
+        assert ledger.rows() == []
+        for rnd in (1, 2, 5):
+            _append(ledger, rnd)
+        rows = ledger.rows()
+        assert [r["round"] for r in rows] == [1, 2, 5]
+        assert ledger.last_round() == 5 and len(ledger) == 3
+        row = rows[2]
+        assert row["n_reports"] == 1005 and row["eps0"] == 1.0 and row["delta"] == 1e-6
+        assert row["mechanism"] == "laplace(d=10,C=1,b=2)" and row["default_family"] == "clones"
+        assert list(row["epsilons"]) == list(FAMILIES_IN_TEST)  # default family first
+        assert row["epsilons"]["clones"] == {"value": 0.1 * 5, "kind": "upper", "reason": None}
+        assert row["epsilons"]["rr-lower"]["kind"] == "lower"
+        parsed = datetime.fromisoformat(row["time"])
+        assert parsed.utcoffset() == timedelta(0)
+        assert abs((datetime.now(timezone.utc) - parsed).total_seconds()) < 60
+    # reopening sees the same rows
+    with Ledger(tmp_path / "l.db", create=False) as again:
+        assert again.rows() == rows
+
+
+def test_default_family_is_stored_first_even_if_given_last(tmp_path: Path) -> None:
+    with Ledger(tmp_path / "l.db") as ledger:
+        _append(
+            ledger, 1,
+            epsilons={"rr-lower": 0.01, "clones-focs": 0.2},
+            kinds={"rr-lower": "lower", "clones-focs": "upper"},
+            default_family="clones-focs",
+        )
+        assert list(ledger.rows()[0]["epsilons"]) == ["clones-focs", "rr-lower"]
+
+
+def test_explicit_time_is_stored_in_utc(tmp_path: Path) -> None:
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone(timedelta(hours=2)))
+    with Ledger(tmp_path / "l.db") as ledger:
+        _append(ledger, 1, time=when)
+        assert ledger.rows()[0]["time"] == "2026-01-02T01:04:05.000000+00:00"
+        with pytest.raises(LedgerError, match="timezone-aware"):
+            _append(ledger, 2, time=datetime(2026, 1, 2))
+
+
+def test_duplicate_round_raises_and_keeps_the_stored_row(tmp_path: Path) -> None:
+    with Ledger(tmp_path / "l.db") as ledger:
+        _append(ledger, 1)
+        _append(ledger, 2)
+        before = ledger.rows()
+        with pytest.raises(LedgerError, match="round 2 is already in the ledger"):
+            _append(ledger, 2, eps0=9.0, epsilons={"clones": 9.0}, kinds={"clones": "upper"})
+        assert ledger.rows() == before
+        with pytest.raises(LedgerError, match="before the last recorded round 2"):
+            _append(ledger, 0)
+        assert ledger.rows() == before
+        _append(ledger, 3)  # the ledger is still usable after a refusal
+        assert ledger.last_round() == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"round": -1}, "round must be an integer >= 0"),
+        ({"round": 1.5}, "round must be an integer"),
+        ({"n_reports": 0}, "n_reports must be an integer >= 1"),
+        ({"n_reports": True}, "boolean"),
+        ({"eps0": 0.0}, "eps0 must be a finite real number > 0"),
+        ({"eps0": float("inf")}, "eps0 must be a finite"),
+        ({"delta": 1.0}, r"delta must be a finite real number in \(0.0, 1.0\)"),
+        ({"mechanism": " "}, "mechanism must be a non-empty string"),
+        ({"epsilons": {"clones": 0.1}}, "same families"),
+        ({"epsilons": {}, "kinds": {}}, "at least the default family"),
+        ({"kinds": {"clones": "upper", "ccg-gdp": "guess", "rr-lower": "lower"}}, "kind of 'ccg-gdp' must be one of"),
+        ({"epsilons": {"clones": float("nan"), "ccg-gdp": 0.1, "rr-lower": 0.0}}, "epsilon of 'clones' must be a finite"),
+        ({"epsilons": {"clones": -0.1, "ccg-gdp": 0.1, "rr-lower": 0.0}}, "epsilon of 'clones' must be a finite"),
+        ({"default_family": "fmt"}, "default_family 'fmt' must be one of the recorded families"),
+        (
+            {"epsilons": {"clones": 0.1, "ccg-gdp": None, "rr-lower": 0.0},
+             "kinds": {"clones": "upper", "ccg-gdp": "refused", "rr-lower": "lower"}},
+            r"give its reason in reasons\['ccg-gdp'\]",
+        ),
+        (
+            {"epsilons": {"clones": 0.1, "ccg-gdp": 0.2, "rr-lower": 0.0},
+             "kinds": {"clones": "upper", "ccg-gdp": "refused", "rr-lower": "lower"}, "reasons": {"ccg-gdp": "x"}},
+            "its epsilon must be None",
+        ),
+        ({"reasons": {"clones": "why"}}, "not refused"),
+        (
+            {"epsilons": {"clones": None}, "kinds": {"clones": "refused"}, "reasons": {"clones": "outside region"}},
+            "the default family 'clones' refused",
+        ),
+    ],
+)
+def test_invalid_records_are_refused_and_nothing_is_written(
+    tmp_path: Path, overrides: dict[str, object], message: str
+) -> None:
+    with Ledger(tmp_path / "l.db") as ledger:
+        _append(ledger, 1)
+        before = ledger.rows()
+        with pytest.raises(LedgerError, match=message):
+            _append(ledger, 2, **overrides)
+        assert ledger.rows() == before
+
+
+def test_refused_family_is_stored_without_a_number(tmp_path: Path) -> None:
+    with Ledger(tmp_path / "l.db") as ledger:
+        _append(
+            ledger, 1,
+            epsilons={"clones": 0.3, "ccg-gdp": None},
+            kinds={"clones": "upper", "ccg-gdp": "refused"},
+            reasons={"ccg-gdp": "CLT refusal: n/(e^eps0+1) < 2 ln(1/delta)"},
+        )
+        entry = ledger.rows()[0]["epsilons"]["ccg-gdp"]
+        assert entry == {"value": None, "kind": "refused", "reason": "CLT refusal: n/(e^eps0+1) < 2 ln(1/delta)"}
+
+
+def test_sqlite_itself_refuses_update_and_delete(tmp_path: Path) -> None:
+    path = tmp_path / "l.db"
+    with Ledger(path) as ledger:
+        _append(ledger, 1)
+        before = ledger.rows()
+    conn = sqlite3.connect(path)
+    try:
+        for statement in (
+            "UPDATE rounds SET eps0 = 0.5",
+            "DELETE FROM rounds",
+            "UPDATE epsilons SET value = 0.0",
+            "DELETE FROM epsilons",
+            "DELETE FROM meta",
+            "UPDATE meta SET value = 'x'",
+        ):
+            with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+                conn.execute(statement)
+        # a refused kind with a number violates the table's CHECK, even bypassing the Python API
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.execute("INSERT INTO epsilons VALUES (1, 'fmt', 0.5, 'refused', 'x')")
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        conn.close()
+    with Ledger(path, create=False) as ledger:
+        assert ledger.rows() == before
+
+
+def test_open_refuses_missing_and_foreign_files(tmp_path: Path) -> None:
+    with pytest.raises(LedgerError, match="does not exist"):
+        Ledger(tmp_path / "missing.db", create=False)
+    assert not (tmp_path / "missing.db").exists()
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not a database at all" * 100)
+    with pytest.raises(LedgerError, match="not a shuffledp ledger"):
+        Ledger(junk)
+    other = tmp_path / "other.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(LedgerError, match="not a shuffledp ledger"):
+        Ledger(other)
+
+
+def test_export_json_and_csv(tmp_path: Path) -> None:
+    with Ledger(tmp_path / "l.db") as ledger:
+        _append(ledger, 1)
+        _append(
+            ledger, 2,
+            epsilons={"clones": 0.25, "ccg-gdp": None, "rr-lower": 1 / 3},
+            kinds={"clones": "upper", "ccg-gdp": "refused", "rr-lower": "lower"},
+            reasons={"ccg-gdp": "too few clones, refused"},
+        )
+        ledger.export_json(tmp_path / "out.json")
+        ledger.export_csv(tmp_path / "out.csv")
+        rows = ledger.rows()
+    document = json.loads((tmp_path / "out.json").read_text(encoding="utf-8"))
+    assert document["format"] == LEDGER_FORMAT
+    assert document["rows"] == rows
+    with open(tmp_path / "out.csv", newline="", encoding="utf-8") as handle:
+        table = list(csv.DictReader(handle))
+    assert [int(r["round"]) for r in table] == [1, 2]
+    assert float(table[1]["eps[rr-lower]"]) == 1 / 3  # floats written exactly (repr)
+    assert table[1]["eps[ccg-gdp]"] == "" and table[1]["kind[ccg-gdp]"] == "refused"
+    assert table[1]["reason[ccg-gdp]"] == "too few clones, refused"
+    assert float(table[0]["eps[ccg-gdp]"]) == 0.05 and table[0]["kind[ccg-gdp]"] == "approximate"
+    assert table[0]["time"] == rows[0]["time"] and int(table[0]["n_reports"]) == 1001
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    from accounting.ledger import Ledger
+    ledger = Ledger(sys.argv[1])
+    families = [f"family-{i}" for i in range(8)]
+    rnd = 0
+    while True:
+        rnd += 1
+        ledger.append(
+            round=rnd, n_reports=rnd, eps0=1.0, mechanism="rr", delta=1e-6, default_family="family-0",
+            epsilons={f: rnd + i / 10 for i, f in enumerate(families)}, kinds={f: "upper" for f in families},
+        )
+        print(rnd, flush=True)
+    """
+)
+
+
+def test_ledger_survives_sigkill_mid_stream(tmp_path: Path) -> None:
+    path = tmp_path / "killed.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    committed: list[int] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        while len(committed) < 25 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            committed.append(int(line))
+        assert len(committed) >= 25, f"writer stopped early: {proc.stderr.read() if proc.stderr else ''}"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # mid-stream: the writer is still appending
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        conn.close()
+    with Ledger(path, create=False) as ledger:
+        rows = ledger.rows()
+        stored = [r["round"] for r in rows]
+        # every round the writer reported as committed is there, and the stored rounds are a gap-free prefix
+        assert stored[: len(committed)] == committed
+        assert stored == list(range(1, len(stored) + 1))
+        for row in rows:  # no partial round: every round has all 8 families with its exact values
+            assert row["n_reports"] == row["round"]
+            assert row["epsilons"] == {
+                f"family-{i}": {"value": row["round"] + i / 10, "kind": "upper", "reason": None} for i in range(8)
+            }
+        # the reopened ledger accepts the next round and refuses a committed one
+        nxt = stored[-1] + 1
+        ledger.append(round=nxt, n_reports=1, eps0=1.0, mechanism="rr", delta=1e-6,
+                      epsilons={"clones": 1.0}, kinds={"clones": "upper"})
+        with pytest.raises(LedgerError, match="already in the ledger"):
+            ledger.append(round=committed[-1], n_reports=1, eps0=1.0, mechanism="rr", delta=1e-6,
+                          epsilons={"clones": 1.0}, kinds={"clones": "upper"})

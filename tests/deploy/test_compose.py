@@ -1,0 +1,194 @@
+"""deploy/compose.yml and the Dockerfiles, checked without a Docker engine.
+
+What can be checked here: the YAML parses; every build context, Dockerfile and COPY source exists (and is not
+excluded by the Dockerfile's .dockerignore); every host path a service mounts exists once ``deploy keys`` and
+``deploy bundle`` have run; every flag in every service command is a flag of the real CLI (its ``--help``); the
+shuffler is isolated (internal network shared only with the ServerApp executor, no published port, its key
+files mounted nowhere else); the compose run config is accepted by the server's run-config parser.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from server import deploy_cli as dc
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+COMPOSE = DEPLOY / "compose.yml"
+_VAR = re.compile(r"\$\{(?P<name>[A-Z_][A-Z0-9_]*)(?::?[?-][^}]*)?\}")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    doc = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+@pytest.fixture(scope="module")
+def env_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("compose")
+    keys = dc.create_deploy_keys(root / "keys", 2, sans=["superlink", "shuffler"])
+    for i in (0, 1):
+        dc.create_device_bundle(keys, i, root / "devices" / f"node-{i}", eps0=4.0, clip_l1=1.0, prefix="/device")
+    return {"SHUFFLEDP_KEYS": str(keys.root), "SHUFFLEDP_DEVICES": str(root / "devices")}
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    def repl(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in env:
+            raise KeyError(f"compose file uses ${{{name}}}, which the test does not provide")
+        return env[name]
+
+    return _VAR.sub(repl, text)
+
+
+def test_services_and_isolation(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"superlink", "serverapp", "shuffler", "supernode-0", "supernode-1"} <= set(services)
+    networks = compose["networks"]
+    assert networks["shuffle"]["internal"] is True and networks["control"]["internal"] is True
+    on_shuffle = sorted(name for name, s in services.items() if "shuffle" in s.get("networks", []))
+    assert on_shuffle == ["serverapp", "shuffler"]
+    assert services["shuffler"]["networks"] == ["shuffle"]
+    published = sorted(name for name, s in services.items() if s.get("ports"))
+    assert published == ["superlink"]
+    assert all("ports" not in s or name == "superlink" for name, s in services.items())
+
+
+def _mounts(service: dict[str, Any], env: dict[str, str]) -> list[tuple[str, str]]:
+    """(host source, container target) of each volume, with ${VAR} expanded (named volumes kept by name)."""
+    out = []
+    for volume in service.get("volumes", []):
+        src, dst = _expand(volume, env).split(":")[:2]
+        out.append((src, dst))
+    return out
+
+
+def test_private_keys_are_mounted_only_into_their_party(compose: dict[str, Any], env_dirs: dict[str, str]) -> None:
+    keys = Path(env_dirs["SHUFFLEDP_KEYS"])
+    owners = {
+        keys / "shuffler": "shuffler",  # the shuffler's HPKE and signing keys
+        keys / "tls" / "shuffler.key": "shuffler",
+        keys / "enrolment.json": "shuffler",
+        keys / "server": "serverapp",  # the server's HPKE key
+        keys / "tls" / "serverapp.key": "serverapp",
+    }
+    found = set()
+    for name, service in compose["services"].items():
+        for src, _ in _mounts(service, env_dirs):
+            host = Path(src)
+            for secret, owner in owners.items():
+                if host == secret or secret in host.parents or host in secret.parents:
+                    assert name == owner, f"{name} mounts {host}, which only {owner} may hold"
+                    found.add(secret)
+            assert host not in (keys, keys / "clients", keys / "supernodes", keys / "tls"), (
+                f"{name} mounts the whole directory {host}")
+    assert found == set(owners)
+
+
+def test_build_contexts_dockerfiles_and_copy_sources(compose: dict[str, Any]) -> None:
+    built = 0
+    for name, service in compose["services"].items():
+        build = service.get("build")
+        if build is None:
+            # must reuse an image another service builds
+            assert any(s.get("build") and s.get("image") == service["image"] for s in compose["services"].values()), name
+            continue
+        context = (DEPLOY / build["context"]).resolve()
+        assert context.is_dir(), f"{name}: build context {context} does not exist"
+        dockerfile = context / build["dockerfile"]
+        assert dockerfile.is_file(), f"{name}: {dockerfile} does not exist"
+        ignore = dockerfile.with_name(dockerfile.name + ".dockerignore")
+        assert ignore.is_file(), f"{name}: {ignore} missing (the context is the repository root)"
+        kept = {line[1:].rstrip("/") for line in ignore.read_text().splitlines() if line.startswith("!")}
+        for line in dockerfile.read_text().splitlines():
+            if line.startswith("COPY "):
+                sources = [p for p in line.split()[1:-1] if not p.startswith("--")]
+                for src in sources:
+                    assert (context / src).exists(), f"{name}: COPY source {src} missing"
+                    assert src.rstrip("/") in kept, f"{name}: COPY source {src} excluded by {ignore.name}"
+        assert re.search(r"^USER \S+", dockerfile.read_text(), re.M), f"{name}: image runs as root"
+        built += 1
+    assert built == 4
+
+
+def test_mounted_host_paths_exist(compose: dict[str, Any], env_dirs: dict[str, str]) -> None:
+    checked = 0
+    for name, service in compose["services"].items():
+        for src, _ in _mounts(service, env_dirs):
+            if not src.startswith("/"):
+                assert src in compose.get("volumes", {}), f"{name}: named volume {src} not declared"
+                continue
+            assert Path(src).exists(), f"{name}: mounted path {src} does not exist after deploy keys/bundle"
+            checked += 1
+    assert checked >= 15
+
+
+@functools.lru_cache(maxsize=None)
+def _help(*cmd: str) -> str:
+    exe = shutil.which(cmd[0]) or str(Path(sys.executable).parent / cmd[0])
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1", COLUMNS="200")
+    res = subprocess.run([exe, *cmd[1:], "--help"], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, f"{' '.join(cmd)} --help failed: {res.stderr[-500:]}"
+    return res.stdout
+
+
+def _help_for(command: list[str]) -> str:
+    if command[0] == "shuffledp":
+        return _help("shuffledp", "shuffler", "serve")
+    return _help(command[0])
+
+
+def test_commands_use_real_flags(compose: dict[str, Any]) -> None:
+    seen = 0
+    for name, service in compose["services"].items():
+        command = service["command"]
+        assert isinstance(command, list) and command, f"{name}: command must be an exec-form list"
+        text = _help_for([str(c) for c in command])
+        flags = set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", text))
+        for i, arg in enumerate(map(str, command)):
+            if arg.startswith("--"):
+                assert arg in flags, f"{name}: {command[0]} has no flag {arg}"
+                seen += 1
+                choices = re.search(re.escape(arg) + r" \{([a-z,]+)\}", text)
+                if choices:
+                    assert str(command[i + 1]) in choices.group(1).split(","), f"{name}: bad value for {arg}"
+    assert seen >= 20
+    sl = [str(c) for c in compose["services"]["superlink"]["command"]]
+    assert "--enable-supernode-auth" in sl and "--insecure" not in sl and "--ssl-certfile" in sl
+
+
+def test_compose_configs_are_accepted(env_dirs: dict[str, str]) -> None:
+    import tomllib
+
+    from server.config import parse_run_config
+    from shuffler.config import load_config
+
+    keys = dc.DeployKeys(Path(env_dirs["SHUFFLEDP_KEYS"]))
+    conf = load_config(keys.compose_shuffler_config)
+    assert conf.address == "0.0.0.0:7070" and conf.tls is not None and conf.tls.client_common_names == ("serverapp",)
+    overrides = tomllib.loads(keys.compose_run_config.read_text())
+    parsed = parse_run_config(overrides)
+    assert parsed.shuffler_address == "shuffler:7070" and parsed.keys_dir == "/keys"
+    node = tomllib.loads((Path(env_dirs["SHUFFLEDP_DEVICES"]) / "node-1" / "node-config.toml").read_text())
+    assert node["partition-id"] == 1 and node["num-partitions"] == 2 and node["client-key"] == "/device/client.key"
+    # the TLS certificates carry the compose service names the other containers use
+    from cryptography import x509
+
+    for cert_path in (keys.superlink_cert, keys.root / "tls" / "shuffler.crt"):
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName)
+        assert {"superlink", "shuffler", "localhost"} <= set(names), cert_path

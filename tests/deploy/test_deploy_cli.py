@@ -1,0 +1,169 @@
+"""Fast checks of ``shuffledp deploy``: argument validation, the files it writes, the timing breakdown and the
+README's documented command (no Flower processes here)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from server import deploy_cli as dc
+
+README = Path(__file__).resolve().parents[2] / "deploy" / "README.md"
+
+
+def test_readme_local_section_starts_with_the_command() -> None:
+    text = README.read_text()
+    section = text.split("## Local TLS deployment", 1)[1]
+    block = re.search(r"```(?:bash|sh)?\n(.*?)```", section, re.S)
+    assert block is not None
+    command = block.group(1).strip()
+    assert command == "shuffledp deploy local --nodes 3 --rounds 2"
+    args = dc._parser().parse_args(command.split()[2:])
+    assert (args.action, args.nodes, args.rounds) == ("local", 3, 2)
+
+
+def test_readme_sections_exist() -> None:
+    text = README.read_text()
+    for heading in ("## Running the server side", "## Enrolling and starting a device", "## Rotating keys",
+                    "## Simulation across several machines on a Ray cluster", "### ARM devices",
+                    "## Keys and who keeps them"):
+        assert heading in text, heading
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["deploy", "keys", "--out", "X", "--nodes", "0"], "--nodes must be an integer in [1, "),
+        (["deploy", "local", "--nodes", "3", "--min-reports", "4"], "--min-reports must be an integer in [1, 3]"),
+        (["deploy", "local", "--eps0", "-1"], "--eps0 must be a finite number > 0"),
+        (["deploy", "local", "--clip-l1", "nan"], "--clip-l1 must be a finite number > 0"),
+        (["deploy", "local", "--rounds", "0"], "--rounds must be an integer in [1, "),
+    ],
+)
+def test_bad_arguments_are_refused_with_a_reason(argv: list[str], message: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [a if a != "X" else str(tmp_path / "k") for a in argv]
+    assert dc.main(argv) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "k").exists()  # nothing written for a refused command
+
+
+def test_workdir_inside_the_app_is_refused(tmp_path: Path) -> None:
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "pyproject.toml").write_text("[project]\nname='x'\n")
+    cfg = dc.LocalDeployment(workdir=app / "work", app_dir=app)
+    with pytest.raises(dc.DeployError, match="inside the app directory"):
+        cfg.validate()
+
+
+def test_node_config_file_round_trips_through_toml(tmp_path: Path) -> None:
+    keys = dc.create_deploy_keys(tmp_path / "keys with space", 2)
+    conf = dc.node_config(keys, 1, 2, eps0=2.5, clip_l1=0.5)
+    path = dc.write_toml(tmp_path / "n.toml", conf)
+    loaded = tomllib.loads(path.read_text())
+    assert loaded == conf
+    assert Path(loaded["client-key"]).is_file() and " " in loaded["client-key"]
+    assert set(conf) == {"partition-id", "num-partitions", "eps0", "clip-l1", "client-key", "server-public-key",
+                         "shuffler-public-key"}
+    flwr_conf = tomllib.loads(dc.write_flower_config(tmp_path / "home", "127.0.0.1:9", keys.superlink_ca_cert)
+                              .read_text())
+    conn = flwr_conf["superlink"][dc.CONNECTION_NAME]
+    assert flwr_conf["superlink"]["default"] == dc.CONNECTION_NAME
+    assert conn == {"address": "127.0.0.1:9", "root-certificates": str(keys.superlink_ca_cert.resolve())}
+
+
+def test_bundle_holds_only_the_devices_files(tmp_path: Path) -> None:
+    keys = dc.create_deploy_keys(tmp_path / "keys", 3)
+    bundle = dc.create_device_bundle(keys, 2, tmp_path / "b", eps0=1.0, clip_l1=2.0)
+    names = sorted(p.name for p in bundle.iterdir())
+    assert names == ["client.key", "node-config.toml", "server_hpke.pub", "shuffler_hpke.pub", "superlink-ca.crt",
+                     "supernode.key", "supernode.pub"]
+    assert (bundle / "client.key").read_bytes() == keys.client_key(2).read_bytes()
+    assert (bundle / "supernode.key").read_bytes() == keys.supernode_key(2).read_bytes()
+    assert (bundle / "client.key").stat().st_mode & 0o777 == 0o600
+    conf = tomllib.loads((bundle / "node-config.toml").read_text())
+    assert conf["partition-id"] == 2 and conf["eps0"] == 1.0 and conf["clip-l1"] == 2.0
+    assert Path(conf["client-key"]) == (bundle / "client.key").resolve()
+    with pytest.raises(dc.DeployError, match="already exists"):
+        dc.create_device_bundle(keys, 1, bundle, eps0=1.0, clip_l1=1.0)
+    with pytest.raises(dc.DeployError, match=r"--node must be an integer in \[0, 2\]"):
+        dc.create_device_bundle(keys, 3, tmp_path / "b3", eps0=1.0, clip_l1=1.0)
+
+
+def test_round_timings_splits_each_round() -> None:
+    ev = [
+        (10.0, "supernode-0", "INFO : [RUN 5, ROUND 1]"),
+        (13.0, "supernode-0", "INFO : Receiving: train.shuffled message (ID: a)"),
+        (13.5, "supernode-1", "[RUN 5, ROUND 1]"),
+        (14.0, "supernode-1", "Receiving: train.shuffled message (ID: b)"),
+        (16.0, "supernode-0", "[RUN 5, ROUND 1]"),
+        (16.1, "supernode-0", "Sent successfully"),
+        (17.0, "supernode-1", "Sent successfully"),
+        (20.0, "superlink", "[shuffledp] round 1: 2 reports (attested), accuracy 0.5"),
+        (20.5, "run", "[shuffledp] round 1: 2 reports (attested), accuracy 0.5"),  # later copy is ignored
+        (22.0, "supernode-0", "[RUN 5, ROUND 2]"),
+        (23.0, "supernode-0", "Receiving: train.shuffled message (ID: c)"),
+        (25.0, "supernode-0", "Sent successfully"),
+        (26.0, "run", "[shuffledp] round 2: 1 reports (attested)"),
+    ]
+    rows = dc.round_timings(ev, run_start=5.0)
+    assert rows[0] == {"round": 1, "wall": 15.0, "to-first-node": 8.0, "node-spread": 1.0, "client": 3.1,
+                       "server-side": 3.0}
+    assert rows[1] == {"round": 2, "wall": 6.0, "to-first-node": 3.0, "node-spread": 0.0, "client": 2.0,
+                       "server-side": 1.0}
+
+
+def test_file_tailer_stamps_new_lines(tmp_path: Path) -> None:
+    log = tmp_path / "a.log"
+    tailer = dc.FileTailer({"a": log, "missing": tmp_path / "none.log"}, t0=0.0)
+    tailer.poll()
+    assert tailer.events == []
+    log.write_text("one\ntw")
+    tailer.poll()
+    with open(log, "a") as fh:
+        fh.write("o\n\x1b[92mINFO\x1b[0m three\n")
+    tailer.poll()
+    assert [(k, line) for _, k, line in tailer.events] == [("a", "one"), ("a", "two"), ("a", "INFO three")]
+    times = [t for t, _, _ in tailer.events]
+    assert times == sorted(times)
+
+
+def test_process_group_stops_the_whole_group(tmp_path: Path) -> None:
+    import os
+    import sys
+
+    group = dc.ProcessGroup(grace_seconds=2)
+    # a parent that ignores SIGTERM and starts a child: both must be gone after stop_all
+    script = ("import signal, subprocess, sys, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              "open(sys.argv[1], 'w').write(str(c.pid))\n"
+              "time.sleep(60)\n")
+    pidfile = tmp_path / "child.pid"
+    popen = group.start("sleeper", [sys.executable, "-c", script, str(pidfile)], log=tmp_path / "s.log",
+                        env=dict(os.environ))
+    dc._wait_for(pidfile.exists, 20, "the child", group)
+    child = int(pidfile.read_text())
+    group.stop_all()
+    assert popen.poll() is not None
+    assert _dead_within(child, 5.0), "the child in the process group survived stop_all"
+
+
+def _dead_within(pid: int, seconds: float) -> bool:
+    """True once ``pid`` no longer runs (gone, or a zombie waiting for init to reap it)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,96 @@
+"""The local deployment for real: flower-superlink (TLS, node authentication, file database), the shuffler
+(mTLS), 3 flower-supernode processes, ``flwr run`` of this project, 2 rounds; and the clean-up on Ctrl-C."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from server import deploy_cli as dc
+
+pytestmark = pytest.mark.e2e
+
+
+def _processes_mentioning(text: str) -> list[tuple[int, str]]:
+    """Live (non-zombie) processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if text in cmd and state != "Z":
+            found.append((int(entry.name), cmd[:200]))
+    return found
+
+
+def _wait_gone(text: str, seconds: float = 15.0) -> list[tuple[int, str]]:
+    deadline = time.monotonic() + seconds
+    left = _processes_mentioning(text)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _processes_mentioning(text)
+    return left
+
+
+def test_local_deployment_three_nodes_two_rounds(tmp_path: Path) -> None:
+    from accounting.bounds import epsilon as epsilon_bound
+
+    work = tmp_path / "work"
+    cfg = dc.LocalDeployment(nodes=3, rounds=2, workdir=work, eps0=4.0, clip_l1=1.0, timeout=600,
+                             reply_timeout=240)
+    result = dc.run_local(cfg)
+    print(dc.format_report(result))  # shown with -s; the figures quoted in deploy/README.md come from here
+    assert result.status == "finished:completed", dc.tail(work / "logs" / "superlink.log", 40)
+    assert result.report is not None
+    rounds = result.report["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert all(r["n_reports"] == 3 for r in rounds)  # the counts the shuffler attested
+    config = result.report["config"]
+    family, delta = config["accounting-family"], float(config["target-delta"])
+    for i, row in enumerate(rounds, start=1):
+        assert row["eps0"] == 4.0 and row["delta"] == delta
+        expected = epsilon_bound(family, 4.0, 3, delta, rounds=i).value
+        assert math.isclose(row["epsilon"], expected, rel_tol=1e-9), (row, expected)
+    assert rounds[1]["epsilon"] > rounds[0]["epsilon"] > 0
+    # every SuperNode answered both rounds over TLS with node authentication
+    superlink_log = (work / "logs" / "superlink.log").read_text()
+    assert superlink_log.count("Activated node_id") == 3
+    for i in range(3):
+        assert (work / "logs" / f"supernode-{i}.log").read_text().count("Sent successfully") == 2
+    timing = result.timings["rounds"]
+    assert [row["round"] for row in timing] == [1, 2] and all(row["wall"] > 0 for row in timing)
+    # nothing the deployment started is left running
+    assert _wait_gone(str(work)) == []
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "deploy", "local", "--nodes", "2", "--rounds", "1",
+                             "--workdir", str(work)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        log = work / "logs" / "supernode-1.log"
+        while not (log.exists() and "SuperNode ID" in log.read_text()):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the deployment did not come up"
+            time.sleep(0.2)
+        assert len(_processes_mentioning(str(work))) >= 3  # SuperLink and two SuperNodes at least
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "every process was stopped" in err
+    assert _wait_gone(str(work)) == []

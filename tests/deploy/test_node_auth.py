@@ -1,0 +1,68 @@
+"""The SuperLink refuses a SuperNode whose key was not registered (real flower-superlink / flower-supernode).
+
+One SuperLink with TLS and ``--enable-supernode-auth`` (keys from ``create_deploy_keys``); node 0's public key is
+registered with ``flwr supernode register``, node 1's is not. Node 0 is activated; node 1 exits with an error
+and the SuperLink never activates it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from server import deploy_cli as dc
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dc.DeployKeys:
+    return dc.create_deploy_keys(tmp_path_factory.mktemp("deploy") / "keys", 2, k=1)
+
+
+def test_unregistered_supernode_is_refused(keys: dc.DeployKeys, tmp_path: Path) -> None:
+    group = dc.ProcessGroup(grace_seconds=5)
+    base_env = dict(os.environ)
+    logs = tmp_path / "logs"
+    try:
+        address = dc.start_superlink(group, keys, tmp_path / "superlink", base_env, logs / "superlink.log")
+        cli_env = dc.flower_env(tmp_path / "cli-home", base_env)
+        dc.write_flower_config(tmp_path / "cli-home", address, keys.superlink_ca_cert)
+        node_id = dc.register_supernode(cli_env, keys.supernode_pub(0))
+        assert int(node_id) > 0
+
+        procs = []
+        for i in (0, 1):
+            conf = dc.write_toml(tmp_path / f"node-{i}.toml", dc.node_config(keys, i, 2, eps0=1.0, clip_l1=1.0))
+            procs.append(dc.start_supernode(group, keys, i, address, conf, tmp_path / f"node-{i}", base_env,
+                                            logs / f"supernode-{i}.log", max_retries=1))
+        # the registered node is activated with the id the registration returned
+        dc._wait_for(lambda: dc._log_contains(logs / "supernode-0.log", "SuperNode ID"), 60, "node 0",
+                     dc.ProcessGroup())
+        assert node_id in (logs / "supernode-0.log").read_text()
+        # the unregistered node gives up: non-zero exit, the activation refused
+        code = procs[1].wait(timeout=90)
+        log1 = (logs / "supernode-1.log").read_text()
+        assert code != 0
+        assert "Failed to activate SuperNode" in log1
+        assert "SuperNode ID" not in log1
+        assert procs[0].poll() is None  # the registered one is still running
+        sl = (logs / "superlink.log").read_text()
+        assert sl.count("Activated node_id") == 1
+    finally:
+        started = [p.popen for p in group.procs]
+        group.stop_all()
+    assert started and all(p.poll() is not None for p in started)
+
+
+def test_supernode_keypair_is_what_flower_reads() -> None:
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    private, public = dc.supernode_keypair()
+    sk = load_ssh_private_key(private, None)
+    pk = load_ssh_public_key(public)
+    assert isinstance(sk, ec.EllipticCurvePrivateKey) and isinstance(pk, ec.EllipticCurvePublicKey)
+    assert sk.curve.name == "secp384r1"
+    assert sk.public_key().public_numbers() == pk.public_numbers()
+    assert dc.supernode_keypair()[0] != private  # fresh randomness each time

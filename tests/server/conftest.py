@@ -1,0 +1,284 @@
+"""Fixtures for the server tests: a key directory, a REAL shuffler process, and a fake Grid.
+
+The fake Grid delivers each ``train.shuffled`` message to a per-node behaviour (honest, silent, refusing,
+garbage, tagged) and returns the replies, like ``flwr.serverapp.Grid.send_and_receive``. Honest nodes run the
+clients package's pure core function, so what the server opens is what a real ClientApp would send.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from clients import messages as M
+from server.config import ServerConfig, parse_run_config
+from shuffler import keys as keyfiles
+
+N_CLIENTS = 12
+K = 8
+
+
+@pytest.fixture(autouse=True)
+def task_identity() -> Iterator[None]:
+    """Flower's Message constructor needs the task identity that the ServerApp runtime sets."""
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 1, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+@dataclass
+class Keys:
+    """A key directory and the loaded keys a test client needs."""
+
+    d: keyfiles.KeyDirectory
+
+    def __post_init__(self) -> None:
+        self.server_pk = keyfiles.load_public_key(self.d.server_hpke_pub, "x25519")
+        self.shuffler_pk = keyfiles.load_public_key(self.d.shuffler_hpke_pub, "x25519")
+        self.tls = (self.d.ca_cert.read_bytes(), self.d.serverapp_cert.read_bytes(),
+                    self.d.serverapp_tls_key.read_bytes())
+
+    def client_key(self, i: int) -> bytes:
+        return keyfiles.load_private_key(self.d.client_key(i), "ed25519")
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Keys:
+    d = keyfiles.init_key_directory(tmp_path / "keys", N_CLIENTS, key_epoch=0, k=K)
+    return Keys(d)
+
+
+@pytest.fixture
+def shuffler_service(keys: Keys) -> Iterator[Any]:
+    """A real shuffler process (``shuffledp shuffler serve``) on a free port, with mTLS."""
+    from shuffler.process import ShufflerProcess
+
+    root, cert, key = keys.tls
+    with ShufflerProcess(keys.d.config, root_certificate=root, client_certificate=cert, client_key=key) as proc:
+        yield proc
+
+
+@pytest.fixture
+def shuffler_client(keys: Keys, shuffler_service: Any) -> Iterator[Any]:
+    from shuffler.client import ShufflerClient
+
+    root, cert, key = keys.tls
+    client = ShufflerClient(
+        shuffler_service.address,
+        root_certificate=root,
+        client_certificate=cert,
+        client_key=key,
+        shuffler_verify_key=keyfiles.load_public_key(keys.d.shuffler_signing_pub, "ed25519"),
+        max_message_bytes=8 * 1024 * 1024,
+    )
+    yield client
+    client.close()
+
+
+def make_config(tmp_path: Path, keys: Keys, **overrides: Any) -> ServerConfig:
+    """A small, fast configuration for round tests (k = K, unlimited budget unless overridden)."""
+    raw: dict[str, Any] = {
+        "num-server-rounds": 3,
+        "min-reports": K,
+        "reply-timeout": 5.0,
+        "eps0": 8.0,
+        "clip-l1": 1.0,
+        "server-lr": 0.5,
+        "keys-dir": str(keys.d.root),
+        "output-dir": str(tmp_path / "outputs"),
+        "run-name": "t",
+        "budget-epsilon": "inf",
+    }
+    raw.update(overrides)
+    return parse_run_config(raw)
+
+
+# -- clients -------------------------------------------------------------------------------------------------
+
+Behaviour = Callable[[Message, int], "Message | None"]
+
+
+@dataclass
+class FakeGrid:
+    """A Grid whose nodes are Python callables. ``behaviours[node_id](msg, partition_id) -> reply | None``.
+
+    Node ids are random 63-bit integers (as Flower's); partition ids are 0..N-1 in node order. Every message
+    the server sends is recorded (``sent``) so tests can check what left the server.
+    """
+
+    behaviours: dict[int, Behaviour]
+    partition: dict[int, int] = field(default_factory=dict)
+    sent: list[Message] = field(default_factory=list)
+    calls: int = 0
+
+    @classmethod
+    def build(cls, behaviours: list[Behaviour]) -> FakeGrid:
+        ids = sorted({secrets.randbits(63) for _ in range(len(behaviours) * 2)})[: len(behaviours)]
+        return cls(behaviours=dict(zip(ids, behaviours)), partition={nid: i for i, nid in enumerate(ids)})
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.behaviours)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        self.calls += 1
+        replies = []
+        for i, msg in enumerate(messages):
+            msg.metadata.__dict__["_message_id"] = f"m{self.calls}-{i}"
+            self.sent.append(msg)
+            node = msg.metadata.dst_node_id
+            reply = self.behaviours[node](msg, self.partition[node])
+            if reply is not None:
+                replies.append(reply)
+        return replies
+
+
+def envelope_reply(msg: Message, envelope: bytes) -> Message:
+    return Message(RecordDict({M.ENVELOPE_KEY: M.envelope_record(envelope)}), reply_to=msg)
+
+
+def silent(msg: Message, pid: int) -> Message | None:
+    """A client that drops out (never replies before the timeout)."""
+    return None
+
+
+def refusing(msg: Message, pid: int) -> Message:
+    """A client that refuses the request (as for a pinned-eps0 mismatch)."""
+    return Message(Error(M.ERR_PINNED_MISMATCH, "eps0 differs from the pinned value"), reply_to=msg)
+
+
+def garbage_envelope(msg: Message, pid: int) -> Message:
+    """A client that replies with random bytes in the right record shape."""
+    return envelope_reply(msg, secrets.token_bytes(400))
+
+
+def garbage_record(msg: Message, pid: int) -> Message:
+    """A client that replies with something that is not the envelope schema at all."""
+    bad = ArrayRecord({"weights": Array(np.ones(3, dtype=np.float32))})
+    return Message(RecordDict({"arrays": bad}), reply_to=msg)
+
+
+# -- the honest client (stand-in until the clients package's core function is wired in) ----------------------
+
+
+def honest_factory(keys: Keys, report: Callable[[list[np.ndarray], int], np.ndarray] | None = None) -> Behaviour:
+    """An honest client: decode the request, compute a report at the received model, randomize, seal, reply."""
+    from clients.randomizer import DiscreteLaplaceRandomizer
+    from shuffler.envelope import seal
+
+    def behaviour(msg: Message, pid: int) -> Message:
+        cfg = M.TrainConfig.from_mapping(msg.content[M.CONFIG_KEY])
+        arrays = msg.content[M.ARRAYS_KEY].to_numpy_ndarrays()
+        flat = np.concatenate([a.ravel() for a in arrays]).astype(np.float64)
+        vec = report(arrays, pid) if report is not None else np.full(flat.shape, 1.0 / flat.size)
+        payload = DiscreteLaplaceRandomizer(cfg.eps0, cfg.clip_l1).encode(vec)
+        envelope = seal(
+            payload,
+            server_public_key=keys.server_pk,
+            shuffler_public_key=keys.shuffler_pk,
+            signing_key=keys.client_key(pid),
+            key_epoch=cfg.key_epoch,
+            round_id=cfg.round,
+            model_digest=M.arrays_digest(arrays),
+        )
+        return envelope_reply(msg, envelope)
+
+    return behaviour
+
+
+def inner_garbage_factory(keys: Keys) -> Behaviour:
+    """A signed, correctly bound envelope whose inner payload is not a valid report (opened, then rejected)."""
+    from shuffler.envelope import seal
+
+    def behaviour(msg: Message, pid: int) -> Message:
+        cfg = M.TrainConfig.from_mapping(msg.content[M.CONFIG_KEY])
+        arrays = msg.content[M.ARRAYS_KEY].to_numpy_ndarrays()
+        envelope = seal(
+            b"not a report" * 10,
+            server_public_key=keys.server_pk,
+            shuffler_public_key=keys.shuffler_pk,
+            signing_key=keys.client_key(pid),
+            key_epoch=cfg.key_epoch,
+            round_id=cfg.round,
+            model_digest=M.arrays_digest(arrays),
+        )
+        return envelope_reply(msg, envelope)
+
+    return behaviour
+
+
+def model_arrays() -> list[np.ndarray]:
+    """A tiny model (4 features, 3 classes) used by the round tests."""
+    return [np.zeros((3, 4), dtype=np.float32), np.zeros(3, dtype=np.float32)]
+
+
+def toy_evaluator(arrays: Any) -> tuple[float, float]:
+    """Loss = squared norm of the model, accuracy = fraction of positive weights (deterministic, cheap)."""
+    flat = np.concatenate([np.asarray(a).ravel() for a in arrays])
+    return float(np.dot(flat, flat)), float(np.mean(flat > 0))
+
+
+@dataclass
+class Harness:
+    """Everything a round test needs, bundled as one fixture (test modules cannot import conftest)."""
+
+    tmp_path: Path
+    keys: Keys
+    shuffler: Any
+    service: Any
+    K: int = K
+    N: int = N_CLIENTS
+    silent: Behaviour = staticmethod(silent)  # type: ignore[assignment]
+    refusing: Behaviour = staticmethod(refusing)  # type: ignore[assignment]
+    garbage_envelope: Behaviour = staticmethod(garbage_envelope)  # type: ignore[assignment]
+    garbage_record: Behaviour = staticmethod(garbage_record)  # type: ignore[assignment]
+
+    def honest(self, report: Callable[[list[np.ndarray], int], np.ndarray] | None = None) -> Behaviour:
+        return honest_factory(self.keys, report)
+
+    def inner_garbage(self) -> Behaviour:
+        return inner_garbage_factory(self.keys)
+
+    def config(self, **overrides: Any) -> ServerConfig:
+        return make_config(self.tmp_path, self.keys, **overrides)
+
+    def grid(self, behaviours: list[Behaviour]) -> FakeGrid:
+        return FakeGrid.build(behaviours)
+
+    def opener(self, cfg: ServerConfig) -> Callable[[bytes, int], bytes]:
+        from shuffler.envelope import open_inner
+
+        sk = keyfiles.load_private_key(self.keys.d.server_hpke_key, "x25519")
+        return lambda inner, rnd: open_inner(inner, server_private_key=sk, key_epoch=cfg.key_epoch, round_id=rnd)
+
+    def engine(self, cfg: ServerConfig, grid: FakeGrid, *, ledger: Any = None, store: Any = None,
+               evaluator: Any = None) -> Any:
+        from accounting.ledger import Ledger
+        from server.rounds import RoundEngine
+        from server.state import SqliteCheckpointStore
+
+        out = self.tmp_path / "outputs" / cfg.run_name
+        out.mkdir(parents=True, exist_ok=True)
+        return RoundEngine(
+            cfg,
+            grid=grid,
+            shuffler=self.shuffler,
+            open_inner=self.opener(cfg),
+            evaluator=evaluator or toy_evaluator,
+            initial_arrays=model_arrays(),
+            ledger=ledger if ledger is not None else Ledger(out / "ledger.sqlite"),
+            store=store if store is not None else SqliteCheckpointStore(out / "state.sqlite"),
+        )
+
+
+@pytest.fixture
+def h(tmp_path: Path, keys: Keys, shuffler_client: Any, shuffler_service: Any) -> Harness:
+    return Harness(tmp_path=tmp_path, keys=keys, shuffler=shuffler_client, service=shuffler_service)

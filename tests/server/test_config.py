@@ -1,0 +1,87 @@
+"""Run-config parsing: defaults agree with pyproject.toml, every bad value is refused with a clear message."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from server.config import DEFAULTS, ConfigError, parse_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_match_pyproject_section() -> None:
+    doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    section = doc["tool"]["flwr"]["app"]["config"]
+    assert section == DEFAULTS
+
+
+def test_defaults_parse() -> None:
+    cfg = parse_run_config({})
+    assert cfg.num_server_rounds == DEFAULTS["num-server-rounds"]
+    assert cfg.auto_shuffler
+    assert cfg.server_optimizer == "sgd"
+    assert cfg.comparison_families == ()
+
+
+def test_overrides_and_inf_budget() -> None:
+    cfg = parse_run_config({"eps0": 2, "budget-epsilon": "inf", "comparison-families": "rr-lower, no-shuffle",
+                            "shuffler-address": "shuffler.example.org:7000", "server-optimizer": "adam"})
+    assert cfg.eps0 == 2.0 and isinstance(cfg.eps0, float)
+    assert math.isinf(cfg.budget_epsilon)
+    assert cfg.comparison_families == ("rr-lower", "no-shuffle")
+    assert not cfg.auto_shuffler
+    assert cfg.as_dict()["budget-epsilon"] == "inf"
+
+
+def test_default_family_is_removed_from_comparisons() -> None:
+    cfg = parse_run_config({"comparison-families": "clones,rr-lower"})
+    assert cfg.comparison_families == ("rr-lower",)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("eps0", 0.0, "'eps0' must be in (0.0, inf]"),
+        ("eps0", -1.0, "'eps0'"),
+        ("eps0", "4", "must be a number"),
+        ("eps0", float("nan"), "finite"),
+        ("fraction", 1.5, "'fraction' must be in (0.0, 1.0]"),
+        ("fraction", 0.0, "'fraction'"),
+        ("min-reports", 0, "'min-reports' must be an integer >= 1"),
+        ("min-reports", 2.5, "must be an integer"),
+        ("num-server-rounds", True, "must be an integer"),
+        ("report", "weights", "'report' must be one of gradient, delta"),
+        ("server-optimizer", "rmsprop", "sgd, momentum, adam"),
+        ("model", "cnn", "logreg, mlp"),
+        ("dataset", "cifar", "digits, mnist"),
+        ("target-delta", 1.0, "'target-delta'"),
+        ("server-momentum", 1.0, "'server-momentum'"),
+        ("accounting-family", "magic", "'accounting-family' must be one of"),
+        ("comparison-families", "clones,nope", "unknown accounting families ['nope']"),
+        ("shuffler-address", "localhost", "'auto' or host:port"),
+        ("shuffler-address", "host:70000", "'auto' or host:port"),
+        ("run-name", "../escape", "'run-name'"),
+        ("output-dir", "  ", "'output-dir'"),
+    ],
+)
+def test_bad_values_are_refused_with_a_clear_message(key: str, value: object, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_run_config({key: value})
+    assert fragment in str(info.value)
+
+
+def test_unknown_key_is_refused_unless_allowed() -> None:
+    with pytest.raises(ConfigError, match="unknown run config keys \\['epsilon0'\\]"):
+        parse_run_config({"epsilon0": 1.0})
+    cfg = parse_run_config({"epsilon0": 1.0}, allow_unknown=True)
+    assert cfg.extra == {"epsilon0": 1.0}
+
+
+def test_mnist_needs_a_path() -> None:
+    with pytest.raises(ConfigError, match="dataset-path"):
+        parse_run_config({"dataset": "mnist"})
+    assert parse_run_config({"dataset": "mnist", "dataset-path": "data/mnist"}).dataset == "mnist"

@@ -1,0 +1,270 @@
+"""Round logic against a fake Grid and a REAL shuffler process (fixtures in conftest.py).
+
+Covers an honest round; dropouts below and above k; clients that return garbage; a tagging attempt (one client
+receives a different model); the budget stop; crashes between the ledger append and the checkpoint and before
+the ledger append, each resumed with the ledger holding every charged round exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord
+
+from accounting.accountant import ShuffleAccountant
+from accounting.events import ShuffleRound
+from clients import messages as M
+from server.rounds import ResumeError, extract_envelopes, sample_nodes
+
+
+def _ledger_rounds(engine: Any) -> list[int]:
+    return [row["round"] for row in engine.ledger.rows()]
+
+
+def _stats(h: Any) -> dict[str, Any]:
+    return h.shuffler.stats()
+
+
+def test_honest_round_is_applied_charged_and_checkpointed(h: Any) -> None:
+    cfg = h.config()
+    grid = h.grid([h.honest()] * h.N)
+    engine = h.engine(cfg, grid)
+    assert engine.restore() == 1
+    before = [a.copy() for a in engine.arrays]
+    out = engine.run_round(1)
+    assert out.status == "applied", out.reason
+    assert (out.n_sampled, out.n_replies, out.n_envelopes, out.n_reports, out.n_applied) == (h.N,) * 5
+    assert out.n_bad_reports == 0
+    # every report is 1/d in each coordinate plus noise: the SGD step moves the mean weight down
+    assert float(np.mean(np.concatenate([a.ravel() for a in engine.arrays]))) < float(
+        np.mean(np.concatenate([a.ravel() for a in before]))
+    )
+    rows = engine.ledger.rows()
+    assert [(r["round"], r["n_reports"], r["eps0"]) for r in rows] == [(1, h.N, cfg.eps0)]
+    assert [(e.n, e.eps0) for e in engine.accountant.rounds] == [(h.N, cfg.eps0)]
+    ckpt = engine.store.load()
+    assert ckpt.round == 1
+    np.testing.assert_array_equal(ckpt.arrays[0], engine.arrays[0])
+    # what left the server: exactly the schema, nothing more
+    msg = grid.sent[0]
+    assert msg.metadata.message_type == M.MESSAGE_TYPE and msg.metadata.group_id == "1"
+    assert set(msg.content.keys()) == {M.ARRAYS_KEY, M.CONFIG_KEY}
+    assert dict(msg.content[M.CONFIG_KEY])["eps0"] == cfg.eps0
+
+
+def test_dropouts_below_k_skip_the_round_and_charge_nothing(h: Any) -> None:
+    cfg = h.config()
+    grid = h.grid([h.honest()] * (h.K - 1) + [h.silent] * (h.N - h.K + 1))
+    engine = h.engine(cfg, grid)
+    engine.restore()
+    out = engine.run_round(1)
+    assert out.status == "skipped"
+    assert out.n_envelopes == h.K - 1
+    assert "fewer than min-reports k=8" in out.reason
+    assert _ledger_rounds(engine) == []
+    assert engine.accountant.rounds == ()
+    assert _stats(h)["batches_sealed"] == 0 and _stats(h)["batches_refused"] == 0  # never sent to the shuffler
+    assert engine.store.load().round == 1  # the id is used; a later round gets a new one
+
+
+def test_dropouts_above_k_charge_the_attested_count(h: Any) -> None:
+    cfg = h.config()
+    n_ok = h.K + 1
+    grid = h.grid([h.honest()] * n_ok + [h.silent] * 2 + [h.refusing] * (h.N - n_ok - 2))
+    engine = h.engine(cfg, grid)
+    engine.restore()
+    out = engine.run_round(1)
+    assert out.status == "applied"
+    assert (out.n_replies, out.n_error_replies, out.n_reports) == (h.N - 2, h.N - n_ok - 2, n_ok)
+    assert [(r["round"], r["n_reports"]) for r in engine.ledger.rows()] == [(1, n_ok)]
+
+
+def test_garbage_replies_are_counted_and_dropped(h: Any) -> None:
+    cfg = h.config()
+    behaviours = [h.honest()] * (h.N - 3) + [h.garbage_envelope, h.garbage_record, h.inner_garbage()]
+    engine = h.engine(cfg, h.grid(behaviours))
+    engine.restore()
+    out = engine.run_round(1)
+    assert out.status == "applied"
+    assert out.n_malformed_replies == 1  # the wrong record shape never leaves the server
+    assert out.n_envelopes == h.N - 1  # random bytes and the bad-payload envelope go to the shuffler
+    assert out.n_reports == h.N - 2  # the shuffler drops the random bytes (they do not open)
+    assert out.n_bad_reports == 1 and out.n_applied == h.N - 3  # the bad payload is opened, counted, skipped
+    assert [(r["round"], r["n_reports"]) for r in engine.ledger.rows()] == [(1, h.N - 2)]
+
+
+def _tagging(engine: Any, victim_index: int) -> None:
+    """Make the server give one node a slightly different model (a tagging attack on that node)."""
+    original = engine._build_messages
+
+    def build(nodes: Any, round_id: int) -> list[Any]:
+        msgs = original(nodes, round_id)
+        arrays = [a.copy() for a in engine.arrays]
+        arrays[0][0, 0] += 1e-3
+        msgs[victim_index].content[M.ARRAYS_KEY] = ArrayRecord(arrays)
+        return msgs
+
+    engine._build_messages = build
+
+
+def test_tagged_client_is_dropped_and_the_honest_ones_count(h: Any) -> None:
+    cfg = h.config()
+    engine = h.engine(cfg, h.grid([h.honest()] * h.N))
+    engine.restore()
+    _tagging(engine, victim_index=3)
+    out = engine.run_round(1)
+    assert out.status == "applied"
+    assert out.n_envelopes == h.N and out.n_reports == h.N - 1  # the tagged envelope does not open
+    assert out.n_applied == h.N - 1
+    assert [(r["round"], r["n_reports"]) for r in engine.ledger.rows()] == [(1, h.N - 1)]
+
+
+def test_tagging_that_leaves_fewer_than_k_skips_the_round(h: Any) -> None:
+    cfg = h.config()
+    engine = h.engine(cfg, h.grid([h.honest()] * h.K + [h.silent] * (h.N - h.K)))
+    engine.restore()
+    _tagging(engine, victim_index=0)
+    out = engine.run_round(1)
+    assert out.status == "skipped"
+    assert "the shuffler refused the batch" in out.reason
+    assert _ledger_rounds(engine) == [] and engine.accountant.rounds == ()
+    assert _stats(h)["batches_refused"] == 1
+
+
+def test_budget_stops_before_the_round_that_would_exceed(h: Any) -> None:
+    one_round = ShuffleAccountant(1e-6).epsilon().value  # 0 before any round
+    assert one_round == 0.0
+    probe = ShuffleAccountant(1e-6)
+    probe.compose(ShuffleRound(12, 8.0))
+    eps1 = probe.epsilon().value
+    cfg = h.config(**{"budget-epsilon": eps1 * 1.5, "num-server-rounds": 5})
+    engine = h.engine(cfg, h.grid([h.honest()] * h.N))
+    history = engine.run()
+    assert [o.status for o in history] == ["applied", "stopped"]
+    assert "would exceed the privacy budget" in history[-1].reason
+    assert _ledger_rounds(engine) == [1]
+    assert engine.accountant.epsilon().value <= cfg.budget_epsilon
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def test_crash_between_ledger_and_checkpoint_is_resumed_without_double_counting(h: Any) -> None:
+    cfg = h.config(**{"num-server-rounds": 4})
+    grid = h.grid([h.honest()] * h.N)
+    engine = h.engine(cfg, grid)
+    engine.restore()
+    assert engine.run_round(1).status == "applied"
+    real_save = engine.store.save
+
+    def crash_on_save(ckpt: Any) -> None:
+        raise _Crash("killed after the ledger append, before the checkpoint")
+
+    engine.store.save = crash_on_save
+    with pytest.raises(_Crash):
+        engine.run_round(2)
+    engine.store.save = real_save
+    assert _ledger_rounds(engine) == [1, 2]  # round 2 was charged before its reports were fetched
+    assert engine.store.load().round == 1
+
+    # a new process: same ledger and state files
+    engine.ledger.close()
+    engine.store.close()
+    resumed = h.engine(cfg, grid)
+    next_round = resumed.restore()
+    assert next_round == 3
+    assert [o.status for o in resumed.history] == ["applied", "lost"]
+    assert [(e.n, e.eps0) for e in resumed.accountant.rounds] == [(h.N, cfg.eps0)] * 2
+    resumed.run(start_round=next_round)
+    assert _ledger_rounds(resumed) == [1, 2, 3, 4]
+    assert len(resumed.accountant.rounds) == 4
+    rows = resumed.report_rows()
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert rows[1]["accuracy"] is None and rows[2]["accuracy"] is not None
+    # restoring again is idempotent: nothing is charged twice
+    resumed.ledger.close()
+    resumed.store.close()
+    again = h.engine(cfg, grid)
+    assert again.restore() == 5
+    assert len(again.accountant.rounds) == 4
+
+
+def test_crash_before_the_ledger_uses_a_fresh_round_id_and_charges_nothing(h: Any) -> None:
+    cfg = h.config(**{"num-server-rounds": 3})
+    grid = h.grid([h.honest()] * h.N)
+    engine = h.engine(cfg, grid)
+    engine.restore()
+    engine.run_round(1)
+
+    def crash_submit(**kwargs: Any) -> Any:
+        raise _Crash("killed while talking to the shuffler")
+
+    real_shuffler = engine.shuffler
+    engine.shuffler = type("S", (), {"submit": staticmethod(crash_submit), "fetch": real_shuffler.fetch})()
+    with pytest.raises(_Crash):
+        engine.run_round(2)
+    engine.ledger.close()
+    engine.store.close()
+    resumed = h.engine(cfg, grid)
+    assert resumed.restore() == 3  # round 2 was started (messages went out): its id is not reused
+    assert [o.status for o in resumed.history] == ["applied"]
+    resumed.run(start_round=3)
+    assert _ledger_rounds(resumed) == [1, 3]
+
+
+def test_resume_refuses_a_changed_privacy_setting(h: Any) -> None:
+    cfg = h.config()
+    engine = h.engine(cfg, h.grid([h.honest()] * h.N))
+    engine.restore()
+    engine.run_round(1)
+    engine.ledger.close()
+    engine.store.close()
+    changed = h.config(eps0=2.0)
+    resumed = h.engine(changed, h.grid([h.honest()] * h.N))
+    with pytest.raises(ResumeError, match="eps0: 8.0 -> 2.0"):
+        resumed.restore()
+
+
+def test_extract_envelopes_keeps_bytes_only_sorted_and_deduplicated(h: Any) -> None:
+    grid = h.grid([h.honest()] * 3)
+    cfg = h.config()
+    engine = h.engine(cfg, grid)
+    msgs = engine._build_messages(list(grid.get_node_ids()), 1)
+    replies = list(grid.send_and_receive(msgs))
+    replies.append(replies[0])  # a duplicate delivery
+    replies.append(h.refusing(msgs[0], 0))
+    envelopes, counts = extract_envelopes(replies, max_bytes=1 << 20)
+    assert counts == {"replies": 5, "errors": 1, "malformed": 0, "duplicates": 1}
+    assert all(type(e) is bytes for e in envelopes)
+    assert envelopes == sorted(envelopes) and len(envelopes) == 3
+    small, counts = extract_envelopes(replies[:1], max_bytes=16)
+    assert small == [] and counts["malformed"] == 1
+
+
+def test_sample_nodes_fraction_and_validation() -> None:
+    nodes = list(range(100, 200))
+    picked = sample_nodes(nodes, 0.25)
+    assert len(picked) == 25 and len(set(picked)) == 25 and set(picked) <= set(nodes)
+    assert sample_nodes(nodes, 1.0) == nodes
+    assert len(sample_nodes(nodes, 0.001)) == 1
+    with pytest.raises(ValueError, match="fraction must be in"):
+        sample_nodes(nodes, 0.0)
+    with pytest.raises(ValueError, match="no connected nodes"):
+        sample_nodes([], 0.5)
+
+
+def test_report_rows_match_the_ledger(h: Any) -> None:
+    cfg = h.config(**{"num-server-rounds": 2})
+    engine = h.engine(cfg, h.grid([h.honest()] * h.N))
+    engine.run()
+    rows = engine.report_rows()
+    ledger = engine.ledger.rows()
+    assert [r["round"] for r in rows] == [r["round"] for r in ledger]
+    for mine, theirs in zip(rows, ledger):
+        assert mine["epsilon"] == theirs["epsilons"]["clones"]["value"]
+        assert mine["n_reports"] == theirs["n_reports"]
+    json.dumps(rows, allow_nan=False)

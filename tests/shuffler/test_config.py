@@ -1,0 +1,57 @@
+"""Service config validation: every bad field gets a clear error; insecure only on loopback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shuffler.config import ConfigError, load_config
+
+BASE = """address = "127.0.0.1:0"
+key_epoch = 0
+k = 2
+max_envelope_bytes = 4096
+hpke_key = "s/hpke.key"
+signing_key = "s/signing.key"
+enrolment = "enrolment.json"
+journal_dir = "journal"
+"""
+TLS = '[tls]\nca = "ca.crt"\ncert = "s.crt"\nkey = "s.key"\n'
+
+
+def _load(tmp_path: Path, text: str):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return load_config(p)
+
+
+def test_valid_configs(tmp_path: Path) -> None:
+    c = _load(tmp_path, BASE + TLS)
+    assert c.hpke_key == tmp_path.resolve() / "s/hpke.key" and c.tls is not None and not c.insecure
+    assert c.max_batch_reports == 100_000 and c.tls.client_common_names is None
+    c = _load(tmp_path, BASE + "insecure = true\n")
+    assert c.insecure and c.tls is None
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        (BASE, "a \\[tls\\] table"),
+        (BASE + "insecure = true\n" + TLS, "contradictory"),
+        (BASE.replace("127.0.0.1", "0.0.0.0") + "insecure = true\n", "only allowed on a loopback"),
+        (BASE + "insecure = 1\n" + TLS, "insecure must be true or false"),
+        (BASE.replace("k = 2", "k = 0") + TLS, "k must be an integer"),
+        (BASE.replace("k = 2", 'k = "2"') + TLS, "k must be an integer"),
+        (BASE.replace("max_envelope_bytes = 4096", "max_envelope_bytes = 4294967296") + TLS, "max_envelope_bytes"),
+        (BASE + "kk = 3\n" + TLS, "unknown keys \\['kk'\\]"),
+        (BASE.replace('journal_dir = "journal"\n', "") + TLS, "missing required keys \\['journal_dir'\\]"),
+        (BASE + TLS.replace('key = "s.key"\n', ""), "\\[tls\\] needs key"),
+        (BASE + TLS + "client_common_names = []\n", "client_common_names"),
+        (BASE.replace('"127.0.0.1:0"', '"nocolon"') + TLS, "address must be"),
+        ("address = ", "not valid TOML"),
+    ],
+)
+def test_invalid_configs(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        _load(tmp_path, text)

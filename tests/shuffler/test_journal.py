@@ -1,0 +1,86 @@
+"""Journal: durability format, torn-tail recovery, corruption detection, orphan cleanup."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shuffler.journal import Journal, JournalCorrupt
+
+
+def _fill(d: Path, n: int) -> list[int]:
+    j = Journal(d)
+    sizes = []
+    for i in range(n):
+        j.append({"type": "note", "i": i, "pad": "x" * (10 * i)})
+        sizes.append(j.path.stat().st_size)
+    j.close()
+    return sizes
+
+
+def test_records_round_trip(tmp_path: Path) -> None:
+    _fill(tmp_path, 3)
+    j = Journal(tmp_path)
+    assert [r["i"] for r in j.records] == [0, 1, 2] and j.torn_bytes == 0
+    j.close()
+
+
+@pytest.mark.parametrize("cut", [1, 4, 20, 39, 40, 41, 60])
+def test_torn_tail_is_ignored_and_truncated(tmp_path: Path, cut: int) -> None:
+    sizes = _fill(tmp_path, 3)
+    path = tmp_path / "journal.log"
+    data = path.read_bytes()
+    # a fourth record whose append was interrupted after `cut` bytes
+    j = Journal(tmp_path)
+    j.append({"type": "note", "i": 3, "pad": "y" * 50})
+    j.close()
+    full = path.read_bytes()
+    path.write_bytes(full[: sizes[-1] + min(cut, len(full) - sizes[-1] - 1)])
+    j = Journal(tmp_path)
+    assert [r["i"] for r in j.records] == [0, 1, 2]
+    assert j.torn_bytes > 0 and path.read_bytes() == data
+    j.append({"type": "note", "i": 4})  # appending after recovery yields a clean journal
+    j.close()
+    assert [r["i"] for r in Journal(tmp_path).records] == [0, 1, 2, 4]
+
+
+def test_zero_filled_tail_is_torn(tmp_path: Path) -> None:
+    _fill(tmp_path, 2)
+    path = tmp_path / "journal.log"
+    with open(path, "ab") as fh:
+        fh.write(b"\0" * 4096)
+    j = Journal(tmp_path)
+    assert len(j.records) == 2 and j.torn_bytes == 4096
+
+
+def test_checksum_failure_in_last_record_is_torn(tmp_path: Path) -> None:
+    _fill(tmp_path, 3)
+    path = tmp_path / "journal.log"
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert [r["i"] for r in Journal(tmp_path).records] == [0, 1]
+
+
+def test_damage_before_the_end_is_corruption(tmp_path: Path) -> None:
+    sizes = _fill(tmp_path, 3)
+    path = tmp_path / "journal.log"
+    data = bytearray(path.read_bytes())
+    data[sizes[0] + 45] ^= 0xFF  # inside record 1's body, record 2 follows
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalCorrupt, match="further data"):
+        Journal(tmp_path)
+
+
+def test_orphans_and_staging_are_removed(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    j.append({"type": "batch", "output": "kept.out"})
+    (j.batches_dir / "kept.out").write_bytes(b"x")
+    (j.batches_dir / "orphan.out").write_bytes(b"y")
+    (j.batches_dir / ".tmp.out.tmp").write_bytes(b"z")
+    (j.staging_dir / "a.stage").write_bytes(b"s")
+    j.close()
+    j = Journal(tmp_path)
+    assert sorted(p.name for p in j.batches_dir.iterdir()) == ["kept.out"]
+    assert list(j.staging_dir.iterdir()) == []

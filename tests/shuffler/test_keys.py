@@ -1,0 +1,124 @@
+"""Key files, enrolment and the key directory layout of docs/interfaces.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from shuffler import keys
+from shuffler.cli import main as cli_main
+from shuffler.config import load_config
+
+
+LAYOUT = [
+    "public/shuffler_hpke.pub",
+    "public/shuffler_signing.pub",
+    "public/server_hpke.pub",
+    "shuffler/hpke.key",
+    "shuffler/signing.key",
+    "server/hpke.key",
+    "clients/client-0.key",
+    "clients/client-2.key",
+    "enrolment.json",
+    "tls/ca.crt",
+    "tls/shuffler.crt",
+    "tls/shuffler.key",
+    "tls/serverapp.crt",
+    "tls/serverapp.key",
+    "shuffler.toml",
+]
+
+
+def test_cli_keys_init_writes_the_whole_layout(tmp_path: Path) -> None:
+    out = tmp_path / "k"
+    assert cli_main(["keys", "init", "--out", str(out), "--clients", "3", "--key-epoch", "4", "--k", "2"]) == 0
+    for rel in LAYOUT:
+        assert (out / rel).is_file(), rel
+    assert not (out / "clients/client-3.key").exists()
+    for rel in LAYOUT:
+        mode = stat.S_IMODE((out / rel).stat().st_mode)
+        if rel.endswith(".key"):
+            assert mode == 0o600, (rel, oct(mode))
+        else:
+            assert mode & 0o077 != 0o077 and not mode & 0o002
+    d = keys.KeyDirectory(out)
+    # the pairs match
+    assert keys.public_from_private(keys.load_private_key(d.shuffler_hpke_key), "x25519") == keys.load_public_key(
+        d.shuffler_hpke_pub
+    )
+    assert keys.public_from_private(keys.load_private_key(d.server_hpke_key), "x25519") == keys.load_public_key(
+        d.server_hpke_pub
+    )
+    assert keys.public_from_private(
+        keys.load_private_key(d.shuffler_signing_key), "ed25519"
+    ) == keys.load_public_key(d.shuffler_signing_pub)
+    enrolled = keys.load_enrolment(d.enrolment)
+    assert sorted(enrolled) == ["client-0", "client-1", "client-2"]
+    for i in range(3):
+        assert enrolled[f"client-{i}"] == keys.public_from_private(keys.load_private_key(d.client_key(i)), "ed25519")
+    cfg = load_config(d.config)
+    assert (cfg.key_epoch, cfg.k, cfg.address, cfg.insecure) == (4, 2, "127.0.0.1:0", False)
+    assert cfg.hpke_key == d.shuffler_hpke_key.resolve() and cfg.tls is not None
+    assert cfg.tls.client_common_names == ("serverapp",)
+    assert str(tmp_path) not in d.config.read_text()  # relative paths only
+    # refuses to overwrite an existing key directory
+    assert cli_main(["keys", "init", "--out", str(out), "--clients", "3"]) == 2
+
+
+def test_kind_and_mode_checks(tmp_path: Path) -> None:
+    sk, pk = keys.generate_keypair("ed25519")
+    keys.save_private_key(tmp_path / "a.key", sk, "ed25519")
+    keys.save_public_key(tmp_path / "a.pub", pk, "ed25519")
+    assert keys.load_private_key(tmp_path / "a.key", "ed25519") == sk
+    assert keys.load_public_key(tmp_path / "a.pub") == pk
+    with pytest.raises(ValueError, match="holds a ed25519 key; expected x25519"):
+        keys.load_private_key(tmp_path / "a.key", "x25519")
+    with pytest.raises(ValueError, match="expected x25519"):
+        keys.load_public_key(tmp_path / "a.pub", "x25519")
+    os.chmod(tmp_path / "a.key", 0o644)
+    with pytest.raises(PermissionError, match="must be 0600"):
+        keys.load_private_key(tmp_path / "a.key")
+    with pytest.raises(FileExistsError):
+        keys.save_private_key(tmp_path / "a.key", sk, "ed25519")
+    (tmp_path / "junk.pub").write_text("not a key")
+    with pytest.raises(ValueError, match="not a PEM public key"):
+        keys.load_public_key(tmp_path / "junk.pub")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        keys.generate_keypair("rsa")  # type: ignore[arg-type]
+
+
+def test_enrolment_validation(tmp_path: Path) -> None:
+    _, a = keys.generate_keypair("ed25519")
+    _, b = keys.generate_keypair("ed25519")
+    keys.save_enrolment(tmp_path / "e.json", {"client-0": a, "client-1": b})
+    assert keys.load_enrolment(tmp_path / "e.json") == {"client-0": a, "client-1": b}
+    with pytest.raises(ValueError, match="share a public key"):
+        keys.save_enrolment(tmp_path / "f.json", {"client-0": a, "client-1": a})
+    doc = json.loads((tmp_path / "e.json").read_text())
+    doc["clients"]["client-2"] = a.hex()
+    (tmp_path / "g.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="share a public key"):
+        keys.load_enrolment(tmp_path / "g.json")
+    (tmp_path / "h.json").write_text(json.dumps({"clients": {}}))
+    with pytest.raises(ValueError, match="not an enrolment file"):
+        keys.load_enrolment(tmp_path / "h.json")
+    doc["clients"] = {"client-0": "zz"}
+    (tmp_path / "i.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="not hex"):
+        keys.load_enrolment(tmp_path / "i.json")
+
+
+def test_init_parameter_validation(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="n_clients"):
+        keys.init_key_directory(tmp_path / "a", 0)
+    with pytest.raises(ValueError, match="key_epoch"):
+        keys.init_key_directory(tmp_path / "b", 2, key_epoch=-1)
+    with pytest.raises(ValueError, match="k must be"):
+        keys.init_key_directory(tmp_path / "c", 2, k=0)
+    assert keys.client_id(7) == "client-7"
+    with pytest.raises(ValueError):
+        keys.client_id(-1)
