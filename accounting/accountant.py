@@ -46,8 +46,16 @@ class Refusal:
 
     family: str
     reason: str
-    value: None = None
-    kind: str = "refused"
+
+    @property
+    def value(self) -> None:
+        """Always None: a refused family has no number."""
+        return None
+
+    @property
+    def kind(self) -> str:
+        """Always ``"refused"``."""
+        return "refused"
 
 
 def _check_delta(name: str, value: Any) -> float:
@@ -263,7 +271,9 @@ class ShuffleAccountant:
         if not isinstance(state, Mapping):
             raise ValueError(f"an accountant state must be a mapping, got {type(state).__name__}")
         if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a shuffledp accountant state: 'format' is {state.get('format')!r}, expected {STATE_FORMAT!r}")
+            raise ValueError(
+                f"not a shuffledp accountant state: 'format' is {state.get('format')!r}, expected {STATE_FORMAT!r}"
+            )
         if state.get("version") != STATE_VERSION:
             raise ValueError(
                 f"accountant state version {state.get('version')!r} is not supported; this version reads "

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from scipy import optimize
 
 from accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError
 from accounting import literature as lit
@@ -195,6 +196,30 @@ def _rdp_curve(family: str, eps0: float, n: int) -> tuple[np.ndarray, np.ndarray
     raise AssertionError(f"no RDP curve for {family}")  # pragma: no cover - internal misuse
 
 
+#: Relative slack when re-checking a PLD's epsilon: delta(eps) must be <= delta * (1 + PLD_VERIFY_RTOL).
+PLD_VERIFY_RTOL = 1e-6
+
+
+def _pld_epsilon(composed: Any, delta: float) -> float:
+    """``epsilon_for_delta`` of a composed PLD, re-checked with ``delta_for_epsilon`` before it is used.
+
+    The check is one pass over the grid. A non-finite epsilon (with the PLD's delta at large epsilon below
+    the target) or an epsilon whose delta exceeds the target is a numerical failure of the PLD query and
+    raises ArithmeticError instead of being reported as a privacy figure.
+    """
+    pld = _pld()
+    value = float(pld.epsilon_for_delta(composed, delta))
+    if not math.isfinite(value):
+        raise ArithmeticError(f"PLD epsilon query returned {value} at delta={delta}; refusing to report it")
+    check = float(pld.delta_for_epsilon(composed, value))
+    if check > delta * (1.0 + PLD_VERIFY_RTOL):
+        raise ArithmeticError(
+            f"PLD epsilon query returned eps={value!r} but delta(eps)={check!r} > delta={delta!r}: numerical "
+            "failure of the PLD query; refusing to report it"
+        )
+    return value
+
+
 def _rr_lower_pld(eps0: float, n: int, rounds_hint: int, interval: float | None = None) -> Any:
     """Optimistic PLD of shuffled binary RR (others 0), both directions (a lower bound after composition)."""
     rr = lit.rr_shuffle_loss(eps0, n)
@@ -275,10 +300,9 @@ def _family_epsilon(
         if rounds == 1:
             return float(clones.clone_epsilon(eps0, n, delta, variant)), {"method": "exact"}
         interval = clones.suggested_interval(eps0, n, rounds, variant)
-        value = clones.clone_epsilon_composed(
-            eps0, n, delta, rounds, variant, pessimistic=True, value_discretization_interval=interval
-        )
-        return float(value), {"method": "pld", "discretisation": "pessimistic", "interval": interval}
+        one = clones.clone_pld(eps0, n, variant, value_discretization_interval=interval, pessimistic=True)
+        value = _pld_epsilon(_pld().compose([(one, rounds)]), delta)
+        return value, {"method": "pld", "discretisation": "pessimistic", "interval": interval}
     if family in ("ccg-gdp", "canonical-gdp"):
         lit.require_clt_regime(family, eps0, n, delta, allow_approximate)
         mu = _gdp_mu(family, eps0, n) * math.sqrt(rounds)
@@ -296,7 +320,7 @@ def _family_epsilon(
             return lit.rr_lower_epsilon(eps0, n, delta), {"method": "exact"}
         pld = _pld()
         composed = pld.compose([(_rr_lower_pld(eps0, n, rounds), rounds)])
-        return float(pld.epsilon_for_delta(composed, delta)), {"method": "pld", "discretisation": "optimistic"}
+        return _pld_epsilon(composed, delta), {"method": "pld", "discretisation": "optimistic"}
     if family == "no-shuffle":
         return lit.no_shuffle_epsilon(eps0, rounds, delta), {"method": "exact (Kairouz-Oh-Viswanath)"}
     raise AssertionError(family)  # pragma: no cover - families are validated before
@@ -476,8 +500,10 @@ def calibrate(
 ) -> Bound:
     """The largest eps0 in :data:`CALIBRATION_RANGE` with ``epsilon(family, eps0, n, delta, rounds) <= target``.
 
-    Geometric bisection between the ends of the range until ``hi <= lo (1 + CALIBRATION_RTOL)``; the returned
-    ``lo`` was evaluated and satisfies the target (an eps0 the family refuses counts as not satisfying it).
+    Brent's method on ``log(achieved/target)`` over ``log eps0`` (Brent 1973), then geometric bisection, until
+    the certified bracket has ``hi <= lo (1 + CALIBRATION_RTOL)``: the returned ``lo`` was evaluated and
+    satisfies the target, ``hi`` was evaluated and does not (an eps0 the family refuses counts as not
+    satisfying it).
     ``details``: ``achieved_epsilon`` at the returned eps0, ``first_failing_eps0`` (``hi``), the tolerance and
     the search range; ``range_upper_end_reached`` is True when even the top of the range satisfies the target
     (the answer is then that top, not a larger eps0).
@@ -512,12 +538,34 @@ def calibrate(
             value=hi,
             kind=_kind(family),
             family=family,
-            details={**base, "achieved_epsilon": at_hi, "range_upper_end_reached": True},
+            details={**base, "achieved_epsilon": at_hi, "range_upper_end_reached": True, "evaluations": 2},
         )
-    best = at_lo
+    # Brent's method on log(eps0) accelerates the search; every evaluation also narrows the certified
+    # bracket [lo (satisfies), hi (does not)], and plain geometric bisection finishes the job if needed.
+    state = {"lo": lo, "hi": hi, "best": at_lo, "evaluations": 2}
+
+    def gap(log_e0: float) -> float:
+        e0 = math.exp(log_e0)
+        got = achieved(e0)
+        state["evaluations"] += 1
+        if got is not None and got <= target:
+            if e0 > state["lo"]:
+                state["lo"], state["best"] = e0, got
+        elif e0 < state["hi"]:
+            state["hi"] = e0
+        if got is None:
+            return 1.0  # refused: counts as exceeding the target
+        return math.log(got / target) if got > 0.0 else -1.0
+
+    try:
+        optimize.brentq(gap, math.log(lo), math.log(hi), xtol=0.25 * CALIBRATION_RTOL, maxiter=60)
+    except (RuntimeError, ValueError):  # no convergence or no sign change: the bisection below still applies
+        pass
+    lo, hi, best = state["lo"], state["hi"], state["best"]
     while hi > lo * (1.0 + CALIBRATION_RTOL):
         mid = math.sqrt(lo * hi)
         got = achieved(mid)
+        state["evaluations"] += 1
         if got is not None and got <= target:
             lo, best = mid, got
         else:
@@ -526,7 +574,13 @@ def calibrate(
         value=lo,
         kind=_kind(family),
         family=family,
-        details={**base, "achieved_epsilon": best, "first_failing_eps0": hi, "rtol": CALIBRATION_RTOL},
+        details={
+            **base,
+            "achieved_epsilon": best,
+            "first_failing_eps0": hi,
+            "rtol": CALIBRATION_RTOL,
+            "evaluations": state["evaluations"],
+        },
     )
 
 
@@ -610,7 +664,7 @@ def _heterogeneous_epsilon(
             (clones.clone_pld(eps0, n, variant, value_discretization_interval=interval, pessimistic=True), c)
             for n, eps0, c in items
         ]
-        return float(pld.epsilon_for_delta(pld.compose(plds), delta)), {
+        return _pld_epsilon(pld.compose(plds), delta), {
             "method": "pld",
             "discretisation": "pessimistic",
             "interval": interval,
@@ -618,14 +672,14 @@ def _heterogeneous_epsilon(
     if family == "rr-lower":
         interval = min(_rr_interval(eps0, n, total) for n, eps0, _ in items)
         plds = [(_rr_lower_pld(eps0, n, total, interval), c) for n, eps0, c in items]
-        return float(pld.epsilon_for_delta(pld.compose(plds), delta)), {
+        return _pld_epsilon(pld.compose(plds), delta), {
             "method": "pld",
             "discretisation": "optimistic",
             "interval": interval,
         }
     if family == "no-shuffle":
         plds = [(_rr_pair_pld(eps0, 0.0, HETEROGENEOUS_INTERVAL), c) for n, eps0, c in items]
-        return float(pld.epsilon_for_delta(pld.compose(plds), delta)), {
+        return _pld_epsilon(pld.compose(plds), delta), {
             "method": "pld of randomized response (KOV worst case)",
             "discretisation": "pessimistic",
             "interval": HETEROGENEOUS_INTERVAL,
@@ -636,7 +690,7 @@ def _heterogeneous_epsilon(
         for n, eps0, c in items:
             eps1 = lit.fmt_epsilon(eps0, n, delta1)
             plds.append((_rr_pair_pld(eps1, delta1, HETEROGENEOUS_INTERVAL), c))
-        return float(pld.epsilon_for_delta(pld.compose(plds), delta)), {
+        return _pld_epsilon(pld.compose(plds), delta), {
             "method": "FMT'21 Thm 3.1 per round at delta/(2T), PLD of the (eps, delta) worst case",
             "discretisation": "pessimistic",
         }

@@ -129,7 +129,8 @@ def _finite_value(bound: Bound, what: str) -> float:
 
 # -- account commands --------------------------------------------------------------------------------------------
 def _single_result(obj: dict[str, Any], out: TextIO) -> None:
-    rows = [("quantity", obj["quantity"]), ("value", obj["value"]), ("kind", f"{obj['kind']}: {_KIND_MEANING[obj['kind']]}")]
+    kind = f"{obj['kind']}: {_KIND_MEANING[obj['kind']]}"
+    rows = [("quantity", obj["quantity"]), ("value", obj["value"]), ("kind", kind)]
     rows += [(k, v) for k, v in obj.items() if k not in {"quantity", "value", "kind"}]
     _table(rows, out)
 
@@ -224,7 +225,8 @@ def _compare_results(args: argparse.Namespace) -> list[dict[str, Any]]:
         if math.isfinite(value):
             results.append({"bound": family, "value": value, "kind": bound.kind, "reason": None})
         else:
-            results.append({"bound": family, "value": None, "kind": "refused", "reason": f"no finite value ({value!r})"})
+            reason = f"no finite value ({value!r})"
+            results.append({"bound": family, "value": None, "kind": "refused", "reason": reason})
     return results
 
 
@@ -290,7 +292,12 @@ def _cmd_plot(args: argparse.Namespace, out: TextIO) -> int:
         "eps0": args.eps0,
         "delta": args.delta,
         "series": [
-            {"bound": c.family, "kind": c.kind, "points": [[x, v] for x, v in zip(c.xs, c.values)], "refusals": c.refusals}
+            {
+                "bound": c.family,
+                "kind": c.kind,
+                "points": [[x, v] for x, v in zip(c.xs, c.values)],
+                "refusals": c.refusals,
+            }
             for c in curves
         ],
     }

@@ -23,6 +23,7 @@ Schema (version 1)::
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import numbers
@@ -127,7 +128,12 @@ class Ledger:
         if not create and not self.path.is_file():
             raise LedgerError(f"no ledger at {str(self.path)!r}: the file does not exist")
         # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT) below.
-        self._conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
+        if not self.path.parent.is_dir():
+            raise LedgerError(f"cannot open the ledger {str(self.path)!r}: its directory does not exist")
+        try:
+            self._conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
+        except sqlite3.Error as exc:
+            raise LedgerError(f"cannot open the ledger {str(self.path)!r}: {exc}") from None
         try:
             self._setup(create)
         except BaseException:
@@ -346,7 +352,9 @@ class Ledger:
                 f"kinds has {sorted(kinds)}"
             )
         if not isinstance(default_family, str) or default_family not in epsilons:
-            raise LedgerError(f"default_family {default_family!r} must be one of the recorded families {sorted(epsilons)}")
+            raise LedgerError(
+                f"default_family {default_family!r} must be one of the recorded families {sorted(epsilons)}"
+            )
         extra_reasons = set(reasons) - {f for f, k in kinds.items() if k == "refused"}
         if extra_reasons:
             raise LedgerError(f"reasons given for families that were not refused: {sorted(extra_reasons)}")
@@ -468,21 +476,25 @@ class Ledger:
                     value = "" if entry["value"] is None else repr(float(entry["value"]))
                     line += [value, entry["kind"], entry["reason"] or ""]
             lines.append(line)
-        target = Path(path)
-        with tempfile.NamedTemporaryFile(
-            "w", newline="", encoding="utf-8", dir=target.parent or Path("."), prefix=f".{target.name}.", delete=False
-        ) as handle:
-            csv.writer(handle).writerows(lines)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(handle.name, target)
+        buffer = io.StringIO(newline="")
+        csv.writer(buffer).writerows(lines)
+        _atomic_write(Path(path), buffer.getvalue())
 
 
 def _atomic_write(target: Path, text: str) -> None:
+    """Write ``text`` to a temporary file next to ``target``, fsync it, and rename it over ``target``."""
+    directory = target.parent if str(target.parent) else Path(".")
+    if not directory.is_dir():
+        raise LedgerError(f"cannot write {str(target)!r}: the directory {str(directory)!r} does not exist")
     with tempfile.NamedTemporaryFile(
-        "w", encoding="utf-8", dir=target.parent or Path("."), prefix=f".{target.name}.", delete=False
+        "w", encoding="utf-8", newline="", dir=directory, prefix=f".{target.name}.", delete=False
     ) as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+        try:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        except BaseException:
+            handle.close()
+            os.unlink(handle.name)
+            raise
     os.replace(handle.name, target)

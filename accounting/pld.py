@@ -36,6 +36,8 @@ from typing import Sequence
 
 import numpy as np
 from dp_accounting.pld import pld_pmf
+from scipy import fft as sfft
+from scipy import special
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
 __all__ = [
@@ -87,6 +89,7 @@ def _rounded_pmf(
     pessimistic: bool,
     h: float,
     which: str,
+    tail_mass_truncation: float = 0.0,
 ) -> pld_pmf.DensePLDPmf:
     losses = np.asarray(losses, dtype=np.float64)
     probs = np.asarray(probs, dtype=np.float64)
@@ -116,6 +119,28 @@ def _rounded_pmf(
             f"{which}: probs sum to {total - infinity_mass!r} plus infinity_mass {infinity_mass!r} "
             f"= {total!r} > 1 (tolerance MASS_SUM_TOLERANCE={MASS_SUM_TOLERANCE})"
         )
+    # Outcomes of zero mass carry nothing; dropping them keeps the grid short.
+    nz = probs > 0.0
+    if not np.all(nz):
+        losses, probs = losses[nz], probs[nz]
+    if tail_mass_truncation > 0.0 and losses.size > 1:
+        order = np.argsort(losses, kind="stable")
+        losses, probs = losses[order], probs[order]
+        half = 0.5 * tail_mass_truncation
+        # largest prefix / suffix whose mass is at most half the budget each
+        left = int(np.searchsorted(np.cumsum(probs), half, side="right"))
+        right = int(np.searchsorted(np.cumsum(probs[::-1]), half, side="right"))
+        left = min(left, losses.size - 1)
+        right = min(right, losses.size - 1 - left)
+        left_mass = float(probs[:left].sum())
+        right_mass = float(probs[losses.size - right :].sum())
+        losses = losses[left : losses.size - right]
+        probs = probs[left : probs.size - right].copy()
+        if pessimistic:
+            probs[0] += left_mass  # moved UP to the smallest kept loss
+            infinity_mass = infinity_mass + right_mass
+        else:
+            probs[-1] += right_mass  # moved DOWN to the largest kept loss; left mass dropped
     if losses.size == 0:
         idx = np.zeros(1, dtype=np.int64)
         probs = np.zeros(1)
@@ -145,6 +170,7 @@ def pld_from_losses(
     losses_reverse: np.ndarray | None = None,
     probs_reverse: np.ndarray | None = None,
     infinity_mass_reverse: float | None = None,
+    tail_mass_truncation: float = 0.0,
 ) -> PrivacyLossDistribution:
     """Discretise exact privacy losses into a dense ``dp_accounting`` PLD.
 
@@ -159,12 +185,19 @@ def pld_from_losses(
     and the PLD is non-symmetric (its queries take the maximum of both directions);
     ``infinity_mass_reverse`` defaults to ``infinity_mass``. Otherwise the PLD is symmetric: only use
     that when the pair is symmetric (the two loss distributions coincide).
+
+    ``tail_mass_truncation`` (default 0) cuts at most half of it from each end of the loss distribution
+    (like dp_accounting's ``_truncate_tails``): pessimistic -> the low end is merged into the smallest
+    kept loss (moved up) and the high end goes to the infinity mass; optimistic -> the high end is merged
+    into the largest kept loss (moved down) and the low end is dropped. Both keep the estimate's
+    direction. Outcomes of zero mass are always dropped.
     """
     h = _check_interval(value_discretization_interval)
     if not isinstance(pessimistic, bool):
         raise TypeError(f"pessimistic must be a bool, got {type(pessimistic).__name__}")
     inf_mass = _check_mass("infinity_mass", infinity_mass)
-    pmf_remove = _rounded_pmf(losses, probs, inf_mass, pessimistic, h, "remove direction")
+    tail = _check_mass("tail_mass_truncation", tail_mass_truncation)
+    pmf_remove = _rounded_pmf(losses, probs, inf_mass, pessimistic, h, "remove direction", tail)
     if (losses_reverse is None) != (probs_reverse is None):
         raise ValueError("give both losses_reverse and probs_reverse, or neither")
     if losses_reverse is None:
@@ -174,7 +207,9 @@ def pld_from_losses(
     inf_rev = inf_mass if infinity_mass_reverse is None else _check_mass(
         "infinity_mass_reverse", infinity_mass_reverse
     )
-    pmf_add = _rounded_pmf(losses_reverse, probs_reverse, inf_rev, pessimistic, h, "add direction")
+    pmf_add = _rounded_pmf(
+        losses_reverse, probs_reverse, inf_rev, pessimistic, h, "add direction", tail
+    )
     return PrivacyLossDistribution(pmf_remove, pmf_add)
 
 
@@ -220,6 +255,78 @@ def _unbias(pld: PrivacyLossDistribution, amount: float) -> PrivacyLossDistribut
     return PrivacyLossDistribution(pmfs[0], pmfs[1] if len(pmfs) == 2 else None)
 
 
+def _chernoff_window(probs: np.ndarray, times: int, tail: float) -> tuple[int, int]:
+    """Index range ``[lo, hi]`` (offsets from ``times * lower``) outside which the ``times``-fold
+    convolution of ``probs`` has at most ``tail / 2`` mass on each side.
+
+    Chernoff: ``P(S >= b) <= exp(times log M(t) - t b)`` for ``t > 0`` (and the mirror for ``t < 0``),
+    ``M(t) = sum_k p_k e^{t k}``; the bound is minimised over 61 values of ``t`` around the Gaussian
+    optimum ``sqrt(2 log(2/tail) / times) / sd``.
+    """
+    k = np.arange(probs.size, dtype=np.float64)
+    pos = probs > 0
+    kk, lp = k[pos], np.log(probs[pos])
+    total = float(probs[pos].sum())
+    mean = float(np.dot(kk, probs[pos]) / total)
+    sd = math.sqrt(max(float(np.dot((kk - mean) ** 2, probs[pos]) / total), 1e-12))
+    log_budget = math.log(2.0 / tail)
+    t_star = math.sqrt(2.0 * log_budget / times) / sd
+    hi_full = (probs.size - 1) * times
+    lo, hi = 0, hi_full
+    for t in t_star * np.geomspace(0.05, 20.0, 61):
+        for sgn in (1.0, -1.0):
+            tt = sgn * t
+            # log M(tt) about the mean, so exponents stay small
+            log_m = float(special.logsumexp(tt * (kk - mean) + lp))
+            b = (times * log_m + log_budget) / tt + times * mean  # bound on S (index units)
+            if not math.isfinite(b):
+                continue
+            if sgn > 0:
+                hi = min(hi, int(math.ceil(b)))
+            else:
+                lo = max(lo, int(math.floor(b)))
+    lo = max(0, min(lo, hi_full))
+    hi = max(lo, min(hi, hi_full))
+    return lo, hi
+
+
+def _self_compose_dense(pmf: pld_pmf.PLDPmf, times: int, tail: float) -> pld_pmf.DensePLDPmf:
+    """``times``-fold self-composition of a PMF: real FFT, power by repeated squaring, inverse FFT.
+
+    The output keeps only the Chernoff window (:func:`_chernoff_window`); the circular convolution
+    aliases the at most ``tail`` mass outside it into the window. As in dp_accounting, ``tail`` is added
+    to the infinity mass, which covers that aliasing for pessimistic PMFs (any mass moved down changes
+    delta by at most its size). Infinity mass composes as ``1 - (1 - inf)^times`` (log1p/expm1).
+    FFT round-off (about 1e-16 of the largest mass) can leave tiny negative entries; they are set to 0.
+    """
+    d = pmf.to_dense_pmf()
+    # pylint: disable=protected-access
+    probs = np.asarray(d._probs, dtype=np.float64)
+    lower = int(d._lower_loss)
+    inf_mass = float(d._infinity_mass)
+    h = float(d._discretization)
+    pess = bool(d._pessimistic_estimate)
+    # pylint: enable=protected-access
+    lo, hi = _chernoff_window(probs, times, tail)
+    out_len = hi - lo + 1
+    n_fft = sfft.next_fast_len(max(out_len, probs.size), real=True)
+    spec = sfft.rfft(probs, n_fft)
+    result = None
+    base = spec
+    e = times
+    while e > 0:
+        if e & 1:
+            result = base.copy() if result is None else result * base
+        e >>= 1
+        if e:
+            base = base * base
+    circ = sfft.irfft(result, n_fft)
+    idx = (lo + np.arange(out_len)) % n_fft
+    out = np.maximum(circ[idx], 0.0)
+    new_inf = min(1.0, tail - math.expm1(times * math.log1p(-inf_mass)))
+    return pld_pmf.DensePLDPmf(h, lower * times + lo, out, new_inf, pess)
+
+
 def compose(
     plds_with_counts: Sequence[tuple[PrivacyLossDistribution, int]],
 ) -> PrivacyLossDistribution:
@@ -256,7 +363,8 @@ def compose(
     for pld, count in items:
         part = pld
         if count > 1:
-            part = pld.self_compose(count, tail_mass_truncation=_TAIL_MASS_TRUNCATION)
+            pmfs = [_self_compose_dense(p, count, _TAIL_MASS_TRUNCATION) for p in _pmfs(pld)]
+            part = PrivacyLossDistribution(pmfs[0], pmfs[1] if len(pmfs) == 2 else None)
             if not pess0:
                 part = _unbias(part, _TAIL_MASS_TRUNCATION)
         result = part if result is None else result.compose(

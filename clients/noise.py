@@ -17,7 +17,7 @@ Method (exact relative to the CSPRNG; no floating point anywhere in the sampling
     1. Magnitude ``G ~ Geometric``, ``P(G = g) = (1 - t) t**g``. Write ``G = sum_c 256**c L_c + 256**C H``.
        Because ``t**g`` factorises over the base-256 digits of ``g``, the digits are *independent*:
        ``L_c`` is a geometric with ratio ``r_c = t**(256**c)`` truncated to {0..255}, and ``H`` is a geometric
-       with ratio ``t**(256**C)`` (C is chosen so that this ratio is <= exp(-1/4)).
+       with ratio ``t**(256**C)`` (C is chosen so that this ratio is <= exp(-1/64)).
     2. Each digit is drawn by inversion, ``L = #{l >= 1 : U < S_l}`` with ``S_l = P(L >= l)`` and ``U``
        uniform on [0, 1), compared *lazily*: the top 16 bits of ``U`` index a guide table that settles the
        outcome unless a threshold lies in that 2**-16 bucket (at most 255 of 65,536 buckets); then 64 more
@@ -279,6 +279,7 @@ def _digit_table(kind: str, x_num: int, x_log2_den: int, n: int) -> _DigitTable:
     raise ValueError(kind)  # pragma: no cover - internal
 
 
+_TOP_MIN_X = Fraction(1, 64)
 _MAX_DIGITS = 7  # magnitudes are assembled as 7 little-endian bytes of an int64 (plus restarts)
 
 
@@ -300,9 +301,10 @@ class DiscreteLaplaceSampler:
         self.x = Fraction(num, 1 << log2_den)
         if self.x < Fraction(1, 2**46):
             raise ValueError(f"noise scale 2**{log2_den}/{num} is too large (must be < 2**46)")
-        # number of truncated base-256 digits: the smallest C with x * 256**C >= 1/4
+        # number of truncated base-256 digits: the smallest C with x * 256**C >= 1/64 (then the top digit's
+        # "255 or more" outcome, which triggers a restart, has probability exp(-255 x 256**C) <= e^-3.98)
         c = 0
-        while self.x * (1 << (_DIGIT_BITS * c)) < Fraction(1, 4):
+        while self.x * (1 << (_DIGIT_BITS * c)) < _TOP_MIN_X:
             c += 1
         self.n_digits = c
         self._tables = [

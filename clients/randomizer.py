@@ -161,7 +161,7 @@ class DiscreteLaplaceRandomizer:
         if self.eps_used_exact > Fraction(self.eps0):  # pragma: no cover - guaranteed by the floor
             raise ArithmeticError("eps_used exceeds eps0")
         self.eps_used = float(self.eps_used_exact)
-        self.sampler = DiscreteLaplaceSampler(self.noise_num, NOISE_LOG2_DEN)
+        self._sampler: DiscreteLaplaceSampler | None = None  # built on first use (tables take ~0.2 s)
         self.rng = rng if rng is not None else ChaCha20Rng()
 
     # -- parameter rules --------------------------------------------------------------------------------------
@@ -192,6 +192,13 @@ class DiscreteLaplaceRandomizer:
                 f"(noise scale {1 / s:.3g} grid units); use a coarser grid"
             )
         return True, ""
+
+    @property
+    def sampler(self) -> DiscreteLaplaceSampler:
+        """The exact discrete Laplace sampler with t = exp(-noise_num / 2**52) (built lazily, tables cached)."""
+        if self._sampler is None:
+            self._sampler = DiscreteLaplaceSampler(self.noise_num, NOISE_LOG2_DEN)
+        return self._sampler
 
     @property
     def gamma(self) -> float:

@@ -28,14 +28,14 @@ __all__ = [
     "OPTIMIZERS",
     "MODELS",
     "DATASETS",
-    "PARTITIONINGS",
+    "PARTITIONS",
 ]
 
 REPORT_MODES = ("gradient", "delta")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 MODELS = ("logreg", "mlp")
 DATASETS = ("digits", "mnist")
-PARTITIONINGS = ("iid", "dirichlet")
+PARTITIONS = ("iid", "dirichlet")
 
 #: The defaults, identical to ``[tool.flwr.app.config]`` in pyproject.toml (a test checks they agree).
 DEFAULTS: dict[str, bool | int | float | str] = {
@@ -55,11 +55,11 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "model": "logreg",
     "hidden-units": 64,
     "dataset": "digits",
-    "dataset-path": "",
-    "pca-components": 0,
-    "partitioning": "iid",
+    "data-dir": "",
+    "pca-components": 60,
+    "partition": "iid",
     "dirichlet-alpha": 0.5,
-    "data-seed": 0,
+    "partition-seed": 0,
     "target-delta": 1e-6,
     "budget-epsilon": 10.0,
     "accounting-family": "clones",
@@ -109,11 +109,11 @@ class ServerConfig:
     model: str
     hidden_units: int
     dataset: str
-    dataset_path: str
+    data_dir: str
     pca_components: int
-    partitioning: str
+    partition: str
     dirichlet_alpha: float
-    data_seed: int
+    partition_seed: int
     target_delta: float
     budget_epsilon: float
     accounting_family: str
@@ -264,9 +264,9 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         )
 
     dataset = _str(raw, "dataset", choices=DATASETS)
-    dataset_path = _str(raw, "dataset-path")
-    if dataset == "mnist" and not dataset_path.strip():
-        raise ConfigError("run config 'dataset-path' must name the folder with the MNIST IDX files when dataset='mnist'")
+    data_dir = _str(raw, "data-dir")
+    if dataset == "mnist" and not data_dir.strip():
+        raise ConfigError("run config 'data-dir' must name the folder with the MNIST IDX files when dataset='mnist'")
 
     config = ServerConfig(
         num_server_rounds=_int(raw, "num-server-rounds", minimum=1),
@@ -285,11 +285,11 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         model=_str(raw, "model", choices=MODELS),
         hidden_units=_int(raw, "hidden-units", minimum=1),
         dataset=dataset,
-        dataset_path=dataset_path,
+        data_dir=data_dir,
         pca_components=_int(raw, "pca-components", minimum=0),
-        partitioning=_str(raw, "partitioning", choices=PARTITIONINGS),
+        partition=_str(raw, "partition", choices=PARTITIONS),
         dirichlet_alpha=_float(raw, "dirichlet-alpha", low=0.0),
-        data_seed=_int(raw, "data-seed", minimum=0),
+        partition_seed=_int(raw, "partition-seed", minimum=0),
         target_delta=_float(raw, "target-delta", low=0.0, high=1.0, high_inclusive=False),
         budget_epsilon=_float(raw, "budget-epsilon", low=0.0, allow_inf=True),
         accounting_family=family,

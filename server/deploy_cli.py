@@ -1,6 +1,6 @@
 """``shuffledp deploy``: keys for a Flower deployment and a real multi-process TLS deployment on one machine.
 
-Two sub-commands:
+Three sub-commands:
 
 ``shuffledp deploy keys --out DIR --nodes N [--san NAME ...]``
     Everything a deployment needs, in one directory: the shuffler package's key directory (HPKE and signing keys,
@@ -29,8 +29,8 @@ Layout added by ``deploy keys`` next to the shuffler key directory (see docs/int
     DIR/compose/run-config.toml         the ServerApp's run config for the compose deployment (no secrets)
     DIR/deploy.json                     what was generated (nodes, SANs, key epoch, k); no secrets
 
-``shuffledp deploy bundle --keys DIR --node I --out D --eps0 X --clip-l1 C`` copies the files one device needs
-(and nothing else) into ``D`` and writes its ``node-config.toml``.
+``shuffledp deploy bundle --keys DIR --node I --out D --eps0 X --clip-l1 C``
+    Copies the files one device needs (and nothing else) into ``D`` and writes its ``node-config.toml``.
 
 The SuperLink has its own CA, separate from the shuffler's mTLS CA (``DIR/tls/``): the devices trust only the
 SuperLink CA, and whoever holds the SuperLink CA key cannot mint a client certificate the shuffler accepts.
@@ -54,6 +54,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -72,6 +73,16 @@ __all__ = [
     "ProcessGroup",
     "LocalDeployment",
     "run_local",
+    "format_report",
+    "create_device_bundle",
+    "compose_shuffler_config",
+    "compose_run_config",
+    "start_superlink",
+    "start_supernode",
+    "start_shuffler",
+    "register_supernode",
+    "round_timings",
+    "FileTailer",
     "CONNECTION_NAME",
 ]
 
@@ -84,7 +95,7 @@ FLOWER_ENV: Mapping[str, str] = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
 }
 _MAX_NODES = 10_000
-_DEFAULT_KEY_EPOCH = 1
+_DEFAULT_KEY_EPOCH = 0
 
 
 class DeployError(RuntimeError):
@@ -863,6 +874,33 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) ->
     return out
 
 
+def merge_server_seconds(rows: list[dict[str, float]], run_dir: Path) -> None:
+    """Add the ServerApp's own per-phase times (``RoundOutcome.seconds``, kept in the run's checkpoint history)
+    to the rows of :func:`round_timings` as ``server-<phase>``: ``collect`` (send and wait for every reply),
+    ``shuffle`` (submit the batch, verify the attestation), ``account``, ``open_apply`` (fetch, decrypt, apply),
+    ``evaluate``. Rows are left as they are if the checkpoint cannot be read.
+    """
+    try:
+        from server.job import RunPaths
+        from server.state import SqliteCheckpointStore
+
+        store = SqliteCheckpointStore(RunPaths(out_dir=run_dir, keys_dir=run_dir).state)
+        try:
+            checkpoint = store.load()
+        finally:
+            store.close()
+    except Exception as exc:  # noqa: BLE001 - timing is informative only; say why it is missing
+        for row in rows:
+            row["server-seconds-unavailable"] = str(exc)[:200]  # type: ignore[assignment]
+        return
+    if checkpoint is None:
+        return
+    by_round = {int(h["round"]): h.get("seconds") or {} for h in checkpoint.history if "round" in h}
+    for row in rows:
+        for phase, value in by_round.get(int(row["round"]), {}).items():
+            row[f"server-{phase}"] = round(float(value), 3)
+
+
 def _find_report(output_dir: Path) -> Path | None:
     reports = sorted(output_dir.rglob("report.json"), key=lambda p: p.stat().st_mtime)
     return reports[-1] if reports else None
@@ -887,6 +925,12 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
         if int(manifest["nodes"]) < cfg.nodes:
             raise DeployError(f"{keys.root} has keys for {manifest['nodes']} nodes, fewer than --nodes {cfg.nodes}")
         key_epoch = int(manifest["key-epoch"])
+        from shuffler.config import load_config as load_shuffler_config
+
+        threshold = load_shuffler_config(keys.shuffler_config).k
+        if threshold > cfg.nodes:
+            raise DeployError(f"the shuffler in {keys.shuffler_config} releases a batch only with k={threshold} "
+                              f"distinct clients, more than --nodes {cfg.nodes}; every round would be skipped")
     else:
         keys = create_deploy_keys(work / "keys", cfg.nodes, k=min_reports)
         key_epoch = _DEFAULT_KEY_EPOCH
@@ -918,7 +962,9 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
             timings["shuffler-start-s"] = time.monotonic() - t
 
             # 3. register each SuperNode's public key, then start the SuperNodes
-            node_ids = [register_supernode(cli_env, keys.supernode_pub(i)) for i in range(cfg.nodes)]
+            with ThreadPoolExecutor(max_workers=min(8, cfg.nodes)) as pool:  # each `flwr` call starts Python
+                node_ids = list(pool.map(lambda i: register_supernode(cli_env, keys.supernode_pub(i)),
+                                         range(cfg.nodes)))
             for i in range(cfg.nodes):
                 conf = write_toml(work / "supernodes" / f"node-{i}" / "node-config.toml",
                                   node_config(keys, i, cfg.nodes, eps0=cfg.eps0, clip_l1=cfg.clip_l1))
@@ -977,19 +1023,27 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
             follower.start()
             deadline = time.monotonic() + cfg.timeout
             status = "pending"
+            finished_line = f"of run {run_id}"
+            next_ls = 0.0
             while not status.startswith("finished"):
                 if time.monotonic() > deadline:
                     _flwr(cli_env, ["stop", run_id, CONNECTION_NAME], timeout=60)
                     raise DeployError(f"run {run_id} did not finish within --timeout {cfg.timeout:.0f} s "
                                       f"(status {status}); stopped it. Logs: {logs}")
                 group.check_alive()
-                time.sleep(1.0)
-                res = _flwr(cli_env, ["ls", CONNECTION_NAME, "--run-id", run_id, "--format", "json"], timeout=60)
-                if res.returncode == 0:
-                    runs = _json_from_output(res.stdout).get("runs") or []
-                    if runs:
-                        status = str(runs[0].get("status", status))
-                        run_info = runs[0]
+                time.sleep(0.5)
+                # the SuperLink logs "Finished task ... of run <id>"; `flwr ls` (a new Python process each time)
+                # is asked then, and every 20 s as a fallback
+                done = tailer is not None and any("Finished task" in line and finished_line in line for _, _, line in tailer.events)
+                if done or time.monotonic() >= next_ls:
+                    next_ls = time.monotonic() + 20.0
+                    res = _flwr(cli_env, ["ls", CONNECTION_NAME, "--run-id", run_id, "--format", "json"],
+                                timeout=60)
+                    if res.returncode == 0:
+                        runs = _json_from_output(res.stdout).get("runs") or []
+                        if runs:
+                            status = str(runs[0].get("status", status))
+                            run_info = runs[0]
             timings["run-s"] = time.monotonic() - t_submit
             timings["flower-run"] = {k: run_info.get(k) for k in ("elapsed", "compute-time", "network-traffic",
                                                                   "running-at", "finished-at")}
@@ -1020,6 +1074,11 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
         if follower is not None:
             events += [(t, "run", line) for t, line in follower.lines]
         timings["rounds"] = round_timings(events, t_submit - t_start)
+        with open(logs / "timeline.log", "w") as fh:  # every log line of the deployment, stamped on arrival
+            for t, key, line in sorted(events, key=lambda e: e[0]):
+                fh.write(f"{t:9.3f} {key:<12} {line}\n")
+        if report_path is not None:
+            merge_server_seconds(timings["rounds"], report_path.parent)
     timings["total-s"] = time.monotonic() - t_start
     result = DeployResult(status, run_id, report, report_path, timings, work)
     (work / "deploy-result.json").write_text(json.dumps({
@@ -1047,12 +1106,14 @@ def format_report(result: DeployResult) -> str:
     lines.append(f"wall: total {t.get('total-s', 0):.1f} s, start-up {t.get('startup-s', 0):.1f} s, "
                  f"run {t.get('run-s', 0):.1f} s (submission to finished)")
     if t.get("rounds"):
-        lines.append("per round (s): wall = to-first-node (push + SuperNode polling) + node-spread + client "
-                     "(clientapp process, training, sealing) + server-side (reply polling, shuffle, apply, "
-                     "evaluate); round 1 includes the ServerApp's start-up")
+        lines.append("per round (s): to-first-node = push + SuperNode polling; client = flwr-clientapp process, "
+                     "training, sealing (slowest node); server-side = reply polling + shuffle + apply + evaluate; "
+                     "server-* = the ServerApp's own clock (collect = send until every reply is in); "
+                     "round 1 includes the ServerApp's start-up")
         for row in t["rounds"]:
-            parts = " ".join(f"{k}={row[k]:.1f}" for k in ("wall", "to-first-node", "node-spread", "client",
-                                                           "server-side") if k in row)
+            parts = " ".join(f"{k}={row[k]:.2f}" for k in (
+                "wall", "to-first-node", "node-spread", "client", "server-side", "server-collect",
+                "server-shuffle", "server-open_apply", "server-evaluate") if isinstance(row.get(k), float))
             lines.append(f"  round {row['round']}: {parts}")
     lines.append("With only a handful of nodes the shuffle gives little amplification: epsilon stays close to the "
                  "no-shuffle bound. Amplification needs about 1,000 reports per round.")

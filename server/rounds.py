@@ -257,6 +257,11 @@ class RoundEngine:
         self.shapes = [tuple(a.shape) for a in self.arrays]
         self.dim = num_parameters(self.shapes)
         self.mechanism = _mechanism_label(config, self.dim)
+        # Honest clients randomize on the default grid for the pinned (eps0, C); a report on any other grid is
+        # rejected (a rescaled report would be an outsized contribution).
+        from clients.randomizer import DiscreteLaplaceRandomizer
+
+        self.expected_log2_grid = DiscreteLaplaceRandomizer(config.eps0, config.clip_l1).log2_grid
         self.optimizer = ServerOptimizer(config.server_optimizer, config.server_lr, momentum=config.server_momentum)
         self.accountant = ShuffleAccountant(
             target_delta=config.target_delta,
@@ -515,7 +520,7 @@ class RoundEngine:
         for inner in self.shuffler.fetch(attestation):
             try:
                 payload = self.open_inner(bytes(inner), round_id)
-                acc.add(decode_report(payload, expected_dim=self.dim))
+                acc.add(decode_report(payload, expected_dim=self.dim, expected_log2_grid=self.expected_log2_grid))
             except Exception:  # noqa: BLE001 - one bad report is counted and skipped, never fatal
                 bad += 1
         out.n_bad_reports = bad

@@ -17,11 +17,15 @@ import grpc
 from shuffler import envelope as env
 from shuffler import shuffler_pb2 as pb
 from shuffler import shuffler_pb2_grpc as pb_grpc
+from shuffler import wire
 from shuffler.attestation import Attestation, AttestationError, OutputDigest
 from shuffler.config import is_loopback
 from shuffler.service import grpc_options
 
 __all__ = ["ShufflerClient", "ShufflerError", "Attestation", "AttestationError"]
+
+_SUBMIT = "/shuffledp.shuffler.v1.Shuffler/Submit"
+_FETCH = "/shuffledp.shuffler.v1.Shuffler/Fetch"
 
 
 class ShufflerError(RuntimeError):
@@ -78,6 +82,13 @@ class ShufflerClient:
             )
             self._channel = grpc.secure_channel(address, creds, options=options)
         self._stub = pb_grpc.ShufflerStub(self._channel)
+        # Hot paths with pre-encoded messages (byte-identical to the generated serialisers, see shuffler.wire).
+        self._submit_raw = self._channel.stream_unary(
+            _SUBMIT, request_serializer=None, response_deserializer=pb.SubmitResponse.FromString
+        )
+        self._fetch_raw = self._channel.unary_stream(
+            _FETCH, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=None
+        )
         self._verify_key = bytes(shuffler_verify_key)
         self._max = max_message_bytes
         self._timeout = timeout
@@ -92,37 +103,50 @@ class ShufflerClient:
         self.close()
 
     def submit(
-        self, *, round_id: int, key_epoch: int, model_digest: bytes, envelopes: Iterable[bytes]
+        self,
+        *,
+        round_id: int,
+        key_epoch: int,
+        model_digest: bytes,
+        envelopes: Iterable[bytes],
+        count: int | None = None,
     ) -> Attestation:
         """Submit one round's batch; returns the verified attestation. Raises :class:`ShufflerError` on refusal.
 
-        ``envelopes`` may be a list or any iterable (it is consumed once, streamed, and counted). The header's
-        expected count needs the number up front, so a non-sized iterable is materialised first.
+        The header announces the number of envelopes: ``count`` if given (then ``envelopes`` may be any
+        iterable, e.g. a generator reading from disk, and must yield exactly ``count`` items), else
+        ``len(envelopes)`` (a non-sized iterable is materialised first). Envelopes are streamed one per message.
         """
         env.binding(key_epoch, round_id, model_digest)  # validates types and ranges
-        items = envelopes if hasattr(envelopes, "__len__") else list(envelopes)
-        count = len(items)  # type: ignore[arg-type]
+        if count is None:
+            items: Iterable[bytes] = envelopes if hasattr(envelopes, "__len__") else list(envelopes)
+            count = len(items)  # type: ignore[arg-type]
+        else:
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"count must be a non-negative int, got {count!r}")
+            items = envelopes
         if count >= 2**32:
             raise ValueError("too many envelopes for one batch")
         sent = 0
-
-        def requests() -> Iterator[pb.SubmitRequest]:
-            nonlocal sent
-            yield pb.SubmitRequest(
-                header=pb.SubmitHeader(
-                    protocol_version=env.ENVELOPE_VERSION,
-                    key_epoch=key_epoch,
-                    round_id=round_id,
-                    model_digest=bytes(model_digest),
-                    expected_count=count,
-                )
+        header = pb.SubmitRequest(
+            header=pb.SubmitHeader(
+                protocol_version=env.ENVELOPE_VERSION,
+                key_epoch=key_epoch,
+                round_id=round_id,
+                model_digest=bytes(model_digest),
+                expected_count=count,
             )
+        ).SerializeToString()
+
+        def requests() -> Iterator[bytes]:
+            nonlocal sent
+            yield header
             for e in items:
                 sent += 1
-                yield pb.SubmitRequest(envelope=bytes(e))
+                yield wire.encode_bytes_field(2, e)  # == SubmitRequest(envelope=e).SerializeToString()
 
         try:
-            resp = self._stub.Submit(requests(), timeout=self._timeout)
+            resp = self._submit_raw(requests(), timeout=self._timeout)
         except grpc.RpcError as exc:
             raise ShufflerError(exc.code(), exc.details() or "") from None
         att = Attestation.verify(resp.statement, resp.signature, self._verify_key)
@@ -142,8 +166,10 @@ class ShufflerClient:
             raise TypeError("fetch needs an Attestation returned by submit() (or Attestation.verify)")
         digest = OutputDigest()
         try:
-            for msg in self._stub.Fetch(pb.FetchRequest(batch_id=attestation.batch_id), timeout=self._timeout):
-                inner = msg.inner
+            for raw in self._fetch_raw(pb.FetchRequest(batch_id=attestation.batch_id), timeout=self._timeout):
+                inner = wire.decode_single_bytes_field(raw, 1)
+                if inner is None:  # not the canonical single-field form: use the generated parser
+                    inner = pb.FetchResponse.FromString(raw).inner
                 if len(inner) != attestation.inner_length:
                     raise AttestationError(
                         f"fetched item of {len(inner)} bytes; the attestation says {attestation.inner_length}"

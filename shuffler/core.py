@@ -1,9 +1,10 @@
 """The shuffler's batch logic, free of any transport (no grpc here).
 
-One batch per (key epoch, round): ``ShufflerCore.begin(header)`` returns a :class:`BatchBuilder`; each
-``add(envelope)`` opens and verifies one envelope and streams its inner ciphertext to a staging file (memory
-stays O(envelope), not O(batch)); ``finish()`` checks the batch, permutes it with a CSPRNG, writes and fsyncs
-the output, signs the attestation, appends the commit record to the journal (fsync) and only then returns.
+One batch per (key epoch, round): ``ShufflerCore.begin(header)`` draws a CSPRNG permutation and returns a
+:class:`BatchBuilder`; each ``add(envelope)`` opens and verifies one envelope and writes its inner ciphertext
+to its permuted slot in a staging file (memory stays O(envelope), not O(batch)); ``finish()`` checks the
+batch, fsyncs the permuted output, signs the attestation, appends the commit record to the journal (fsync) and
+only then returns.
 
 Duties (see docs/shuffler.md): verify signature, enrolment and binding, and count every drop by reason; at most
 one report per enrolled client per round; replay cache on the outer HPKE ``enc`` and on the report id, per key
@@ -180,8 +181,9 @@ class ShufflerCore:
     def _register(self, sb: SealedBatch, encs: list[str], rids: list[str], dropped: Mapping[str, int]) -> None:
         self._sealed[sb.batch_id] = sb
         self._by_binding[(sb.key_epoch, sb.round_id)] = sb
-        self._seen_enc.setdefault(sb.key_epoch, set()).update(bytes.fromhex(x) for x in encs)
-        self._seen_rid.setdefault(sb.key_epoch, set()).update(bytes.fromhex(x) for x in rids)
+        if sb.key_epoch == self.config.key_epoch:  # older epochs' caches are flushed by key rotation
+            self._seen_enc.setdefault(sb.key_epoch, set()).update(bytes.fromhex(x) for x in encs)
+            self._seen_rid.setdefault(sb.key_epoch, set()).update(bytes.fromhex(x) for x in rids)
         self.counters["batches_sealed"] += 1
         self.counters["reports_accepted"] += sb.n
         for reason, count in dropped.items():
@@ -273,6 +275,7 @@ class ShufflerCore:
         del occupied
         if source is None:
             raise RuntimeError("no staging file")
+        os.chmod(source, 0o400)  # a sealed batch never changes
         os.replace(source, final)
         fsync_dir(self.journal.batches_dir)
         dropped = {r: builder.drops.get(r, 0) for r in DROP_REASONS}

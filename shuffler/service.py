@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shuffler import keys as keyfiles
 from shuffler import shuffler_pb2 as pb
 from shuffler import shuffler_pb2_grpc as pb_grpc
+from shuffler import wire
 from shuffler.config import ServiceConfig, load_config
 from shuffler.core import CoreConfig, Header, Refused, ShufflerCore
 
@@ -117,7 +118,8 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         self._abort(context, refusal)  # type: ignore[arg-type]  # raises
         return pb.SubmitResponse()
 
-    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FetchResponse]:
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Stream the sealed batch; each message is a serialised ``FetchResponse{inner}``."""
         try:
             self._authorize(context)
             chunks = self.core.read_batch(bytes(request.batch_id))
@@ -125,7 +127,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             self._abort(context, exc)
             return
         for chunk in chunks:
-            yield pb.FetchResponse(inner=chunk)
+            yield wire.encode_bytes_field(1, chunk)  # == FetchResponse(inner=chunk).SerializeToString()
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         try:
@@ -166,9 +168,25 @@ def build_server(
         options=grpc_options(config.max_envelope_bytes),
         maximum_concurrent_rpcs=4 * max_workers,
     )
-    pb_grpc.add_ShufflerServicer_to_server(
-        ShufflerServicer(core, config.tls.client_common_names if config.tls else None), server
-    )
+    servicer = ShufflerServicer(core, config.tls.client_common_names if config.tls else None)
+    # Registered by hand (not with the generated add_ShufflerServicer_to_server) so that Fetch can send
+    # pre-encoded bytes; Submit and Stats use the generated message classes.
+    handlers = {
+        "Submit": grpc.stream_unary_rpc_method_handler(
+            servicer.Submit,
+            request_deserializer=pb.SubmitRequest.FromString,
+            response_serializer=pb.SubmitResponse.SerializeToString,
+        ),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=None
+        ),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            servicer.Stats,
+            request_deserializer=pb.StatsRequest.FromString,
+            response_serializer=pb.StatsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.insecure:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+from scipy import optimize, stats
 
 from accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError
 from accounting import bounds
@@ -322,3 +324,41 @@ def test_stable_at_one_million() -> None:
         assert math.isfinite(e.value) and e.value > 0.0
         d = bounds.delta(family, 1.0, 1_000_000, 0.001)
         assert 0.0 <= d.value <= 1.0 and math.isfinite(d.value)
+
+
+# ------------------------------------------------------------- rr-lower composition against enumeration
+
+
+def _rr_pair(eps0: float, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(P1, P0) of the count of ones: P0 = Bin(n, q), P1 = Bin(n-1, q) * Bern(1-q), by convolution."""
+    q = 1.0 / (math.exp(eps0) + 1.0)
+    base = stats.binom.pmf(np.arange(n), n - 1, q)
+    return np.convolve(base, [q, 1 - q]), np.convolve(base, [1 - q, q])
+
+
+def _exact_composed_epsilon(pairs: list[tuple[np.ndarray, np.ndarray]], delta: float) -> float:
+    """eps(delta) of the product of the pairs (both directions), by explicit outer products."""
+    p, q = np.ones(1), np.ones(1)
+    for a, b in pairs:
+        p, q = np.outer(p, a).ravel(), np.outer(q, b).ravel()
+
+    def hockey(eps: float) -> float:
+        return max(np.maximum(p - math.exp(eps) * q, 0).sum(), np.maximum(q - math.exp(eps) * p, 0).sum())
+
+    return optimize.brentq(lambda e: hockey(e) - delta, 0.0, 50.0, xtol=1e-13)
+
+
+def test_rr_lower_composition_is_a_lower_bound_close_to_the_exact_product() -> None:
+    eps0, n, rounds, delta = 1.0, 30, 3, 1e-4
+    exact = _exact_composed_epsilon([_rr_pair(eps0, n)] * rounds, delta)
+    got = bounds.epsilon("rr-lower", eps0, n, delta, rounds).value
+    assert got <= exact
+    assert got >= exact * (1 - 1e-2)
+
+
+def test_heterogeneous_rr_lower_against_exact_product() -> None:
+    rounds = [ShuffleRound(30, 1.0), ShuffleRound(30, 1.0), ShuffleRound(12, 2.0)]
+    exact = _exact_composed_epsilon([_rr_pair(1.0, 30), _rr_pair(1.0, 30), _rr_pair(2.0, 12)], 1e-4)
+    got = bounds.epsilon_for_rounds("rr-lower", rounds, 1e-4).value
+    assert got <= exact
+    assert got >= exact * (1 - 1e-2)

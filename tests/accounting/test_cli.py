@@ -68,8 +68,8 @@ def test_epsilon_json_contract() -> None:
 
 
 def test_epsilon_with_bound_rounds_and_scientific_n(capsys: pytest.CaptureFixture[str]) -> None:
-    obj = ok_json_in_process(capsys, "account", "epsilon", "--eps0", "1", "--n", "1e4", "--delta", "1e-6", "--rounds", "10",
-                  "--bound", "clones-focs")
+    obj = ok_json_in_process(capsys, "account", "epsilon", "--eps0", "1", "--n", "1e4", "--delta", "1e-6",
+                             "--rounds", "10", "--bound", "clones-focs")
     assert obj["bound"] == "clones-focs" and obj["rounds"] == 10 and obj["n"] == 10000
     assert obj["value"] == bounds.epsilon("clones-focs", 1.0, 10000, 1e-6, 10).value
 
@@ -181,8 +181,9 @@ def test_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "eps.png"
-    obj = ok_json_in_process(capsys, "account", "plot", "--eps0", "1", "--n", "10000", "--delta", "1e-6", "--max-rounds", "10",
-                  "--points", "3", "--bound", "clones", "--bound", "rr-lower", "--out", str(out))
+    obj = ok_json_in_process(capsys, "account", "plot", "--eps0", "1", "--n", "10000", "--delta", "1e-6",
+                             "--max-rounds", "10", "--points", "3", "--bound", "clones", "--bound", "rr-lower",
+                             "--out", str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     series = {s["bound"]: s for s in obj["series"]}
     assert set(series) == {"clones", "rr-lower"}

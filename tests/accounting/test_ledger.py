@@ -107,7 +107,10 @@ def test_duplicate_round_raises_and_keeps_the_stored_row(tmp_path: Path) -> None
         ({"epsilons": {"clones": 0.1}}, "same families"),
         ({"epsilons": {}, "kinds": {}}, "at least the default family"),
         ({"kinds": {"clones": "upper", "ccg-gdp": "guess", "rr-lower": "lower"}}, "kind of 'ccg-gdp' must be one of"),
-        ({"epsilons": {"clones": float("nan"), "ccg-gdp": 0.1, "rr-lower": 0.0}}, "epsilon of 'clones' must be a finite"),
+        (
+            {"epsilons": {"clones": float("nan"), "ccg-gdp": 0.1, "rr-lower": 0.0}},
+            "epsilon of 'clones' must be a finite",
+        ),
         ({"epsilons": {"clones": -0.1, "ccg-gdp": 0.1, "rr-lower": 0.0}}, "epsilon of 'clones' must be a finite"),
         ({"default_family": "fmt"}, "default_family 'fmt' must be one of the recorded families"),
         (
@@ -181,6 +184,8 @@ def test_open_refuses_missing_and_foreign_files(tmp_path: Path) -> None:
     with pytest.raises(LedgerError, match="does not exist"):
         Ledger(tmp_path / "missing.db", create=False)
     assert not (tmp_path / "missing.db").exists()
+    with pytest.raises(LedgerError, match="directory does not exist"):
+        Ledger(tmp_path / "no-such-dir" / "l.db")
     junk = tmp_path / "junk.db"
     junk.write_bytes(b"not a database at all" * 100)
     with pytest.raises(LedgerError, match="not a shuffledp ledger"):
@@ -217,6 +222,18 @@ def test_export_json_and_csv(tmp_path: Path) -> None:
     assert table[1]["reason[ccg-gdp]"] == "too few clones, refused"
     assert float(table[0]["eps[ccg-gdp]"]) == 0.05 and table[0]["kind[ccg-gdp]"] == "approximate"
     assert table[0]["time"] == rows[0]["time"] and int(table[0]["n_reports"]) == 1001
+
+
+def test_export_to_a_missing_directory_is_refused_cleanly(tmp_path: Path) -> None:
+    with Ledger(tmp_path / "l.db") as ledger:
+        _append(ledger, 1)
+        for export in (ledger.export_json, ledger.export_csv):
+            with pytest.raises(LedgerError, match="does not exist"):
+                export(tmp_path / "no-such-dir" / "out")
+        (tmp_path / "out.csv").write_text("old contents", encoding="utf-8")
+        ledger.export_csv(tmp_path / "out.csv")  # replaces an existing file
+    assert (tmp_path / "out.csv").read_text(encoding="utf-8").startswith("round,time")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary file left
 
 
 _WRITER = textwrap.dedent(

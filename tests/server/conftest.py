@@ -2,7 +2,8 @@
 
 The fake Grid delivers each ``train.shuffled`` message to a per-node behaviour (honest, silent, refusing,
 garbage, tagged) and returns the replies, like ``flwr.serverapp.Grid.send_and_receive``. Honest nodes run the
-clients package's pure core function, so what the server opens is what a real ClientApp would send.
+clients package's pure core function (``clients.core.make_envelope``) on their digits partition, so what the
+server opens is what a real ClientApp sends.
 """
 
 from __future__ import annotations
@@ -166,43 +167,51 @@ def garbage_record(msg: Message, pid: int) -> Message:
     return Message(RecordDict({"arrays": bad}), reply_to=msg)
 
 
-# -- the honest client (stand-in until the clients package's core function is wired in) ----------------------
+# -- the honest client: the clients package's pure core function ----------------------------------------------
 
 
-def honest_factory(keys: Keys, report: Callable[[list[np.ndarray], int], np.ndarray] | None = None) -> Behaviour:
-    """An honest client: decode the request, compute a report at the received model, randomize, seal, reply."""
-    from clients.randomizer import DiscreteLaplaceRandomizer
-    from shuffler.envelope import seal
+def honest_factory(keys: Keys, n_partitions: int = N_CLIENTS) -> Behaviour:
+    """An honest client: ``clients.core.make_envelope`` on its digits partition, with its own pinned settings.
+
+    The pinned eps0 / clip are read from the first request it gets, as if the operator had configured the
+    same values as the server (a client pinned to other values is the ``refusing`` behaviour).
+    """
+    from clients.core import PinnedSettings, make_envelope
+    from clients.data import load_partition
 
     def behaviour(msg: Message, pid: int) -> Message:
         cfg = M.TrainConfig.from_mapping(msg.content[M.CONFIG_KEY])
-        arrays = msg.content[M.ARRAYS_KEY].to_numpy_ndarrays()
-        flat = np.concatenate([a.ravel() for a in arrays]).astype(np.float64)
-        vec = report(arrays, pid) if report is not None else np.full(flat.shape, 1.0 / flat.size)
-        payload = DiscreteLaplaceRandomizer(cfg.eps0, cfg.clip_l1).encode(vec)
-        envelope = seal(
-            payload,
+        pinned = PinnedSettings(
+            eps0=cfg.eps0,
+            clip_l1=cfg.clip_l1,
+            client_key=keys.client_key(pid),
             server_public_key=keys.server_pk,
             shuffler_public_key=keys.shuffler_pk,
-            signing_key=keys.client_key(pid),
-            key_epoch=cfg.key_epoch,
-            round_id=cfg.round,
-            model_digest=M.arrays_digest(arrays),
+            partition_id=pid,
+            num_partitions=n_partitions,
         )
-        return envelope_reply(msg, envelope)
+        arrays = msg.content[M.ARRAYS_KEY].to_numpy_ndarrays()
+        data = load_partition(pid, n_partitions)
+        return envelope_reply(msg, make_envelope(arrays, msg.content[M.CONFIG_KEY], pinned, data))
 
     return behaviour
 
 
 def inner_garbage_factory(keys: Keys) -> Behaviour:
-    """A signed, correctly bound envelope whose inner payload is not a valid report (opened, then rejected)."""
+    """A signed, correctly bound envelope whose inner payload is not a valid report (opened, then rejected).
+
+    The payload has a valid report's length (the shuffler refuses a batch whose inner ciphertexts differ in
+    length) but a wrong magic.
+    """
+    from clients.report import report_length
     from shuffler.envelope import seal
 
     def behaviour(msg: Message, pid: int) -> Message:
         cfg = M.TrainConfig.from_mapping(msg.content[M.CONFIG_KEY])
         arrays = msg.content[M.ARRAYS_KEY].to_numpy_ndarrays()
+        dim = sum(a.size for a in arrays)
         envelope = seal(
-            b"not a report" * 10,
+            b"JUNK" + bytes(report_length(dim) - 4),
             server_public_key=keys.server_pk,
             shuffler_public_key=keys.shuffler_pk,
             signing_key=keys.client_key(pid),
@@ -216,14 +225,19 @@ def inner_garbage_factory(keys: Keys) -> Behaviour:
 
 
 def model_arrays() -> list[np.ndarray]:
-    """A tiny model (4 features, 3 classes) used by the round tests."""
-    return [np.zeros((3, 4), dtype=np.float32), np.zeros(3, dtype=np.float32)]
+    """The default model of the main job: logistic regression on digits (64 features, 10 classes)."""
+    from clients.models import initial_arrays
+
+    return initial_arrays("logreg", 64, 10)
 
 
-def toy_evaluator(arrays: Any) -> tuple[float, float]:
-    """Loss = squared norm of the model, accuracy = fraction of positive weights (deterministic, cheap)."""
-    flat = np.concatenate([np.asarray(a).ravel() for a in arrays])
-    return float(np.dot(flat, flat)), float(np.mean(flat > 0))
+def digits_evaluator(arrays: Any) -> tuple[float, float]:
+    """Central evaluation on the digits test split (as the ServerApp does)."""
+    from clients.data import load_data
+    from clients.models import evaluate
+
+    ds = load_data("digits")
+    return evaluate(arrays, ds.x_test, ds.y_test)
 
 
 @dataclass
@@ -241,8 +255,8 @@ class Harness:
     garbage_envelope: Behaviour = staticmethod(garbage_envelope)  # type: ignore[assignment]
     garbage_record: Behaviour = staticmethod(garbage_record)  # type: ignore[assignment]
 
-    def honest(self, report: Callable[[list[np.ndarray], int], np.ndarray] | None = None) -> Behaviour:
-        return honest_factory(self.keys, report)
+    def honest(self) -> Behaviour:
+        return honest_factory(self.keys)
 
     def inner_garbage(self) -> Behaviour:
         return inner_garbage_factory(self.keys)
@@ -260,7 +274,7 @@ class Harness:
         return lambda inner, rnd: open_inner(inner, server_private_key=sk, key_epoch=cfg.key_epoch, round_id=rnd)
 
     def engine(self, cfg: ServerConfig, grid: FakeGrid, *, ledger: Any = None, store: Any = None,
-               evaluator: Any = None) -> Any:
+               evaluator: Any = None, open_inner: Any = None) -> Any:
         from accounting.ledger import Ledger
         from server.rounds import RoundEngine
         from server.state import SqliteCheckpointStore
@@ -271,8 +285,8 @@ class Harness:
             cfg,
             grid=grid,
             shuffler=self.shuffler,
-            open_inner=self.opener(cfg),
-            evaluator=evaluator or toy_evaluator,
+            open_inner=open_inner or self.opener(cfg),
+            evaluator=evaluator or digits_evaluator,
             initial_arrays=model_arrays(),
             ledger=ledger if ledger is not None else Ledger(out / "ledger.sqlite"),
             store=store if store is not None else SqliteCheckpointStore(out / "state.sqlite"),
@@ -282,3 +296,20 @@ class Harness:
 @pytest.fixture
 def h(tmp_path: Path, keys: Keys, shuffler_client: Any, shuffler_service: Any) -> Harness:
     return Harness(tmp_path=tmp_path, keys=keys, shuffler=shuffler_client, service=shuffler_service)
+
+
+@pytest.fixture
+def kit() -> Any:
+    """The module-level helpers of this conftest (test modules cannot import conftest under importlib mode)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        FakeGrid=FakeGrid,
+        honest_factory=honest_factory,
+        make_config=make_config,
+        model_arrays=model_arrays,
+        digits_evaluator=digits_evaluator,
+        silent=silent,
+        N=N_CLIENTS,
+        K=K,
+    )

@@ -82,6 +82,6 @@ def test_unknown_key_is_refused_unless_allowed() -> None:
 
 
 def test_mnist_needs_a_path() -> None:
-    with pytest.raises(ConfigError, match="dataset-path"):
+    with pytest.raises(ConfigError, match="data-dir"):
         parse_run_config({"dataset": "mnist"})
-    assert parse_run_config({"dataset": "mnist", "dataset-path": "data/mnist"}).dataset == "mnist"
+    assert parse_run_config({"dataset": "mnist", "data-dir": "data/mnist"}).dataset == "mnist"

@@ -17,6 +17,8 @@ from flwr.app import ArrayRecord
 from accounting.accountant import ShuffleAccountant
 from accounting.events import ShuffleRound
 from clients import messages as M
+from clients.report import decode_report
+from server.optim import flatten
 from server.rounds import ResumeError, extract_envelopes, sample_nodes
 
 
@@ -31,17 +33,26 @@ def _stats(h: Any) -> dict[str, Any]:
 def test_honest_round_is_applied_charged_and_checkpointed(h: Any) -> None:
     cfg = h.config()
     grid = h.grid([h.honest()] * h.N)
-    engine = h.engine(cfg, grid)
+    opened: list[bytes] = []
+    opener = h.opener(cfg)
+
+    def recording_opener(inner: bytes, round_id: int) -> bytes:
+        payload = opener(inner, round_id)
+        opened.append(payload)
+        return payload
+
+    engine = h.engine(cfg, grid, open_inner=recording_opener)
     assert engine.restore() == 1
     before = [a.copy() for a in engine.arrays]
     out = engine.run_round(1)
     assert out.status == "applied", out.reason
     assert (out.n_sampled, out.n_replies, out.n_envelopes, out.n_reports, out.n_applied) == (h.N,) * 5
     assert out.n_bad_reports == 0
-    # every report is 1/d in each coordinate plus noise: the SGD step moves the mean weight down
-    assert float(np.mean(np.concatenate([a.ravel() for a in engine.arrays]))) < float(
-        np.mean(np.concatenate([a.ravel() for a in before]))
-    )
+    assert 0.0 <= out.accuracy <= 1.0 and out.loss > 0
+    # the update is one SGD step with the mean of exactly the opened reports
+    mean = np.mean([decode_report(p, expected_dim=engine.dim) for p in opened], axis=0)
+    expected = flatten(before) - cfg.server_lr * mean
+    np.testing.assert_allclose(flatten(engine.arrays), expected, rtol=0, atol=1e-5)
     rows = engine.ledger.rows()
     assert [(r["round"], r["n_reports"], r["eps0"]) for r in rows] == [(1, h.N, cfg.eps0)]
     assert [(e.n, e.eps0) for e in engine.accountant.rounds] == [(h.N, cfg.eps0)]
@@ -53,6 +64,27 @@ def test_honest_round_is_applied_charged_and_checkpointed(h: Any) -> None:
     assert msg.metadata.message_type == M.MESSAGE_TYPE and msg.metadata.group_id == "1"
     assert set(msg.content.keys()) == {M.ARRAYS_KEY, M.CONFIG_KEY}
     assert dict(msg.content[M.CONFIG_KEY])["eps0"] == cfg.eps0
+
+
+def test_report_on_a_foreign_grid_is_counted_bad(h: Any) -> None:
+    from clients.report import decode_report_full, encode_report
+
+    cfg = h.config()
+    opener = h.opener(cfg)
+
+    def rescaling_opener(inner: bytes, round_id: int) -> bytes:
+        payload = opener(inner, round_id)
+        if not rescaling_opener.done:  # type: ignore[attr-defined]
+            rescaling_opener.done = True  # type: ignore[attr-defined]
+            rep = decode_report_full(payload, expected_dim=650)
+            return encode_report(rep.ints, log2_grid=rep.log2_grid + 5, eps_used=rep.eps_used)
+        return payload
+
+    rescaling_opener.done = False  # type: ignore[attr-defined]
+    engine = h.engine(cfg, h.grid([h.honest()] * h.N), open_inner=rescaling_opener)
+    engine.restore()
+    out = engine.run_round(1)
+    assert out.status == "applied" and out.n_bad_reports == 1 and out.n_applied == h.N - 1
 
 
 def test_dropouts_below_k_skip_the_round_and_charge_nothing(h: Any) -> None:

@@ -1,0 +1,126 @@
+"""The Flower ClientApp: ``train.shuffled`` -> one sealed envelope, nothing else.
+
+Flower glue only; the work is :func:`clients.core.make_envelope` (signature documented in clients/core.py)::
+
+    make_envelope(arrays, config, pinned, data, *, rng=None) -> bytes
+
+Per request: resolve the pinned settings (node_config in deployment, run_config in simulation, see
+:func:`clients.core.pinned_from_configs`), load this node's partition, parse the request, refuse (error reply)
+if its eps0 / clip-l1 differ from the pinned ones, and reply ``content["envelope"] = ArrayRecord({"ct": uint8})``.
+
+Retries: the reply for the latest round is cached in ``context.state``. A request for the same round, key
+epoch, model digest and config returns the same sealed bytes (fresh noise on a retry would spend privacy
+twice). A different request for an already-answered round, or a request for an older round, is refused: one
+report per round, never two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from clients.core import (
+    ClientSetupError,
+    PinnedMismatchError,
+    data_settings_from_run_config,
+    make_envelope,
+    pinned_from_configs,
+)
+from clients.messages import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    ENVELOPE_ARRAY,
+    ENVELOPE_KEY,
+    ERR_BAD_REQUEST,
+    ERR_CLIENT_SETUP,
+    ERR_PINNED_MISMATCH,
+    RequestError,
+    TrainConfig,
+    arrays_digest,
+    envelope_from_record,
+    envelope_record,
+)
+
+__all__ = ["app", "train_shuffled", "STATE_ENVELOPE", "STATE_REQUEST"]
+
+STATE_ENVELOPE = "shuffledp.last-envelope"  # ArrayRecord {"ct": uint8}: the latest sealed reply
+STATE_REQUEST = "shuffledp.last-request"  # ConfigRecord: round, key-epoch, model-digest, config
+
+app = ClientApp()
+
+
+def _error(msg: Message, code: int, reason: str) -> Message:
+    return Message(Error(code=code, reason=reason), reply_to=msg)
+
+
+def _request_key(cfg: TrainConfig, digest: bytes) -> dict[str, Any]:
+    canon = ";".join(f"{k}={v!r}" for k, v in sorted(cfg.to_dict().items()))
+    return {"round": cfg.round, "key-epoch": cfg.key_epoch, "model-digest": digest, "config": canon}
+
+
+def _reply(msg: Message, envelope: bytes) -> Message:
+    return Message(RecordDict({ENVELOPE_KEY: envelope_record(envelope)}), reply_to=msg)
+
+
+@app.train("shuffled")
+def train_shuffled(msg: Message, context: Context) -> Message:
+    """Handle one ``train.shuffled`` request (see the module docstring)."""
+    # 1. the request (the server is the adversary: validate everything)
+    try:
+        if ARRAYS_KEY not in msg.content.array_records or CONFIG_KEY not in msg.content.config_records:
+            raise RequestError(f"request must carry content[{ARRAYS_KEY!r}] and content[{CONFIG_KEY!r}]")
+        cfg = TrainConfig.from_mapping(dict(msg.content.config_records[CONFIG_KEY]))
+        group = msg.metadata.group_id
+        if group != str(cfg.round):
+            raise RequestError(f"group_id {group!r} != str(round) {str(cfg.round)!r}")
+        arrays = [np.asarray(a) for a in msg.content.array_records[ARRAYS_KEY].to_numpy_ndarrays()]
+        if not arrays:
+            raise RequestError("the request carries no model arrays")
+        digest = arrays_digest(arrays)
+    except (RequestError, TypeError, ValueError) as exc:
+        return _error(msg, ERR_BAD_REQUEST, f"bad request: {exc}")
+
+    # 2. the client's own settings
+    try:
+        pinned = pinned_from_configs(context.node_config, context.run_config)
+    except ClientSetupError as exc:
+        return _error(msg, ERR_CLIENT_SETUP, f"client setup: {exc}")
+    if cfg.eps0 != pinned.eps0 or cfg.clip_l1 != pinned.clip_l1:
+        return _error(
+            msg,
+            ERR_PINNED_MISMATCH,
+            f"refused: request asks eps0={cfg.eps0!r}, clip-l1={cfg.clip_l1!r}; pinned eps0={pinned.eps0!r}, "
+            f"clip-l1={pinned.clip_l1!r}",
+        )
+
+    # 3. retry cache: at most one report per round
+    key = _request_key(cfg, digest)
+    if STATE_REQUEST in context.state.config_records and STATE_ENVELOPE in context.state.array_records:
+        last = dict(context.state.config_records[STATE_REQUEST])
+        if last == key:
+            return _reply(msg, envelope_from_record(context.state.array_records[STATE_ENVELOPE]))
+        if int(last["round"]) == cfg.round:
+            return _error(msg, ERR_BAD_REQUEST, f"round {cfg.round} was already answered for another request")
+        if int(last["round"]) > cfg.round:
+            return _error(msg, ERR_BAD_REQUEST, f"stale round {cfg.round}: round {last['round']} was answered")
+
+    # 4. compute, clip, randomize, encode, seal
+    try:
+        from clients.data import load_partition
+
+        data = load_partition(pinned.partition_id, pinned.num_partitions, **data_settings_from_run_config(context.run_config))
+    except (ValueError, OSError) as exc:
+        return _error(msg, ERR_CLIENT_SETUP, f"client data: {exc}")
+    try:
+        envelope = make_envelope(arrays, cfg, pinned, data)
+    except PinnedMismatchError as exc:  # pragma: no cover - checked above
+        return _error(msg, ERR_PINNED_MISMATCH, str(exc))
+    except (RequestError, ValueError) as exc:
+        return _error(msg, ERR_BAD_REQUEST, f"cannot compute a report for this request: {exc}")
+
+    context.state[STATE_REQUEST] = ConfigRecord(key)
+    context.state[STATE_ENVELOPE] = ArrayRecord({ENVELOPE_ARRAY: envelope_record(envelope)[ENVELOPE_ARRAY]})
+    return _reply(msg, envelope)

@@ -1,0 +1,40 @@
+"""Central evaluation on the held-out test split, and the initial model.
+
+Evaluation happens on the server only: federated evaluation would send per-node metrics back next to the
+node's id, outside the shuffle. The test split never reaches a client (the clients hold partitions of the
+training split, :func:`clients.data.load_partition`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from server.config import ServerConfig
+
+__all__ = ["CentralEvaluator"]
+
+
+class CentralEvaluator:
+    """The configured dataset's test split, the configured model, and ``evaluate(arrays) -> (loss, accuracy)``."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        from clients.data import load_data
+
+        self.cfg = cfg
+        pca = cfg.pca_components if cfg.pca_components > 0 else None
+        self.dataset = load_data(cfg.dataset, data_dir=cfg.data_dir or None, pca_components=pca)
+
+    def initial_arrays(self) -> list[np.ndarray]:
+        """The round-1 model: ``clients.models.initial_arrays`` for the configured model and data shape."""
+        from clients.models import initial_arrays
+
+        ds = self.dataset
+        return initial_arrays(self.cfg.model, ds.n_features, ds.n_classes, hidden=self.cfg.hidden_units)
+
+    def evaluate(self, arrays: Sequence[np.ndarray]) -> tuple[float, float]:
+        """Mean cross-entropy and accuracy on the test split."""
+        from clients.models import evaluate
+
+        return evaluate(arrays, self.dataset.x_test, self.dataset.y_test)

@@ -1,0 +1,179 @@
+"""The ClientApp (Flower glue) and its pure core, with real keys and shuffler.envelope."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
+
+from clients.app import STATE_ENVELOPE, STATE_REQUEST, app, train_shuffled
+from clients.core import PinnedMismatchError, PinnedSettings, make_envelope, make_payload
+from clients.messages import (
+    ERR_BAD_REQUEST,
+    ERR_CLIENT_SETUP,
+    ERR_PINNED_MISMATCH,
+    MESSAGE_TYPE,
+    RequestError,
+    TrainConfig,
+    arrays_digest,
+    envelope_from_record,
+)
+from clients.models import initial_arrays
+from clients.report import decode_report_full
+
+shuffler_keys = pytest.importorskip("shuffler.keys")
+envelope = pytest.importorskip("shuffler.envelope")
+
+EPS0, CLIP = 2.0, 1.0
+N_PART = 3
+PID = 1
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    return shuffler_keys.init_key_directory(tmp_path_factory.mktemp("k") / "keys", N_PART)
+
+
+@pytest.fixture(scope="module")
+def model() -> list[np.ndarray]:
+    return initial_arrays("logreg", 64, 10)
+
+
+def _msg(arrays, cfg: dict | TrainConfig, *, group: str | None = None) -> Message:
+    cfgd = cfg.to_dict() if isinstance(cfg, TrainConfig) else cfg
+    content = RecordDict({"arrays": ArrayRecord(arrays), "config": ConfigRecord(cfgd)})
+    md = Metadata(
+        run_id=1, message_id=f"m{time.monotonic_ns()}", src_node_id=1, dst_node_id=7, reply_to_message_id="",
+        group_id=group if group is not None else str(cfgd.get("round", "")), created_at=time.time(), ttl=600.0,
+        message_type=MESSAGE_TYPE,
+    )
+    return Message(content, metadata=md)
+
+
+def _ctx(keys, **run_overrides) -> Context:
+    run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root)}
+    run.update(run_overrides)
+    return Context(run_id=1, node_id=7, node_config={"partition-id": PID, "num-partitions": N_PART},
+                   state=RecordDict(), run_config=run)
+
+
+def _cfg(rnd: int = 1, **kw) -> TrainConfig:
+    base = {"round": rnd, "key_epoch": 0, "eps0": EPS0, "clip_l1": CLIP}
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _open(keys, env: bytes, rnd: int, digest: bytes) -> bytes:
+    load = shuffler_keys.load_private_key
+    opened = envelope.open_outer(env, shuffler_private_key=load(keys.shuffler_hpke_key), key_epoch=0,
+                                 round_id=rnd, model_digest=digest)
+    enrol = shuffler_keys.load_enrolment(keys.enrolment)
+    assert opened.signer_public_key == enrol[shuffler_keys.client_id(PID)]  # signed with client PID's key
+    return envelope.open_inner(opened.inner, server_private_key=load(keys.server_hpke_key), key_epoch=0,
+                               round_id=rnd)
+
+
+def test_reply_is_only_the_envelope_and_opens_to_a_valid_report(keys, model) -> None:
+    ctx = _ctx(keys)
+    rep = train_shuffled(_msg(model, _cfg(1)), ctx)
+    assert not rep.has_error()
+    assert list(rep.content.keys()) == ["envelope"]
+    assert list(rep.content.array_records["envelope"].keys()) == ["ct"]
+    assert not rep.content.metric_records and not rep.content.config_records
+    env = envelope_from_record(rep.content["envelope"])
+    payload = _open(keys, env, 1, arrays_digest(model))
+    report = decode_report_full(payload, expected_dim=650)
+    assert report.eps_used <= EPS0
+    # the envelope is bound to the model digest: a tagged (different) model digest does not open
+    other = [model[0] + np.float32(1.0), model[1]]
+    with pytest.raises(envelope.EnvelopeError):
+        _open(keys, env, 1, arrays_digest(other))
+
+
+def test_retry_returns_the_same_bytes_and_only_one_report_per_round(keys, model) -> None:
+    ctx = _ctx(keys)
+    first = envelope_from_record(train_shuffled(_msg(model, _cfg(5)), ctx).content["envelope"])
+    again = envelope_from_record(app(_msg(model, _cfg(5)), ctx).content["envelope"])  # via ClientApp dispatch
+    assert again == first
+    # same round, different model: refused (a second report would spend privacy twice)
+    other = [model[0] * 0, model[1]]
+    r = train_shuffled(_msg(other, _cfg(5)), ctx)
+    assert r.has_error() and r.error.code == ERR_BAD_REQUEST and "already answered" in r.error.reason
+    # same round, same model, different report kind: refused too
+    r = train_shuffled(_msg(model, _cfg(5, report="delta")), ctx)
+    assert r.has_error() and r.error.code == ERR_BAD_REQUEST
+    # a new round gets fresh bytes and replaces the cache; then the old round is stale
+    nxt = envelope_from_record(train_shuffled(_msg(model, _cfg(6)), ctx).content["envelope"])
+    assert nxt != first
+    assert ctx.state.config_records[STATE_REQUEST]["round"] == 6
+    assert len(ctx.state.array_records) == 1 and STATE_ENVELOPE in ctx.state.array_records
+    r = train_shuffled(_msg(model, _cfg(5)), ctx)
+    assert r.has_error() and "stale round" in r.error.reason
+
+
+@pytest.mark.parametrize("field,value", [("eps0", 4.0), ("eps0", 2.0000001), ("clip_l1", 10.0)])
+def test_refuses_a_request_for_other_privacy_parameters(keys, model, field: str, value: float) -> None:
+    ctx = _ctx(keys)
+    r = train_shuffled(_msg(model, _cfg(1, **{field: value})), ctx)
+    assert r.has_error() and r.error.code == ERR_PINNED_MISMATCH
+    assert "pinned" in r.error.reason
+    assert STATE_ENVELOPE not in ctx.state.array_records  # nothing computed, nothing cached
+
+
+def test_bad_requests_are_error_replies(keys, model) -> None:
+    ctx = _ctx(keys)
+    good = _cfg(1).to_dict()
+    missing = dict(good)
+    del missing["key-epoch"]
+    for msg in (
+        _msg(model, missing),
+        _msg(model, good, group="2"),  # group_id must be str(round)
+        _msg(model, {**good, "report": "weights"}),
+        _msg([np.zeros((3, 3), np.float32)], good),  # not a known model
+    ):
+        r = train_shuffled(msg, ctx)
+        assert r.has_error() and r.error.code == ERR_BAD_REQUEST, r.error
+    no_keys = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 3},
+                      state=RecordDict(), run_config={"eps0": EPS0, "clip-l1": CLIP})
+    r = train_shuffled(_msg(model, good), no_keys)
+    assert r.has_error() and r.error.code == ERR_CLIENT_SETUP and "keys-dir" in r.error.reason
+
+
+def test_deployment_node_config_pins_override_run_config(keys, model) -> None:
+    node = {
+        "eps0": 4.0,
+        "clip-l1": 0.5,
+        "client-key": str(keys.client_key(PID)),
+        "server-public-key": str(keys.server_hpke_pub),
+        "shuffler-public-key": str(keys.shuffler_hpke_pub),
+        "partition-id": PID,
+        "num-partitions": N_PART,
+    }
+    ctx = Context(run_id=1, node_id=7, node_config=node, state=RecordDict(),
+                  run_config={"eps0": 2.0, "clip-l1": 1.0})  # simulation values are ignored in deployment
+    r = train_shuffled(_msg(model, _cfg(1)), ctx)
+    assert r.has_error() and r.error.code == ERR_PINNED_MISMATCH
+    r = train_shuffled(_msg(model, _cfg(1, eps0=4.0, clip_l1=0.5)), ctx)
+    assert not r.has_error()
+    payload = _open(keys, envelope_from_record(r.content["envelope"]), 1, arrays_digest(model))
+    assert decode_report_full(payload, expected_dim=650).eps_used <= 4.0
+
+
+def test_core_without_flower(keys, model) -> None:
+    load = shuffler_keys.load_private_key
+    pinned = PinnedSettings(
+        eps0=EPS0, clip_l1=CLIP, client_key=load(keys.client_key(0)),
+        server_public_key=shuffler_keys.load_public_key(keys.server_hpke_pub),
+        shuffler_public_key=shuffler_keys.load_public_key(keys.shuffler_hpke_pub),
+        partition_id=0, num_partitions=N_PART,
+    )
+    x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)  # fixture data
+    y = np.arange(5) % 10
+    env = make_envelope(model, _cfg(9, report="delta", local_epochs=2, batch_size=2).to_dict(), pinned, (x, y))
+    assert len(env) == len(make_payload(model, _cfg(9), pinned, (x, y))) + envelope.ENVELOPE_OVERHEAD
+    with pytest.raises(PinnedMismatchError):
+        make_envelope(model, _cfg(9, eps0=8.0), pinned, (x, y))
+    with pytest.raises(RequestError):
+        make_envelope(model, {"round": 1}, pinned, (x, y))

@@ -1,0 +1,167 @@
+"""Datasets, partitions and the IDX reader (clients/data.py)."""
+
+from __future__ import annotations
+
+import gzip
+
+import numpy as np
+import pytest
+
+from clients.data import (
+    load_data,
+    load_digits_dataset,
+    load_mnist,
+    load_partition,
+    partition,
+    partition_dirichlet,
+    partition_iid,
+    read_idx,
+    write_idx,
+)
+
+
+def test_digits_default_split_and_standardisation() -> None:
+    ds = load_data()
+    assert ds.name == "digits" and ds.n_classes == 10 and ds.n_features == 64
+    assert ds.x_train.shape == (1437, 64) and ds.x_test.shape == (360, 64)
+    assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int64
+    # standardised on the training split: mean 0, std 1 (or 0 for constant pixels)
+    assert np.allclose(ds.x_train.mean(axis=0), 0, atol=1e-5)
+    std = ds.x_train.std(axis=0)
+    assert np.all((np.abs(std - 1) < 1e-4) | (std < 1e-6))
+    # fixed split: the same on every call, stratified (every class in both splits)
+    again = load_digits_dataset()
+    assert np.array_equal(again.y_test, ds.y_test)
+    assert set(np.unique(ds.y_test)) == set(range(10))
+
+
+def _check_cover(parts: list[np.ndarray], n: int) -> None:
+    allidx = np.concatenate(parts)
+    assert len(allidx) == n and np.array_equal(np.sort(allidx), np.arange(n))  # disjoint and complete
+
+
+def test_iid_partition() -> None:
+    parts = partition_iid(1437, 100, seed=3)
+    _check_cover(parts, 1437)
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1
+    assert all(np.array_equal(a, b) for a, b in zip(parts, partition_iid(1437, 100, seed=3)))
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, partition_iid(1437, 100, seed=4)))
+    one_each = partition_iid(1437, 1437)
+    assert all(len(p) == 1 for p in one_each)
+
+
+def test_dirichlet_partition_skew() -> None:
+    y = load_data().y_train
+    skewed = partition_dirichlet(y, 10, alpha=0.1, seed=0)
+    flat = partition_dirichlet(y, 10, alpha=1000.0, seed=0)
+    _check_cover(skewed, len(y))
+    _check_cover(flat, len(y))
+    assert all(len(p) >= 1 for p in skewed)
+
+    def mean_tv(parts: list[np.ndarray]) -> float:
+        glob = np.bincount(y, minlength=10) / len(y)
+        return float(np.mean([0.5 * np.abs(np.bincount(y[p], minlength=10) / len(p) - glob).sum() for p in parts]))
+
+    # small alpha -> label distributions far from the global one; huge alpha -> close to it
+    assert mean_tv(skewed) > 0.4 > 0.1 > mean_tv(flat)
+    again = partition(y, 10, scheme="dirichlet", alpha=0.1, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(skewed, again))
+
+
+def test_partition_validation() -> None:
+    y = np.zeros(10, dtype=np.int64)
+    with pytest.raises(ValueError, match="exceeds"):
+        partition_iid(10, 11)
+    with pytest.raises(ValueError, match="num_partitions"):
+        partition_iid(10, 0)
+    with pytest.raises(ValueError, match="alpha"):
+        partition_dirichlet(y, 2, alpha=0.0)
+    with pytest.raises(ValueError, match="unknown partition scheme"):
+        partition(y, 2, scheme="pathological")
+    with pytest.raises(ValueError, match="partition_id"):
+        load_partition(5, 5)
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_data("cifar")
+    with pytest.raises(ValueError, match="data_dir"):
+        load_data("mnist")
+
+
+def test_load_partition_slices_training_data() -> None:
+    x, y = load_partition(3, 50)
+    ds = load_data()
+    idx = partition_iid(len(ds.y_train), 50, seed=0)[3]
+    assert np.array_equal(x, ds.x_train[idx]) and np.array_equal(y, ds.y_train[idx])
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_idx_round_trip(tmp_path, compress: bool) -> None:
+    arr = (np.arange(2 * 3 * 4) % 256).astype(np.uint8).reshape(2, 3, 4)
+    p = tmp_path / "a-idx3-ubyte"
+    write_idx(p, arr, compress=compress)
+    back = read_idx(p)
+    assert back.shape == (2, 3, 4) and np.array_equal(back, arr)
+    f = np.array([1.5, -2.0], dtype=np.float32)
+    write_idx(tmp_path / "f", f)
+    assert np.array_equal(read_idx(tmp_path / "f"), f)
+
+
+def test_idx_hand_written_bytes(tmp_path) -> None:
+    """A file written byte by byte per LeCun's spec (not by our writer)."""
+    raw = bytes([0, 0, 0x08, 2, 0, 0, 0, 2, 0, 0, 0, 3, 1, 2, 3, 4, 5, 255])
+    (tmp_path / "h").write_bytes(raw)
+    assert np.array_equal(read_idx(tmp_path / "h"), np.array([[1, 2, 3], [4, 5, 255]], dtype=np.uint8))
+    (tmp_path / "bad").write_bytes(raw[:-1])
+    with pytest.raises(ValueError, match="need"):
+        read_idx(tmp_path / "bad")
+    (tmp_path / "magic").write_bytes(b"\x01\x00\x08\x01" + raw[4:])
+    with pytest.raises(ValueError, match="not an IDX file"):
+        read_idx(tmp_path / "magic")
+
+
+def _write_tiny_mnist(root, n_train: int = 80, n_test: int = 20, compress: bool = True) -> None:
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    gen = np.random.default_rng(0)  # fixture data, not privacy randomness
+    ytr = np.arange(n_train) % 10
+    yte = np.arange(n_test) % 10
+    # images: class c lights up row c (plus noise), so the classes are separable
+    def imgs(y: np.ndarray) -> np.ndarray:
+        x = gen.integers(0, 30, size=(len(y), 28, 28))
+        for i, c in enumerate(y):
+            x[i, 2 * c + 4, :] = 250
+        return x.astype(np.uint8)
+
+    sfx = ".gz" if compress else ""
+    write_idx(raw / f"train-images-idx3-ubyte{sfx}", imgs(ytr), compress=compress)
+    write_idx(raw / f"train-labels-idx1-ubyte{sfx}", ytr.astype(np.uint8), compress=compress)
+    write_idx(raw / f"t10k-images-idx3-ubyte{sfx}", imgs(yte), compress=compress)
+    write_idx(raw / f"t10k-labels-idx1-ubyte{sfx}", yte.astype(np.uint8), compress=compress)
+
+
+def test_mnist_from_tiny_idx_folder_with_pca(tmp_path) -> None:
+    _write_tiny_mnist(tmp_path)
+    ds = load_mnist(tmp_path, pca_components=60)
+    assert ds.name == "mnist" and ds.x_train.shape == (80, 60) and ds.x_test.shape == (20, 60)
+    assert np.array_equal(ds.y_train, np.arange(80) % 10)
+    raw = load_mnist(tmp_path, pca_components=None)
+    assert raw.x_train.shape == (80, 784)
+    # via load_data and a partition
+    x, y = load_partition(0, 4, dataset="mnist", data_dir=str(tmp_path), pca_components=60)
+    assert x.shape[1] == 60 and len(y) == 20
+
+
+def test_mnist_uncompressed_and_missing(tmp_path) -> None:
+    _write_tiny_mnist(tmp_path / "plain", compress=False)
+    assert load_mnist(tmp_path / "plain", pca_components=10).n_features == 10
+    with pytest.raises(FileNotFoundError, match="torchvision's raw layout"):
+        load_mnist(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="pca_components"):
+        load_mnist(tmp_path / "plain", pca_components=5000)
+
+
+def test_gzip_detection_by_magic(tmp_path) -> None:
+    arr = np.arange(5, dtype=np.uint8)
+    write_idx(tmp_path / "x", arr)
+    (tmp_path / "y").write_bytes(gzip.compress((tmp_path / "x").read_bytes()))  # .gz content, no suffix
+    assert np.array_equal(read_idx(tmp_path / "y"), arr)

@@ -1,0 +1,99 @@
+"""Models and the local computations (clients/models.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clients.data import load_data
+from clients.models import (
+    average_gradient,
+    build_model,
+    evaluate,
+    get_arrays,
+    initial_arrays,
+    local_delta,
+    model_from_arrays,
+    set_arrays,
+)
+
+
+def _toy(n: int = 30, f: int = 5, c: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    gen = np.random.default_rng(1)  # fixture data
+    return gen.standard_normal((n, f)).astype(np.float32), np.arange(n) % c
+
+
+def test_shapes_and_round_trip() -> None:
+    lr = initial_arrays("logreg", 64, 10)
+    assert [a.shape for a in lr] == [(10, 64), (10,)] and all(a.dtype == np.float32 for a in lr)
+    mlp = initial_arrays("mlp", 60, 10, hidden=32)
+    assert [a.shape for a in mlp] == [(32, 60), (32,), (10, 32), (10,)]
+    m = model_from_arrays(mlp)
+    assert all(np.array_equal(a, b) for a, b in zip(get_arrays(m), mlp))
+    # deterministic initialisation from the seed
+    assert all(np.array_equal(a, b) for a, b in zip(initial_arrays("logreg", 64, 10), lr))
+    with pytest.raises(ValueError, match="neither"):
+        model_from_arrays([np.zeros((3, 2)), np.zeros(2)])
+    with pytest.raises(ValueError, match="shape"):
+        set_arrays(build_model("logreg", 4, 3), [np.zeros((3, 5)), np.zeros(3)])
+    with pytest.raises(ValueError, match="non-finite"):
+        model_from_arrays([np.full((3, 4), np.nan), np.zeros(3)])
+    with pytest.raises(ValueError, match="unknown model"):
+        build_model("cnn", 4, 3)
+
+
+def test_logreg_gradient_matches_closed_form() -> None:
+    """Cross-entropy gradient of softmax regression: (softmax(xW^T + b) - onehot(y))^T x / n."""
+    x, y = _toy()
+    arrays = initial_arrays("logreg", 5, 3, seed=2)
+    w, b = arrays
+    logits = x.astype(np.float64) @ w.T.astype(np.float64) + b
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1
+    gw = p.T @ x / len(y)
+    gb = p.mean(axis=0)
+    got = average_gradient(arrays, x, y)
+    assert np.allclose(got[0], gw, atol=1e-6) and np.allclose(got[1], gb, atol=1e-6)
+    assert np.array_equal(arrays[0], w)  # the received model is not modified
+
+
+def test_mlp_gradient_matches_finite_differences() -> None:
+    x, y = _toy()
+    arrays = initial_arrays("mlp", 5, 3, hidden=4, seed=3)
+    grads = average_gradient(arrays, x, y)
+    h = 1e-3
+    for k, idx in [(0, (1, 2)), (1, (3,)), (2, (2, 1)), (3, (0,))]:
+        plus = [a.astype(np.float64).copy() for a in arrays]
+        minus = [a.astype(np.float64).copy() for a in arrays]
+        plus[k][idx] += h
+        minus[k][idx] -= h
+        lp, _ = evaluate([a.astype(np.float32) for a in plus], x, y)
+        lm, _ = evaluate([a.astype(np.float32) for a in minus], x, y)
+        assert grads[k][idx] == pytest.approx((lp - lm) / (2 * h), abs=2e-3)
+
+
+def test_local_delta_descends_and_one_full_batch_step_equals_gradient_step() -> None:
+    x, y = _toy()
+    arrays = initial_arrays("logreg", 5, 3, seed=4)
+    g = average_gradient(arrays, x, y)
+    d = local_delta(arrays, x, y, epochs=1, lr=0.5, batch_size=len(y))  # one full-batch step
+    assert all(np.allclose(di, -0.5 * gi, atol=1e-6) for di, gi in zip(d, g))
+    d5 = local_delta(arrays, x, y, epochs=5, lr=0.5, batch_size=4)
+    new = [a + di for a, di in zip(arrays, d5)]
+    assert evaluate([a.astype(np.float32) for a in new], x, y)[0] < evaluate(arrays, x, y)[0]
+    with pytest.raises(ValueError):
+        local_delta(arrays, x, y, epochs=0, lr=0.5, batch_size=4)
+
+
+def test_central_evaluation_on_digits() -> None:
+    ds = load_data()
+    arrays = initial_arrays("logreg", ds.n_features, ds.n_classes)
+    loss0, acc0 = evaluate(arrays, ds.x_test, ds.y_test)
+    assert 0.0 <= acc0 <= 1.0 and loss0 > 0
+    # a few full-batch gradient steps on the training data improve test accuracy well above chance
+    for _ in range(30):
+        arrays = [a + di.astype(np.float32) for a, di in
+                  zip(arrays, local_delta(arrays, ds.x_train, ds.y_train, epochs=1, lr=0.5, batch_size=2000))]
+    loss1, acc1 = evaluate(arrays, ds.x_test, ds.y_test)
+    assert loss1 < loss0 and acc1 > 0.85

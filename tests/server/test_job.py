@@ -1,0 +1,66 @@
+"""The whole job on a fake Grid: auto shuffler process, outputs, and report.json against the accounting CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from accounting.ledger import Ledger
+from server import cli as shuffledp_cli
+from server.config import ConfigError
+from server.job import resolve_paths, run_job
+
+
+def _cli_epsilon(capsys: pytest.CaptureFixture[str], *, eps0: float, n: int, delta: float, rounds: int) -> float:
+    capsys.readouterr()
+    code = shuffledp_cli.main(
+        ["account", "epsilon", "--eps0", repr(eps0), "--n", str(n), "--delta", repr(delta), "--rounds", str(rounds),
+         "--json"]
+    )
+    assert code == 0
+    return float(json.loads(capsys.readouterr().out)["value"])
+
+
+def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
+    tmp_path: Path, keys: Any, kit: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = kit.make_config(tmp_path, keys, **{"eps0": 2.0, "num-server-rounds": 3, "comparison-families": "rr-lower"})
+    grid = kit.FakeGrid.build([kit.honest_factory(keys)] * 12)
+    lines: list[str] = []
+    result = run_job(cfg, grid, run_id=1, node_wait=0.0, progress=lines.append)
+
+    out = tmp_path / "outputs" / "t"
+    assert result.paths.out_dir == out
+    report = json.loads((out / "report.json").read_text())
+    assert report["finished"] is True
+    assert report["config"]["eps0"] == 2.0
+    assert [r["round"] for r in report["rounds"]] == [1, 2, 3]
+    for row in report["rounds"]:
+        assert set(row) == {"round", "n_reports", "accuracy", "loss", "eps0", "epsilon", "delta"}
+        assert row["n_reports"] == 12 and row["delta"] == cfg.target_delta
+        cli = _cli_epsilon(capsys, eps0=2.0, n=12, delta=cfg.target_delta, rounds=row["round"])
+        assert row["epsilon"] == pytest.approx(cli, rel=1e-12, abs=0.0)
+    eps = [r["epsilon"] for r in report["rounds"]]
+    assert eps == sorted(eps) and eps[0] > 0
+    assert report["accounting"]["comparison"]["rr-lower"]["kind"] == "lower"
+    assert report["accounting"]["comparison"]["rr-lower"]["value"] <= eps[-1]
+    assert (out / "accuracy_epsilon.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Ledger(out / "ledger.sqlite", create=False) as ledger:
+        assert [r["round"] for r in ledger.rows()] == [1, 2, 3]
+    assert sum("[shuffledp] round" in line for line in lines) == 3
+    assert any(str(out) in line for line in lines)
+    assert result.epsilon == eps[-1]
+
+
+def test_resolve_paths_needs_a_key_directory(tmp_path: Path, keys: Any, kit: Any) -> None:
+    make_config = kit.make_config
+
+    with pytest.raises(ConfigError, match="'keys-dir' is empty"):
+        resolve_paths(make_config(tmp_path, keys, **{"keys-dir": ""}))
+    with pytest.raises(ConfigError, match="does not hold a key directory"):
+        resolve_paths(make_config(tmp_path, keys, **{"keys-dir": str(tmp_path)}))
+    paths = resolve_paths(make_config(tmp_path, keys, **{"run-name": ""}), run_id=42)
+    assert paths.out_dir.name == "run-42"

@@ -1,0 +1,339 @@
+"""Crash tests: ``kill -9`` a real shuffler process (mTLS, 127.0.0.1, port 0) and restart it on the same journal.
+
+Exactly-once means: a batch that was acknowledged is served, after any number of crashes, with the bytes the
+attestation's output digest commits to (``ShufflerClient.fetch_all`` checks count, lengths and digest), with no
+report lost or duplicated; a batch that was not acknowledged leaves nothing behind (no output, no used binding,
+no consumed replay tags), so the server can resend it; the replay cache and the used bindings survive a
+restart; a torn journal tail is ignored and the journal stays appendable; damage that is not a torn tail stops
+the service loudly instead of being guessed around.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from shuffler.client import ShufflerError
+from shuffler.config import load_config
+from shuffler.journal import Journal
+from shuffler.process import ShufflerStartError
+from shuffler.service import core_from_config
+
+from ._fixtures_adv import (  # noqa: TID252
+    SUBMIT,
+    envelope_enc,
+    envelope_msg,
+    header_msg,
+    open_all,
+    process,
+    raw_channel,
+    write_service_config,
+)
+
+RPC_TIMEOUT = 30.0
+
+
+@pytest.fixture
+def shuffler(kit, tmp_path: Path) -> Iterator[Any]:
+    cfg = write_service_config(kit, tmp_path / "shuffler.toml")
+    p = process(kit, cfg)
+    p.start()
+    try:
+        yield p
+    finally:
+        p.kill()
+        p.stop()
+
+
+def _journal_dir(p: Any) -> Path:
+    return load_config(p.config_path).journal_dir
+
+
+def _honest(kit: Any, r: int, n: int = 6, size: int = 64) -> tuple[list[bytes], list[bytes]]:
+    return [kit.seal(i, round_id=r, size=size) for i in range(n)], [kit.payload(i, size) for i in range(n)]
+
+
+def _submit(kit: Any, p: Any, envs: list[bytes], r: int) -> Any:
+    with kit.client(p.address) as c:
+        return c.submit(round_id=r, key_epoch=kit.key_epoch, model_digest=kit.digest, envelopes=envs)
+
+
+def _fetch(kit: Any, p: Any, att: Any) -> list[bytes]:
+    with kit.client(p.address) as c:
+        return c.fetch_all(att)  # raises unless count, lengths and the attested output digest all match
+
+
+def _crash_and_restart(p: Any) -> None:
+    old = p.pid
+    p.kill()  # SIGKILL: no handler, no flush, no cleanup in the child
+    assert p.proc.returncode == -9
+    p.start()
+    assert p.pid != old and p.health() == "SERVING"
+
+
+def _sealed_records(p: Any) -> list[dict]:
+    return [r for r in Journal(_journal_dir(p)).records if r.get("type") == "batch"]
+
+
+def test_kill_after_ack_before_fetch_serves_the_attested_bytes(kit, shuffler) -> None:
+    envs, payloads = _honest(kit, 1)
+    att = _submit(kit, shuffler, envs[:3] + [b"garbage", envs[0]] + envs[3:], 1)
+    assert att.n_accepted == 6 and att.dropped["malformed"] == 1 and att.dropped["replay"] == 1
+    _crash_and_restart(shuffler)  # accepted and acknowledged, never served
+    first = _fetch(kit, shuffler, att)
+    got = Counter(open_all(kit, first, 1))
+    assert got == Counter(payloads) and sum(got.values()) == att.n_accepted  # nothing lost, nothing doubled
+    assert _fetch(kit, shuffler, att) == first
+    _crash_and_restart(shuffler)  # and again: a sealed batch never changes
+    assert _fetch(kit, shuffler, att) == first
+    with kit.client(shuffler.address) as c:
+        s = c.stats()
+    assert (s["batches_sealed"], s["reports_accepted"]) == (1, 6)
+    assert s["dropped"]["malformed"] == 1 and s["dropped"]["replay"] == 1  # counters rebuilt from the journal
+
+
+def test_kill_mid_fetch_then_fetch_again_is_identical(kit, shuffler) -> None:
+    size = 256 * 1024  # large items so that the stream is still in flight when the process dies
+    envs, payloads = _honest(kit, 2, n=8, size=size)
+    att = _submit(kit, shuffler, envs, 2)
+    with kit.client(shuffler.address) as c:
+        stream = c.fetch(att)
+        prefix = [next(stream), next(stream)]
+        shuffler.kill()
+        with pytest.raises(ShufflerError) as info:
+            for _ in stream:
+                pass
+        assert info.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
+    shuffler.start()
+    full = _fetch(kit, shuffler, att)
+    assert full[:2] == prefix
+    assert Counter(open_all(kit, full, 2)) == Counter(payloads)
+
+
+def test_bindings_idempotency_and_replay_cache_survive_a_crash(kit, shuffler) -> None:
+    envs, payloads = _honest(kit, 3)
+    dropped = kit.seal(7, round_id=3)[:-1]  # undecryptable: must not enter the replay cache
+    att = _submit(kit, shuffler, envs + [dropped], 3)
+    first = _fetch(kit, shuffler, att)
+    _crash_and_restart(shuffler)
+    # the binding is still used: a different batch for round 3 is refused ...
+    with pytest.raises(ShufflerError) as info:
+        _submit(kit, shuffler, envs[:4] + [kit.seal(7, round_id=3)], 3)
+    assert (info.value.code, info.value.reason) == (grpc.StatusCode.ALREADY_EXISTS, "binding_used")
+    # ... while a retry of the identical submission still gets the original batch and bytes
+    again = _submit(kit, shuffler, list(reversed(envs + [dropped])), 3)
+    assert (again.batch_id, again.statement, again.signature) == (att.batch_id, att.statement, att.signature)
+    assert _fetch(kit, shuffler, again) == first
+    # the replay cache is rebuilt from the journal: every accepted enc, none of the dropped one
+    shuffler.kill()
+    cfg = load_config(shuffler.config_path)
+    core = core_from_config(cfg)
+    try:
+        seen = core._seen_enc.get(kit.key_epoch, set())
+        assert {envelope_enc(e) for e in envs} <= seen and envelope_enc(dropped) not in seen
+        assert len(core._seen_rid.get(kit.key_epoch, set())) == len(envs)
+        assert (kit.key_epoch, 3) in core._by_binding
+    finally:
+        core.close()
+    shuffler.start()
+    assert _fetch(kit, shuffler, att) == first
+    assert Counter(open_all(kit, first, 3)) == Counter(payloads)
+
+
+def _stalled_submit(kit: Any, p: Any, envs: list[bytes], r: int, *, send: int) -> tuple[threading.Thread, dict]:
+    """Send the header and ``send`` envelopes, then keep the stream open; returns the thread and its result."""
+    out: dict[str, Any] = {}
+    release = threading.Event()
+    out["release"] = release
+
+    def requests() -> Iterator[bytes]:
+        yield header_msg(kit, len(envs), round_id=r)
+        for e in envs[:send]:
+            yield envelope_msg(e)
+        out["sent"] = True
+        release.wait(20)
+
+    def run() -> None:
+        with raw_channel(kit, p.address) as ch:
+            try:
+                ch.stream_unary(SUBMIT, request_serializer=None, response_deserializer=None)(
+                    requests(), timeout=RPC_TIMEOUT
+                )
+                out["result"] = "ok"
+            except grpc.RpcError as exc:
+                out["result"] = exc.code()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_kill_during_submit_leaves_nothing_behind(kit, shuffler) -> None:
+    envs, payloads = _honest(kit, 4, size=64 * 1024)
+    t, out = _stalled_submit(kit, shuffler, envs, 4, send=4)
+    jdir = _journal_dir(shuffler)
+    deadline = time.monotonic() + 10
+    while not (out.get("sent") and any((jdir / "staging").iterdir())):
+        assert time.monotonic() < deadline, "the shuffler never started staging the batch"
+        time.sleep(0.01)
+    time.sleep(0.2)  # let the server consume the envelopes already sent
+    shuffler.kill()  # mid-batch: accepted envelopes staged, nothing sealed, nothing acknowledged
+    out["release"].set()
+    t.join(30)
+    assert out["result"] == grpc.StatusCode.UNAVAILABLE
+    shuffler.start()
+    assert list((jdir / "staging").iterdir()) == [] and list((jdir / "batches").iterdir()) == []
+    assert _sealed_records(shuffler) == []
+    # nothing was consumed: the binding is free and the very same envelopes are accepted
+    att = _submit(kit, shuffler, envs, 4)
+    assert att.n_accepted == 6 and sum(att.dropped.values()) == 0
+    assert Counter(open_all(kit, _fetch(kit, shuffler, att), 4)) == Counter(payloads)
+
+
+KILL_FRACTIONS = (0.3, 0.7, 1.0, 1.3)  # of a measured submit time: before, around and after the commit
+
+
+def test_kill_around_the_commit_is_exactly_once(kit, shuffler) -> None:
+    """SIGKILL at points spread over a submit. Whatever the moment, after a restart the identical resubmission
+    yields exactly one sealed batch for the round, the batch id of the acknowledgement if there was one, and
+    exactly the honest payloads."""
+    size = 512 * 1024
+    warm, _ = _honest(kit, 50, n=6, size=size)
+    t0 = time.monotonic()
+    _submit(kit, shuffler, warm, 50)
+    duration = time.monotonic() - t0
+    outcomes = []
+    for j, fraction in enumerate(KILL_FRACTIONS):
+        r = 60 + j
+        envs, payloads = _honest(kit, r, n=6, size=size)
+        acked: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                acked["att"] = _submit(kit, shuffler, envs, r)
+            except ShufflerError as exc:
+                acked["err"] = exc
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        time.sleep(duration * fraction)
+        shuffler.kill()
+        t.join(30)
+        assert ("att" in acked) != ("err" in acked)
+        if "err" in acked:
+            assert acked["err"].code == grpc.StatusCode.UNAVAILABLE
+        shuffler.start()
+        att = _submit(kit, shuffler, envs, r)  # the server's retry after a lost (or received) acknowledgement
+        records = [x for x in _sealed_records(shuffler) if x["round_id"] == r]
+        outcomes.append(("acked" if "att" in acked else "lost", records[0]["batch_id"] == att.batch_id.hex()))
+        if "att" in acked:
+            assert att.batch_id == acked["att"].batch_id and att.statement == acked["att"].statement
+        assert len(records) == 1 and records[0]["batch_id"] == att.batch_id.hex()
+        out = _fetch(kit, shuffler, att)
+        assert Counter(open_all(kit, out, r)) == Counter(payloads) and len(out) == 6
+    jdir = _journal_dir(shuffler)
+    assert sorted(p.name for p in (jdir / "batches").iterdir()) == sorted(x["output"] for x in _sealed_records(shuffler))
+    print("kill outcomes:", outcomes)
+
+
+TORN_TAILS = {
+    "partial_magic": lambda rec: b"SJ",
+    "header_only": lambda rec: rec[:40],
+    "partial_body": lambda rec: rec[: len(rec) // 2],
+    "all_but_last_byte": lambda rec: rec[:-1],
+    "zero_fill": lambda rec: b"\0" * 4096,
+}
+
+
+def _record_bytes(jdir: Path, index: int) -> bytes:
+    """The raw bytes of the index-th record of journal.log (magic, length, digest, body)."""
+    data = (jdir / "journal.log").read_bytes()
+    pos = 0
+    for i in range(index + 1):
+        length = int.from_bytes(data[pos + 4 : pos + 8], "big")
+        end = pos + 40 + length
+        if i == index:
+            return data[pos:end]
+        pos = end
+    raise AssertionError("unreachable")
+
+
+def test_torn_journal_tail_is_ignored_and_the_journal_stays_appendable(kit, shuffler) -> None:
+    jdir = _journal_dir(shuffler)
+    log_file = jdir / "journal.log"
+    sealed: list[tuple[Any, list[bytes]]] = []
+    envs, _ = _honest(kit, 20)
+    att = _submit(kit, shuffler, envs, 20)
+    sealed.append((att, _fetch(kit, shuffler, att)))
+    for j, (name, make) in enumerate(TORN_TAILS.items()):
+        shuffler.kill()
+        good_size = log_file.stat().st_size
+        # an append interrupted by the crash: a prefix of what a further commit record would have looked like
+        with open(log_file, "ab") as fh:
+            fh.write(make(_record_bytes(jdir, 0)))
+        shuffler.start()
+        assert log_file.stat().st_size == good_size, name  # cut back to the last good record
+        assert "torn tail" in shuffler.log_tail(), name
+        for att, first in sealed:
+            assert _fetch(kit, shuffler, att) == first, name
+        r = 21 + j
+        envs, payloads = _honest(kit, r)
+        att = _submit(kit, shuffler, envs, r)  # appended after the cut, not behind garbage
+        out = _fetch(kit, shuffler, att)
+        assert Counter(open_all(kit, out, r)) == Counter(payloads), name
+        sealed.append((att, out))
+    _crash_and_restart(shuffler)
+    for att, first in sealed:
+        assert _fetch(kit, shuffler, att) == first
+    assert len(_sealed_records(shuffler)) == len(TORN_TAILS) + 1
+
+
+def test_damage_before_the_tail_stops_the_service_loudly(kit, shuffler) -> None:
+    for r in (8, 9):
+        _submit(kit, shuffler, _honest(kit, r)[0], r)
+    shuffler.kill()
+    log_file = _journal_dir(shuffler) / "journal.log"
+    data = bytearray(log_file.read_bytes())
+    data[60] ^= 0x01  # inside the first record's body; a second, intact record follows
+    log_file.write_bytes(bytes(data))
+    with pytest.raises(ShufflerStartError, match="JournalCorrupt|further data"):
+        shuffler.start()
+
+
+def test_truncated_sealed_output_stops_the_service_loudly(kit, shuffler) -> None:
+    att = _submit(kit, shuffler, _honest(kit, 10)[0], 10)
+    shuffler.kill()
+    out = _journal_dir(shuffler) / "batches" / f"{att.batch_id.hex()}.out"
+    with open(out, "r+b") as fh:
+        fh.truncate(out.stat().st_size - 1)
+    with pytest.raises(ShufflerStartError, match="missing or not"):
+        shuffler.start()
+
+
+def test_orphans_from_a_crash_are_removed_and_never_served(kit, shuffler) -> None:
+    att = _submit(kit, shuffler, _honest(kit, 11)[0], 11)
+    first = _fetch(kit, shuffler, att)
+    shuffler.kill()
+    jdir = _journal_dir(shuffler)
+    orphan_id = bytes(range(16))
+    (jdir / "batches" / f"{orphan_id.hex()}.out").write_bytes(first[0] * 3)  # output renamed, record never written
+    (jdir / "staging" / "leftover.stage").write_bytes(b"x" * 100)
+    shuffler.start()
+    assert sorted(p.name for p in (jdir / "batches").iterdir()) == [f"{att.batch_id.hex()}.out"]
+    assert list((jdir / "staging").iterdir()) == []
+    assert _fetch(kit, shuffler, att) == first
+    with raw_channel(kit, shuffler.address) as ch:
+        from shuffler import shuffler_pb2 as pb
+
+        call = ch.unary_stream("/shuffledp.shuffler.v1.Shuffler/Fetch", request_serializer=None,
+                               response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(pb.FetchRequest(batch_id=orphan_id).SerializeToString(), timeout=RPC_TIMEOUT))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
