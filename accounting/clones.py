@@ -23,13 +23,20 @@ Given ``C = c`` (write ``m = c + 1``), ``P(x | c) = Bin(x; m, 1/2) * 2((1-w)x + 
 
 Both pairs are symmetric: ``x -> m - x`` maps ``P(. | c)`` onto ``Q(. | c)``, so the hockey-stick
 divergence, the Renyi divergence and the privacy loss distribution are the same in both directions
-(:func:`clone_renyi` still computes both and returns the maximum; the tests check the symmetry).
+(one direction is computed; the tests compute both and check that they agree).
 
 Monotonicity used for rigorous truncation: the pair with ``c + 1`` clones is a post-processing of the pair
 with ``c`` clones (add a fresh ``Bern(1/2)`` clone to ``A``), so every divergence is non-increasing in
-``c``. Probability masses of ``C`` come from ``scipy.stats.binom.logpmf`` on a window around the mode
-(log-mass at least ``max - drop``) and are normalised to ``1 - (tail masses)``, the tails coming from
-``binom.logcdf``/``logsf`` (never ``1 - sum``).
+``c``. Masses of ``C`` and ``X`` come from Loader's saddle-point form of the binomial mass (accurate to
+~1e-12 at n = 1e9; plain log-gamma differences are off by ~1e-9 at n = 1e6) on a window around the mode
+(log-mass at least ``max - drop``), normalised to ``1 - (tail masses)`` with the tails from the
+incomplete beta function (``scipy.stats.binom.cdf/sf``, ``scipy.special.bdtr/bdtrc``), never ``1 - sum``.
+
+Privacy loss distribution (:func:`clone_pld`): the exact losses ``log(P/Q)`` on the windows, with the
+truncated mass sent to infinity (pessimistic) and blocks of ``c`` replaced by their lowest ``c``
+(a dominating pair), rounded up onto a grid whose interval :func:`suggested_interval` scales with the
+loss's mean and standard deviation and the number of rounds. The optimistic PLD mirrors every step (a
+dominated pair, rounded down, truncated mass dropped) and gives a lower bound.
 """
 
 from __future__ import annotations
@@ -83,6 +90,8 @@ PLD_BLOCK_RELATIVE_WIDTH = 2e-4
 INTERVAL_RELATIVE_ERROR = 4e-3
 #: Upper limit on the estimated grid size of a composed PLD (memory/time of the FFT).
 MAX_COMPOSED_GRID = 2**22
+#: Lower limit on it: below this size a finer grid costs nothing noticeable.
+MIN_COMPOSED_GRID = 2**18
 #: Relative tolerance of the root finding in :func:`clone_epsilon` (well below the 1e-6 acceptance).
 EPSILON_RTOL = 1e-12
 
@@ -275,46 +284,57 @@ def _tail_le(k: np.ndarray, c: np.ndarray) -> np.ndarray:
     return out
 
 
-def _delta_and_qtail_per_c(c: np.ndarray, eps: float, w: float) -> tuple[np.ndarray, np.ndarray]:
+def _delta_and_qtail_per_c(
+    c: np.ndarray, eps: float, w: float, eps0: float
+) -> tuple[np.ndarray, np.ndarray]:
     """For each c: ``sum_x [P(x|c) - e^eps Q(x|c)]_+`` and ``Q(X >= t_c | c)`` (the set where the
     likelihood ratio exceeds e^eps).
 
     With ``S(k) = P(Bin(c, 1/2) >= k)`` and ``b = P(Bin(c, 1/2) = t - 1)``:
     ``P(X >= t|c) = (1-w) S(t-1) + w S(t)``, ``Q(X >= t|c) = w S(t-1) + (1-w) S(t)`` and
     ``S(t-1) = S(t) + b``, so the divergence is ``alpha b - (e^eps - 1) S(t)`` with
-    ``alpha = (1-w) - e^eps w``: one incomplete-beta tail and one log-gamma mass per c. The second value
+    ``alpha = (1-w) - e^eps w``: one incomplete-beta tail and one binomial mass per c. The second value
     is ``-d delta / d eps * e^-eps`` (used by the Newton steps of :func:`clone_epsilon`).
     """
     em1 = math.expm1(eps)
-    big_e = em1 + 1.0
     cf = c.astype(np.float64)
     m = cf + 1.0
     one_m2w = 1.0 - 2.0 * w
-    # ratio > e^eps  <=>  x > m (e^eps (1-w) - w) / ((1-2w)(1+e^eps))
+    # ratio > e^eps  <=>  x > m (e^eps (1-w) - w) / ((1-2w)(1+e^eps)); the float value of this
+    # threshold can be off by one near eps0 (it is 1 - O(1e-17) there), so the neighbours are
+    # re-checked with the log-ratio itself.
     tau = m * (one_m2w + em1 * (1.0 - w)) / (one_m2w * (2.0 + em1))
     t = np.floor(tau) + 1.0
+    below = t - 1.0
+    t = np.where((below >= 0.0) & (_log_ratio(below, m, w) > eps), below, t)
+    t = np.where((t <= cf + 1.0) & (_log_ratio(np.minimum(t, m), m, w) <= eps), t + 1.0, t)
     s_t = _tail_ge(t, c)
     k = t - 1.0
     inside = (k >= 0) & (k <= cf)
     b = np.zeros_like(cf)
     if np.any(inside):
         kk, cc = k[inside], cf[inside]
-        b[inside] = np.exp(
-            special.gammaln(cc + 1.0) - special.gammaln(kk + 1.0) - special.gammaln(cc - kk + 1.0)
-            - cc * math.log(2.0)
-        )
-    alpha = (1.0 - w) - big_e * w
+        b[inside] = np.exp(_binom_logpmf(kk, cc, -math.log(2.0), -math.log(2.0)))
+    # alpha = (1-w) - e^eps w = (1-w)(1 - e^{eps - eps0}) since e^eps0 w = 1 - w: no cancellation
+    alpha = (1.0 - w) * -math.expm1(eps - eps0)
     dval = np.maximum(alpha * b - em1 * s_t, 0.0)
     qtail = w * (s_t + b) + (1.0 - w) * s_t
     return dval, qtail
 
 
-def _delta_per_c(c: np.ndarray, eps: float, w: float) -> np.ndarray:
+def _log_ratio(x: np.ndarray, m: np.ndarray, w: float) -> np.ndarray:
+    """log(P(x|c)/Q(x|c)) = log1p((1-2w)(2x - m) / (w x + (1-w)(m - x))), exact near x = m/2."""
+    return np.log1p((1.0 - 2.0 * w) * (2.0 * x - m) / (w * x + (1.0 - w) * (m - x)))
+
+
+def _delta_per_c(c: np.ndarray, eps: float, w: float, eps0: float) -> np.ndarray:
     """sum_x [P(x|c) - e^eps Q(x|c)]_+ for each c (two binomial tails, see module docstring)."""
-    return _delta_and_qtail_per_c(c, eps, w)[0]
+    return _delta_and_qtail_per_c(c, eps, w, eps0)[0]
 
 
-def _lower_tail_bound(eps: float, w: float, c_lo: int, trials: int, q: float, steps: int = 12) -> float:
+def _lower_tail_bound(
+    eps: float, w: float, eps0: float, c_lo: int, trials: int, q: float, steps: int = 12
+) -> float:
     """Upper bound on ``sum_{c < c_lo} P(C=c) delta_c(eps)`` by a staircase: delta_c is non-increasing
     in c, so on ``[c_j, c_{j+1})`` it is at most ``delta_{c_j}``."""
     if c_lo <= 0:
@@ -323,7 +343,7 @@ def _lower_tail_bound(eps: float, w: float, c_lo: int, trials: int, q: float, st
     cdf = stats.binom.cdf(grid - 1, trials, q)
     cdf[grid == 0] = 0.0
     masses = np.diff(cdf)
-    return float(np.dot(masses, _delta_per_c(grid[:-1], eps, w)))
+    return float(np.dot(masses, _delta_per_c(grid[:-1], eps, w, eps0)))
 
 
 def _delta_exact(eps0: float, n: int, eps: float, variant: str, cdist=None,
@@ -334,12 +354,12 @@ def _delta_exact(eps0: float, n: int, eps: float, variant: str, cdist=None,
     c, pmf, lo_tail, hi_tail = cdist if cdist is not None else _c_distribution(
         n, eps0, variant, EXACT_WINDOW_DROP
     )
-    dc, qt = _delta_and_qtail_per_c(c, eps, w)
+    dc, qt = _delta_and_qtail_per_c(c, eps, w, eps0)
     total = math.fsum(pmf * dc)
     # Rigorous handling of the truncated tails of C (delta_c is non-increasing in c): a staircase
     # bound below the window, delta_{c_hi} above it. Both are below e^-EXACT_WINDOW_DROP relative.
     if lo_tail > 0.0:
-        total += _lower_tail_bound(eps, w, int(c[0]), n - 1, math.exp(log_q))
+        total += _lower_tail_bound(eps, w, eps0, int(c[0]), n - 1, math.exp(log_q))
     if hi_tail > 0.0:
         total += hi_tail * float(dc[-1])
     total = min(1.0, max(0.0, total))
@@ -729,7 +749,9 @@ def suggested_interval(
     ``INTERVAL_RELATIVE_ERROR`` (0.4%; the typical excess is half of it, as rounding up adds ``h/2`` per
     round on average) relative. ``h`` is then enlarged if needed so the composed grid (the Chernoff
     window of the composition is about ``T m1 + 17 sqrt(T) s1`` wide) stays below ``MAX_COMPOSED_GRID``
-    points. The value is rounded
+    points, and reduced if the grid would have fewer than ``MIN_COMPOSED_GRID`` points (cheap, and it
+    keeps the error small when delta is close to the total variation distance, where epsilon is small
+    compared with ``s1``: e.g. 2e-4 relative at T = 1, n = 1e6, eps0 = 0.5, delta = 1e-4). The value is rounded
     to 3 significant digits so it can serve as a cache key.
     """
     eps0 = _check_eps0(eps0)
@@ -738,8 +760,8 @@ def suggested_interval(
     variant = _check_variant(variant)
     m1, s1 = clone_loss_moments(eps0, n, variant)
     t = float(rounds)
-    h = INTERVAL_RELATIVE_ERROR * (m1 + 2.0 * s1 / math.sqrt(t))
     width = t * m1 + 18.0 * math.sqrt(t) * s1
+    h = min(INTERVAL_RELATIVE_ERROR * (m1 + 2.0 * s1 / math.sqrt(t)), width / MIN_COMPOSED_GRID)
     h = max(h, width / MAX_COMPOSED_GRID)
     if not (h > 0.0 and math.isfinite(h)):
         raise ValueError(f"cannot choose a grid interval for eps0={eps0}, n={n}: loss moments {m1}, {s1}")
@@ -843,7 +865,7 @@ def clone_epsilon_baseline(
     c, pmf = c[nz], pmf[nz] / pmf[nz].sum()
 
     def gap(e: float) -> float:
-        return float(np.sum(pmf * _delta_per_c(c, e, w))) - delta
+        return float(np.sum(pmf * _delta_per_c(c, e, w, eps0))) - delta
 
     if gap(0.0) <= 0.0:
         return 0.0

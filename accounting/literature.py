@@ -48,6 +48,7 @@ __all__ = [
     "rr_lower_epsilon",
     "rr_lower_renyi",
     "canonical_mu",
+    "canonical_gdp_epsilon",
     "canonical_jsd_expansion",
     "no_shuffle_delta",
     "no_shuffle_epsilon",
@@ -60,11 +61,6 @@ ROOT_RTOL = 8.881784197001252e-16 * 4
 
 # Binomial windows keep all but exp(-_TAIL_EXPONENT) of the mass on each side (Bernstein's inequality).
 _TAIL_EXPONENT = 100.0
-
-
-def _log_expm1(x: float) -> float:
-    """``log(e^x - 1)`` for ``x > 0`` without overflow or cancellation."""
-    return x + math.log(-math.expm1(-x)) if x > 1.0 else math.log(math.expm1(x))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -163,12 +159,13 @@ def ccg_gdp_mu(eps0: float, n: int) -> float:
 def ccg_rdp(eps0: float, n: int, order: float) -> float:
     """``(lambda, 2 e^{eps0} lambda / (n - 1))``-RDP: seed 000, Corollary 2. Kind: APPROXIMATE.
 
-    It is Theorem 2's mu-GDP through "mu-GDP implies (lambda, mu^2 lambda / 2)-RDP for every lambda > 1"
-    (Bun-Steinke 2016, Prop. 1.6 / Dong-Roth-Su 2022); Corollary 2 states it for lambda >= 2, the
-    implication it rests on holds for every lambda > 1, which is what we allow.
+    It is Theorem 2's mu-GDP through "mu-GDP implies (lambda, mu^2 lambda / 2)-RDP" (Bun-Steinke 2016,
+    Prop. 1.6; Dong-Roth-Su 2022). Corollary 2 states it for lambda >= 2, and so do we: RefusedError below 2.
     """
     if n < 2:
         raise RefusedError(f"ccg-rdp needs n >= 2 reports, got n={n}")
+    if not order >= 2.0:
+        raise RefusedError(f"ccg-rdp (seed 000 Cor. 2) is stated for orders lambda >= 2, got order={order}")
     return 2.0 * math.exp(eps0) * order / (n - 1)
 
 
@@ -374,6 +371,20 @@ def canonical_mu(chi2: float, n: int) -> float:
     return math.sqrt(chi2 / n)
 
 
+def canonical_gdp_epsilon(randomizer: object, n: int, delta: float, rounds: int = 1) -> float:
+    """eps(delta) of ``sqrt(rounds) * mu_n``-GDP for a finite randomizer with a ``chi2`` attribute. APPROXIMATE.
+
+    ``randomizer`` is e.g. :class:`accounting.mechanisms.KaryRandomizedResponse` (seed 002 eq. (15)) or
+    :class:`accounting.mechanisms.BinaryRandomizedResponse` (the default of the ``canonical-gdp`` family);
+    ``mu_n = sqrt(chi^2/n)`` (seed 002 Thm 17), T rounds compose to ``sqrt(T) mu_n`` (Dong-Roth-Su Cor. 3.3),
+    and the (eps, delta) conversion is the exact GDP curve, seed 002 eq. (31).
+    """
+    chi2 = getattr(randomizer, "chi2", None)
+    if not isinstance(chi2, float) or not chi2 > 0.0:
+        raise TypeError(f"randomizer must have a positive float attribute chi2 (chi^2(W_1||W_0)), got {randomizer!r}")
+    return gdp_epsilon(canonical_mu(chi2, n) * math.sqrt(rounds), delta)
+
+
 def canonical_jsd_expansion(chi2: float, mu3: float, n: int) -> float:
     """``JSD(T_n || T'_n) = chi^2/(8n) - mu_3/(16 n^2) + 7 chi^4 / (64 n^2) + O(n^{-3})``: seed 002, Theorem 7.
 
@@ -396,16 +407,13 @@ def no_shuffle_delta(eps0: float, rounds: int, epsilon: float) -> float:
     """
     t = int(rounds)
     q = 1.0 / (math.exp(eps0) + 1.0) if eps0 < 700 else math.exp(-eps0)
-    lmax = math.floor((t - epsilon / eps0) / 2.0 - 1e-12)
-    lmax = min(lmax, t)
-    while lmax >= 0 and (t - 2 * lmax) * eps0 <= epsilon:
-        lmax -= 1
-    if lmax < 0:
-        return 0.0
-    ls = np.arange(0, lmax + 1)
-    log_p = stats.binom.logpmf(ls, t, q)
+    ls = np.arange(0, t + 1)
     losses = (t - 2.0 * ls) * eps0
-    return float(np.sum(np.exp(log_p) * -np.expm1(epsilon - losses)))
+    above = losses > epsilon
+    if not above.any():
+        return 0.0
+    log_p = stats.binom.logpmf(ls[above], t, q)
+    return float(np.sum(np.exp(log_p) * -np.expm1(epsilon - losses[above])))
 
 
 def no_shuffle_epsilon(eps0: float, rounds: int, delta: float) -> float:

@@ -260,7 +260,7 @@ def _chernoff_window(probs: np.ndarray, times: int, tail: float) -> tuple[int, i
     convolution of ``probs`` has at most ``tail / 2`` mass on each side.
 
     Chernoff: ``P(S >= b) <= exp(times log M(t) - t b)`` for ``t > 0`` (and the mirror for ``t < 0``),
-    ``M(t) = sum_k p_k e^{t k}``; the bound is minimised over 61 values of ``t`` around the Gaussian
+    ``M(t) = sum_k p_k e^{t k}``; the bound is minimised over 25 values of ``t`` around the Gaussian
     optimum ``sqrt(2 log(2/tail) / times) / sd``.
     """
     k = np.arange(probs.size, dtype=np.float64)
@@ -273,7 +273,7 @@ def _chernoff_window(probs: np.ndarray, times: int, tail: float) -> tuple[int, i
     t_star = math.sqrt(2.0 * log_budget / times) / sd
     hi_full = (probs.size - 1) * times
     lo, hi = 0, hi_full
-    for t in t_star * np.geomspace(0.05, 20.0, 61):
+    for t in t_star * np.geomspace(0.1, 10.0, 25):
         for sgn in (1.0, -1.0):
             tt = sgn * t
             # log M(tt) about the mean, so exponents stay small
@@ -307,23 +307,38 @@ def _self_compose_dense(pmf: pld_pmf.PLDPmf, times: int, tail: float) -> pld_pmf
     h = float(d._discretization)
     pess = bool(d._pessimistic_estimate)
     # pylint: enable=protected-access
+    new_inf = min(1.0, tail - math.expm1(times * math.log1p(-min(inf_mass, 1.0))))
+    if not np.any(probs > 0):
+        return pld_pmf.DensePLDPmf(h, lower * times, np.zeros(1), min(1.0, new_inf - tail), pess)
     lo, hi = _chernoff_window(probs, times, tail)
     out_len = hi - lo + 1
+    if out_len > MAX_GRID_POINTS:
+        raise ValueError(
+            f"composing {times} times needs {out_len} grid points at interval {h!r}; at most "
+            f"MAX_GRID_POINTS={MAX_GRID_POINTS} are allowed: use a larger value_discretization_interval"
+        )
     n_fft = sfft.next_fast_len(max(out_len, probs.size), real=True)
-    spec = sfft.rfft(probs, n_fft)
+    base = sfft.rfft(probs, n_fft)
     result = None
-    base = spec
     e = times
     while e > 0:
         if e & 1:
-            result = base.copy() if result is None else result * base
+            if result is None:
+                result = base.copy()
+            else:
+                np.multiply(result, base, out=result)
         e >>= 1
         if e:
-            base = base * base
+            np.multiply(base, base, out=base)
+    del base
     circ = sfft.irfft(result, n_fft)
-    idx = (lo + np.arange(out_len)) % n_fft
-    out = np.maximum(circ[idx], 0.0)
-    new_inf = min(1.0, tail - math.expm1(times * math.log1p(-inf_mass)))
+    del result
+    start = lo % n_fft
+    if start + out_len <= n_fft:
+        out = circ[start : start + out_len]
+    else:
+        out = np.concatenate((circ[start:], circ[: out_len - (n_fft - start)]))
+    out = np.maximum(out, 0.0)
     return pld_pmf.DensePLDPmf(h, lower * times + lo, out, new_inf, pess)
 
 
@@ -388,20 +403,30 @@ def _eps_one(losses: np.ndarray, probs: np.ndarray, inf_mass: float, delta: floa
     For eps in [l_{k-1}, l_k): delta(eps) = U_k - e^eps W_k with U_k = inf + sum_{j>=k} p_j and
     W_k = sum_{j>=k} p_j e^{-l_j}; each such line is a lower bound on delta(eps) everywhere, and the
     line of the interval that holds eps* is tight, so eps* = max(0, max_k log((U_k - delta) / W_k)).
-    Only k with l_k > 0 can hold a positive eps*, which also keeps e^{-l_j} <= 1 (no overflow).
+    Only k with l_k > 0 can hold a positive eps*. ``log W_k`` is accumulated in log space (losses of
+    composed PLDs reach hundreds, where e^{-l} underflows).
     """
     if inf_mass > delta:
         return math.inf
     keep = losses > 0
-    lk, pk = losses[keep], probs[keep]
+    lk, pk = losses[keep], np.maximum(probs[keep], 0.0)
     if lk.size == 0:
         return 0.0
     u = inf_mass + np.cumsum(pk[::-1])[::-1]
-    wgt = np.cumsum((pk * np.exp(-lk))[::-1])[::-1]
-    ok = (u > delta) & (wgt > 0)
+    l_min, l_max = float(lk.min()), float(lk.max())
+    terms = pk * np.exp(l_min - lk) if l_max - l_min < 600.0 else None
+    if terms is not None and not np.any((terms == 0.0) & (pk > 0.0)):
+        # W_k = e^{-l_min} sum_{j>=k} p_j e^{-(l_j - l_min)}: no overflow, and no term underflowed
+        with np.errstate(divide="ignore"):
+            log_w = np.log(np.cumsum(terms[::-1])[::-1]) - l_min
+    else:
+        with np.errstate(divide="ignore"):
+            log_terms = np.log(pk) - lk
+        log_w = np.logaddexp.accumulate(log_terms[::-1])[::-1]
+    ok = (u > delta) & np.isfinite(log_w)
     if not np.any(ok):
         return 0.0
-    cand = np.log((u[ok] - delta) / wgt[ok])
+    cand = np.log(u[ok] - delta) - log_w[ok]
     return max(0.0, float(cand.max()))
 
 

@@ -111,7 +111,8 @@ def train_shuffled(msg: Message, context: Context) -> Message:
     try:
         from clients.data import load_partition
 
-        data = load_partition(pinned.partition_id, pinned.num_partitions, **data_settings_from_run_config(context.run_config))
+        settings = data_settings_from_run_config(context.run_config)
+        data = load_partition(pinned.partition_id, pinned.num_partitions, **settings)
     except (ValueError, OSError) as exc:
         return _error(msg, ERR_CLIENT_SETUP, f"client data: {exc}")
     try:

@@ -35,7 +35,9 @@ MODEL_KINDS = ("logreg", "mlp")
 DEFAULT_HIDDEN = 64
 
 
-def build_model(kind: str, n_features: int, n_classes: int, *, hidden: int = DEFAULT_HIDDEN, seed: int = 0) -> nn.Module:
+def build_model(
+    kind: str, n_features: int, n_classes: int, *, hidden: int = DEFAULT_HIDDEN, seed: int = 0
+) -> nn.Module:
     """A fresh model; weights initialised by torch's defaults under ``torch.manual_seed``-style ``seed``."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"unknown model {kind!r}; allowed: {MODEL_KINDS}")
@@ -56,7 +58,9 @@ def build_model(kind: str, n_features: int, n_classes: int, *, hidden: int = DEF
     return model.to(torch.float32)
 
 
-def initial_arrays(kind: str, n_features: int, n_classes: int, *, hidden: int = DEFAULT_HIDDEN, seed: int = 0) -> list[np.ndarray]:
+def initial_arrays(
+    kind: str, n_features: int, n_classes: int, *, hidden: int = DEFAULT_HIDDEN, seed: int = 0
+) -> list[np.ndarray]:
     """The initial parameters as numpy arrays (what the server sends in round 1)."""
     return get_arrays(build_model(kind, n_features, n_classes, hidden=hidden, seed=seed))
 

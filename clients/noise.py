@@ -221,16 +221,20 @@ class _DigitTable:
         if sel.size:
             bb = b[sel]
             r2 = rng.uint64(sel.size)
-            cnt = self.amb[bb]
+            # thresholds l = start .. end-1 share the top 16 bits b; their low 64 bits are non-increasing in l,
+            # so {l : r2 < low64[l]} is a prefix of that range: find its end by a vectorised binary search
             start = self.base[bb] + 1
-            add = np.zeros(sel.size, dtype=np.int64)
-            tie = np.zeros(sel.size, dtype=bool)
-            for k in range(int(cnt.max())):
-                valid = k < cnt
-                lo = self.low64[np.where(valid, start + k, 0)]
-                add += valid & (r2 < lo)
-                tie |= valid & (r2 == lo)
-            out[sel] += add
+            end = start + self.amb[bb]
+            lo, hi = start.copy(), end.copy()
+            for _ in range(int(self.amb[bb].max()).bit_length()):
+                active = lo < hi
+                mid = np.where(active, (lo + hi) // 2, start)
+                below = active & (r2 < self.low64[mid])
+                lo = np.where(below, mid + 1, lo)
+                hi = np.where(active & ~below, mid, hi)
+            out[sel] += lo - start
+            # a tie (r2 equal to the first threshold not below it): these 80 bits do not decide, draw more
+            tie = (lo < end) & (self.low64[np.minimum(lo, self.n_thr)] == r2)
             for j in np.flatnonzero(tie):
                 out[sel[j]] = self._resolve(int(bb[j]) << 64 | int(r2[j]), _FIRST_BITS, rng)
         return out

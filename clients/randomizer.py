@@ -60,10 +60,11 @@ def clip_l1(x: np.ndarray, clip: float) -> np.ndarray:
     if arr.dtype.kind not in "fiub":
         raise TypeError(f"x must be a real numeric array, got dtype {arr.dtype}")
     out = np.array(arr, dtype=np.float64, copy=True)
-    if not np.all(np.isfinite(out)):
+    norm = float(np.abs(out).sum())
+    # a finite sum of |x_i| proves every entry finite; otherwise look at the entries (NaN/Inf, or overflow)
+    if not math.isfinite(norm) and not np.all(np.isfinite(out)):
         bad = int(np.count_nonzero(~np.isfinite(out)))
         raise ValueError(f"x has {bad} non-finite entries (NaN or Inf); refusing to clip")
-    norm = float(np.abs(out).sum())
     if not math.isfinite(norm):
         # finite entries whose sum overflows: rescale first (exact power-of-two scaling, direction kept);
         # the original norm is > 1e308 >= c, so the result must be scaled down in any case
@@ -111,7 +112,8 @@ class DiscreteLaplaceRandomizer:
     ----------
     eps0:
         The pinned local privacy parameter, in (0, 64]. The mechanism spends ``eps_used <= eps0`` (the noise
-        parameter is rounded in the safe direction; ``eps0 - eps_used`` is below ``eps0 * 2**-20`` here).
+        parameter ``num / 2**52`` is rounded down; the relative loss ``1 - eps_used/eps0`` is below ``1/num``,
+        and the default grid has ``2K < 2**22``, so ``num > eps0 * 2**30``).
     clip_l1:
         The L1 clipping radius C > 0 of the whole report.
     log2_grid:

@@ -39,7 +39,7 @@ PARTITIONS = ("iid", "dirichlet")
 
 #: The defaults, identical to ``[tool.flwr.app.config]`` in pyproject.toml (a test checks they agree).
 DEFAULTS: dict[str, bool | int | float | str] = {
-    "num-server-rounds": 10,
+    "num-server-rounds": 20,
     "fraction": 1.0,
     "min-reports": 1000,
     "reply-timeout": 900.0,
@@ -50,7 +50,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "local-lr": 0.1,
     "batch-size": 32,
     "server-optimizer": "sgd",
-    "server-lr": 2.0,
+    "server-lr": 50.0,
     "server-momentum": 0.9,
     "model": "logreg",
     "hidden-units": 64,

@@ -80,6 +80,7 @@ __all__ = [
     "start_superlink",
     "start_supernode",
     "start_shuffler",
+    "start_serverapp_executor",
     "register_supernode",
     "round_timings",
     "FileTailer",
@@ -581,21 +582,41 @@ def flower_env(flwr_home: Path, base: Mapping[str, str] | None = None) -> dict[s
 
 def start_superlink(group: ProcessGroup, keys: DeployKeys, state_dir: Path, base_env: Mapping[str, str],
                     log: Path, *, host: str = "127.0.0.1", port: int | None = None,
-                    ready_timeout: float = 60.0) -> str:
+                    ready_timeout: float = 60.0, isolation: str = "subprocess") -> str:
     """Start ``flower-superlink`` with TLS, ``--enable-supernode-auth`` and a file database; return host:port.
 
-    Its working directory is ``state_dir`` (the ServerApp subprocess inherits it). Waits until it listens.
+    ``isolation="subprocess"``: the SuperLink starts its own ServerApp executor, whose working directory is
+    ``state_dir``. ``"process"``: it waits for a separate executor (:func:`start_serverapp_executor`, the
+    ``serverapp`` container of deploy/compose.yml) that must present ``superlink/superexec.secret``.
+    Waits until it listens.
     """
+    if isolation not in ("subprocess", "process"):
+        raise DeployError(f"isolation must be 'subprocess' or 'process', got {isolation!r}")
     port = free_port(host) if port is None else port
     state_dir.mkdir(parents=True, exist_ok=True)
-    group.start("flower-superlink", [
+    argv = [
         _flower_bin("flower-superlink"), "--host", host, "--port", str(port),
         "--ssl-ca-certfile", str(keys.superlink_ca_cert), "--ssl-certfile", str(keys.superlink_cert),
         "--ssl-keyfile", str(keys.superlink_key), "--enable-supernode-auth",
         "--database", str(state_dir / "state.db"), "--disable-runtime-dependency-installation",
-    ], log=log, env=flower_env(state_dir / "flwr-home", base_env), cwd=state_dir)
+    ]
+    if isolation == "process":
+        argv += ["--isolation", "process", "--superexec-auth-secret-file", str(keys.superexec_secret)]
+    group.start("flower-superlink", argv, log=log, env=flower_env(state_dir / "flwr-home", base_env), cwd=state_dir)
     _wait_for(lambda: _log_contains(log, "Uvicorn running on"), ready_timeout, "the SuperLink to listen", group)
     return f"{host}:{port}"
+
+
+def start_serverapp_executor(group: ProcessGroup, keys: DeployKeys, superlink: str, state_dir: Path,
+                             base_env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Start ``flower-superexec`` against the SuperLink's Runtime API (TLS, shared secret), as the ``serverapp``
+    container of deploy/compose.yml does; it runs each submitted ServerApp in ``state_dir``."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    return group.start("flower-superexec (ServerApp)", [
+        _flower_bin("flower-superexec"), "--runtime-api-address", superlink,
+        "--root-certificates", str(keys.superlink_ca_cert),
+        "--superexec-auth-secret-file", str(keys.superexec_secret),
+    ], log=log, env=flower_env(state_dir / "flwr-home", base_env), cwd=state_dir)
 
 
 def start_supernode(group: ProcessGroup, keys: DeployKeys, index: int, superlink: str, node_config_file: Path,
@@ -676,7 +697,7 @@ class LocalDeployment:
     reply_timeout: float = 300.0
     timeout: float = 900.0
     run_config: dict[str, object] = field(default_factory=dict)
-    keep_workdir: bool = True
+    isolation: str = "subprocess"
 
     def validate(self) -> None:
         _check_int("--nodes", self.nodes, 1, 1000)
@@ -688,6 +709,8 @@ class LocalDeployment:
                 raise DeployError(f"{name} must be a finite number > 0, got {value!r}")
         if self.min_reports is not None:
             _check_int("--min-reports", self.min_reports, 1, self.nodes)
+        if self.isolation not in ("subprocess", "process"):
+            raise DeployError(f"--isolation must be 'subprocess' or 'process', got {self.isolation!r}")
         app = (self.app_dir or _app_dir_default()).resolve()
         if not (app / "pyproject.toml").is_file():
             raise DeployError(f"--app {app} has no pyproject.toml; point it at the shuffledp project directory")
@@ -827,8 +850,10 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) ->
       ServerApp's start-up: data, model, waiting for the nodes) to the ServerApp's progress line of round r;
     * ``to-first-node``: until the first SuperNode logs ``Receiving`` (the ServerApp pushing the messages plus the
       SuperNode's pull interval, about 3 s in Flower 1.41);
-    * ``client``: the slowest node's ``Receiving`` to ``Sent successfully`` (a new ``flwr-clientapp`` process per
-      message: interpreter and PyTorch start-up, local training, noise, sealing);
+    * ``client``: the slowest node's ``Receiving`` to ``Sent successfully``, split into ``client-download``
+      (the message), ``client-pickup`` (until the SuperNode's executor starts a ``flwr-clientapp`` process for it:
+      the executor polls), ``clientapp`` (that new process: interpreter, Flower, PyTorch and data start-up, local
+      training, noise, sealing) and ``client-upload``;
     * ``node-spread``: first to last node receiving (SuperNodes poll independently);
     * ``server-side``: the last reply sent to the progress line: the ServerApp's own polling for replies, the
       shuffler round trip, opening and applying the reports, central evaluation.
@@ -837,6 +862,9 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) ->
     """
     recv: dict[int, dict[str, float]] = {}
     sent: dict[int, dict[str, float]] = {}
+    # intermediate marks of a node's message handling: downloaded, executor picked it up, reply ready
+    marks: dict[str, dict[int, dict[str, float]]] = {"Received successfully": {}, "Start `flwr-clientapp`": {},
+                                                     "Sending:": {}}
     done: dict[int, float] = {}
     current: dict[str, int | None] = {}
     for t, key, line in sorted(events, key=lambda e: e[0]):
@@ -857,6 +885,10 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) ->
             recv.setdefault(rnd, {}).setdefault(key, t)
         elif "Sent successfully" in line:
             sent.setdefault(rnd, {})[key] = t
+        else:
+            for needle, table in marks.items():
+                if needle in line:
+                    table.setdefault(rnd, {}).setdefault(key, t)
     out: list[dict[str, float]] = []
     previous_end = run_start
     for rnd in sorted(done):
@@ -867,8 +899,14 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) ->
             row["node-spread"] = max(r_recv.values()) - min(r_recv.values())
         both = [k for k in r_recv if k in r_sent]
         if both:
-            row["client"] = max(r_sent[k] - r_recv[k] for k in both)
+            slowest = max(both, key=lambda k: r_sent[k] - r_recv[k])
+            row["client"] = r_sent[slowest] - r_recv[slowest]
             row["server-side"] = done[rnd] - max(r_sent.values())
+            points = [r_recv[slowest]] + [marks[n].get(rnd, {}).get(slowest) for n in marks] + [r_sent[slowest]]
+            if all(p is not None for p in points):
+                names = ("client-download", "client-pickup", "clientapp", "client-upload")
+                for name, a, b in zip(names, points, points[1:]):
+                    row[name] = b - a  # type: ignore[operator]
         out.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
         previous_end = done[rnd]
     return out
@@ -899,6 +937,9 @@ def merge_server_seconds(rows: list[dict[str, float]], run_dir: Path) -> None:
     for row in rows:
         for phase, value in by_round.get(int(row["round"]), {}).items():
             row[f"server-{phase}"] = round(float(value), 3)
+        if "server-collect" in row and "client" in row:
+            # collect time not spent in the slowest client: pushes, the SuperNodes' and the Grid's polling
+            row["messaging"] = round(row["server-collect"] - row["client"], 3)
 
 
 def _find_report(output_dir: Path) -> Path | None:
@@ -952,7 +993,11 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
     with _stop_on_signals():
         try:
             # 1. SuperLink: TLS, node authentication, a file database (`:memory:` fails under load in 1.4x)
-            address = start_superlink(group, keys, work / "superlink", base_env, logs / "superlink.log", host=host)
+            address = start_superlink(group, keys, work / "superlink", base_env, logs / "superlink.log", host=host,
+                                      isolation=cfg.isolation)
+            if cfg.isolation == "process":
+                start_serverapp_executor(group, keys, address, work / "serverapp", base_env,
+                                         logs / "serverapp-executor.log")
             write_flower_config(work / "cli-home", address, keys.superlink_ca_cert)
 
             # 2. the shuffler service (mTLS; its own key files)
@@ -1100,21 +1145,23 @@ def format_report(result: DeployResult) -> str:
             v = r.get(key)
             return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
         lines.append(f"{num('round', 'd'):>5} {num('n_reports', 'd'):>8} {num('accuracy', '.4f'):>9} "
-                     f"{num('loss', '.4f'):>8} {num('eps0', '.3g'):>6} {num('epsilon', '.4g'):>10} "
+                     f"{num('loss', '.4f'):>8} {num('eps0', '.3g'):>6} {num('epsilon', '.4f'):>10} "
                      f"{num('delta', '.1e'):>8}")
     t = result.timings
     lines.append(f"wall: total {t.get('total-s', 0):.1f} s, start-up {t.get('startup-s', 0):.1f} s, "
                  f"run {t.get('run-s', 0):.1f} s (submission to finished)")
     if t.get("rounds"):
-        lines.append("per round (s): to-first-node = push + SuperNode polling; client = flwr-clientapp process, "
-                     "training, sealing (slowest node); server-side = reply polling + shuffle + apply + evaluate; "
-                     "server-* = the ServerApp's own clock (collect = send until every reply is in); "
-                     "round 1 includes the ServerApp's start-up")
+        lines.append("where each round's time goes (seconds; round 1 also holds the ServerApp's start-up):")
         for row in t["rounds"]:
-            parts = " ".join(f"{k}={row[k]:.2f}" for k in (
-                "wall", "to-first-node", "node-spread", "client", "server-side", "server-collect",
-                "server-shuffle", "server-open_apply", "server-evaluate") if isinstance(row.get(k), float))
-            lines.append(f"  round {row['round']}: {parts}")
+            def f(key: str) -> str:
+                v = row.get(key)
+                return f"{v:.2f}" if isinstance(v, (int, float)) else "?"
+            lines.append(
+                f"  round {row['round']}: wall {f('wall')} | ServerApp collect {f('server-collect')} = slowest "
+                f"client {f('client')} (download {f('client-download')}, executor pickup {f('client-pickup')}, "
+                f"clientapp process {f('clientapp')}, upload {f('client-upload')}) + Flower messaging/polling "
+                f"{f('messaging')} | shuffle {f('server-shuffle')} | open+apply {f('server-open_apply')} | "
+                f"evaluate {f('server-evaluate')}")
     lines.append("With only a handful of nodes the shuffle gives little amplification: epsilon stays close to the "
                  "no-shuffle bound. Amplification needs about 1,000 reports per round.")
     return "\n".join(lines)
@@ -1159,6 +1206,9 @@ def _parser() -> argparse.ArgumentParser:
     loc.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is stopped")
     loc.add_argument("--run-config", action="append", default=[], metavar="KEY=VALUE",
                      help="extra run-config override (TOML value), repeatable")
+    loc.add_argument("--isolation", choices=("subprocess", "process"), default="subprocess",
+                     help="process: run the ServerApp in a separate flower-superexec authenticated with the "
+                          "SuperExec secret, as the compose deployment does")
     loc.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     return parser
 
@@ -1204,7 +1254,8 @@ def main(argv: Sequence[str]) -> int:
         cfg = LocalDeployment(nodes=args.nodes, rounds=args.rounds, workdir=args.workdir, keys_dir=args.keys,
                               app_dir=args.app, eps0=args.eps0, clip_l1=args.clip_l1,
                               min_reports=args.min_reports, reply_timeout=args.reply_timeout,
-                              timeout=args.timeout, run_config=_parse_overrides(args.run_config))
+                              timeout=args.timeout, run_config=_parse_overrides(args.run_config),
+                              isolation=args.isolation)
         result = run_local(cfg)
         if args.json:
             print(json.dumps({"status": result.status, "run-id": result.run_id, "report": result.report,

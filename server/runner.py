@@ -182,28 +182,94 @@ class _SuperLink:
         raise RunnerError(f"flower-superlink did not become ready within {timeout:.0f} s; see {self.log_path}")
 
     def stop(self) -> None:
+        """SIGTERM the SuperLink's process group, wait, then end any of its descendants still running.
+
+        Descendants (``flower-superexec``, ``flwr-simulation``, Ray's processes) may have left the SuperLink's
+        process group; they are found by walking ``/proc`` from the SuperLink's pid before it is signalled,
+        and each is ended by its own pid.
+        """
         if self.proc is None:
             return
+        descendants = _descendants(self.proc.pid)
         pgid = self.proc.pid  # start_new_session: the SuperLink leads its own process group
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(15.0)
+        except subprocess.TimeoutExpired:
             try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-            # the leader is gone; give its children the same signal once more, then stop
-            try:
-                os.killpg(pgid, sig)
+                os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            break
+            self.proc.wait(5.0)
+        deadline = time.monotonic() + 20.0
+        alive = [pid for pid in descendants if _alive(pid)]
+        while alive and time.monotonic() < deadline:  # let Ray and the simulation shut down on their own first
+            time.sleep(0.5)
+            alive = [pid for pid in alive if _alive(pid)]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in alive:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(1.0)
+            alive = [pid for pid in alive if _alive(pid)]
+            if not alive:
+                break
         self.proc = None
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _children_map() -> dict[int, list[int]]:
+    """ppid -> child pids, from /proc (Linux); empty where /proc is not available."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return children
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the command name (field 2) may contain spaces; the fields after its closing ')' are space-separated
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    return children
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` in the process tree (children, grandchildren, ...)."""
+    children = _children_map()
+    out: list[int] = []
+    stack = list(children.get(pid, []))
+    while stack:
+        child = stack.pop()
+        out.append(child)
+        stack.extend(children.get(child, []))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return state[state.rfind(")") + 2 :].split()[0] != "Z"
 
 
 def _relay(proc: subprocess.Popen[str], log_file: Path) -> None:

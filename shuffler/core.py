@@ -90,6 +90,10 @@ class CoreConfig:
             raise ValueError("hpke_private_key and signing_private_key must be 32 raw bytes each")
         if not self.enrolment:
             raise ValueError("the enrolment is empty: no client could ever be accepted")
+        if self.k > len(self.enrolment):
+            raise ValueError(
+                f"k = {self.k} exceeds the {len(self.enrolment)} enrolled clients: no batch could ever be released"
+            )
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,10 @@ def envelope_fingerprint(envelope: bytes) -> bytes:
     server already holds and nothing new, so a collision gains nothing. Hashing 53 bytes instead of the whole
     envelope keeps submit transport-bound.
     """
-    return hashlib.sha256(struct.pack(">Q", len(envelope)) + envelope[:37] + envelope[-16:]).digest()
+    h = hashlib.sha256(struct.pack(">Q", len(envelope)))
+    h.update(envelope[:37])
+    h.update(envelope[-16:] if len(envelope) >= 16 else b"")
+    return h.digest()
 
 
 def _request_digest(header: Header, envelope_hashes: list[bytes]) -> bytes:
@@ -174,7 +181,7 @@ class ShufflerCore:
             inner_length=int(rec["inner_length"]),
         )
         expected = sb.n * sb.inner_length
-        if not sb.output.exists() or sb.output.stat().st_size != expected:  # a crash mid-commit is an orphan
+        if not sb.output.exists() or sb.output.stat().st_size != expected:  # outputs are fsynced before their record
             raise RuntimeError(f"sealed batch output {sb.output.name} is missing or not {expected} bytes")
         self._register(sb, rec["replay_enc"], rec["replay_report_ids"], rec.get("dropped", {}))
 
@@ -426,6 +433,23 @@ class BatchBuilder:
     def forget_permutation(self) -> None:
         self._perm = None
 
+    def _preallocate(self) -> None:
+        """Allocate the whole staging file before the first write.
+
+        Without this, the filesystem would allocate disk blocks in write (arrival) order while the logical
+        offsets are in output order, and the physical layout of the file would record the permutation.
+        Allocating everything up front also fails early, and clearly, when the disk cannot hold the batch.
+        """
+        size = self.header.expected_count * self.inner_length
+        try:
+            os.posix_fallocate(self.staging_fd, 0, size)
+        except OSError as exc:
+            raise Refused(
+                "resource_exhausted",
+                "disk_full",
+                f"cannot allocate {size} bytes for a batch of {self.header.expected_count} reports: {exc.strerror}",
+            ) from None
+
     def _start_writeback(self) -> None:
         if self._writeback is not None and self._writeback.is_alive():
             return
@@ -486,6 +510,7 @@ class BatchBuilder:
         self._lengths.add(len(inner))
         if self.inner_length < 0:
             self.inner_length = len(inner)
+            self._preallocate()
         if len(inner) == self.inner_length and self._perm is not None:
             # slots are fixed-size: the j-th accepted report goes to slot perm[j], at perm[j] * inner_length
             os.pwrite(self.staging_fd, inner, self._perm[self.n_accepted] * self.inner_length)

@@ -38,7 +38,6 @@ replays (the decryption fails), and the signature lets the shuffler count distin
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 import struct
 from collections.abc import Iterable
@@ -299,8 +298,3 @@ def open_inner(inner: bytes, *, server_private_key: bytes, key_epoch: int, round
         return _SUITE.decrypt(inner, sk, info=_inner_info(key_epoch, round_id))
     except (InvalidTag, ValueError) as exc:
         raise EnvelopeError("undecryptable", "inner layer failed HPKE authentication") from exc
-
-
-def constant_time_equal(a: bytes, b: bytes) -> bool:
-    """Compare two byte strings in constant time (for digests)."""
-    return hmac.compare_digest(a, b)

@@ -314,8 +314,8 @@ def init_key_directory(
         raise ValueError(f"key_epoch must be an int in [0, 2**32), got {key_epoch!r}")
     if k is None:
         k = min(n_clients, max(2, n_clients // 2))
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k:
-        raise ValueError(f"k must be a positive int, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_clients:
+        raise ValueError(f"k must be an int in [1, n_clients = {n_clients}], got {k!r}")
     if isinstance(max_envelope_bytes, bool) or not isinstance(max_envelope_bytes, int) or max_envelope_bytes < 1024:
         raise ValueError(f"max_envelope_bytes must be an int >= 1024, got {max_envelope_bytes!r}")
     d = KeyDirectory(Path(out))

@@ -8,10 +8,12 @@ INVALID_ARGUMENT       no header / header not first / second header, protocol ve
                        batch id
 FAILED_PRECONDITION    key epoch is not the shuffler's, fewer than k distinct enrolled signers (below_threshold)
 ALREADY_EXISTS         a different batch was already sealed for this (key epoch, round) (binding_used)
-RESOURCE_EXHAUSTED     expected_count above max_batch_reports; a message above the gRPC size limit (gRPC)
+RESOURCE_EXHAUSTED     expected_count above max_batch_reports; disk_full (batch cannot be preallocated); a
+                       message above the gRPC size limit (gRPC)
 NOT_FOUND              fetch of an unknown batch id
 PERMISSION_DENIED      mTLS peer certificate CN not in ``client_common_names``
-INTERNAL               unexpected server error (details never include report data)
+INTERNAL               a request that is not a protobuf (gRPC's "Exception deserializing request!");
+                       unexpected server error (details never include report data)
 UNAVAILABLE            (client side) TLS handshake failed, e.g. a peer without a certificate from the CA
 =====================  ==================================================================================
 
@@ -54,6 +56,32 @@ STATUS_FOR: dict[str, grpc.StatusCode] = {
     "not_found": grpc.StatusCode.NOT_FOUND,
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
 }
+
+
+class _EnvelopeMessage:
+    """A ``SubmitRequest`` that holds one envelope, decoded without copying it (see :func:`_submit_request`)."""
+
+    __slots__ = ("envelope",)
+
+    def __init__(self, envelope: memoryview) -> None:
+        self.envelope = envelope
+
+    @staticmethod
+    def WhichOneof(name: str) -> str:  # noqa: N802 - mirrors the protobuf message API
+        return "envelope"
+
+
+def _submit_request(raw: bytes) -> "pb.SubmitRequest | _EnvelopeMessage":
+    """Request deserializer for Submit: envelopes are sliced out of the received buffer without a copy.
+
+    Anything other than exactly one ``envelope`` field (the header, odd encodings, garbage) goes through the
+    generated parser, whose failure gRPC reports as INTERNAL, as for any undecodable request.
+    """
+    view = memoryview(raw)
+    envelope = wire.decode_single_bytes_field(view, 2)
+    if envelope is not None:
+        return _EnvelopeMessage(envelope)
+    return pb.SubmitRequest.FromString(raw)
 
 
 def grpc_options(max_envelope_bytes: int) -> list[tuple[str, int]]:
@@ -101,7 +129,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             for req in request_iterator:
                 if req.WhichOneof("item") != "envelope":
                     raise Refused("invalid_argument", "not_envelope", "only envelopes may follow the header")
-                builder.add(req.envelope)
+                builder.add(req.envelope)  # bytes or a memoryview into the received message
             sealed = builder.finish()
             return pb.SubmitResponse(batch_id=sealed.batch_id, statement=sealed.statement, signature=sealed.signature)
         except Refused as exc:
@@ -174,7 +202,7 @@ def build_server(
     handlers = {
         "Submit": grpc.stream_unary_rpc_method_handler(
             servicer.Submit,
-            request_deserializer=pb.SubmitRequest.FromString,
+            request_deserializer=_submit_request,
             response_serializer=pb.SubmitResponse.SerializeToString,
         ),
         "Fetch": grpc.unary_stream_rpc_method_handler(

@@ -24,7 +24,7 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def encode_bytes_field(field_number: int, data: bytes) -> bytes:
+def encode_bytes_field(field_number: int, data: bytes | bytearray | memoryview) -> bytes:
     """The protobuf encoding of a message holding only ``bytes`` field ``field_number`` = ``data``.
 
     Proto3 omits an empty ``bytes`` field that is not in a oneof; the two fields encoded here are oneof members
@@ -32,11 +32,17 @@ def encode_bytes_field(field_number: int, data: bytes) -> bytes:
     """
     if not 1 <= field_number <= 15:
         raise ValueError(f"field_number must be in [1, 15] (one-byte tag), got {field_number}")
-    return b"".join((bytes([(field_number << 3) | 2]), _varint(len(data)), data))
+    view = memoryview(data)  # any contiguous buffer (bytes, bytearray, a numpy uint8 array); nbytes, not len
+    if not view.c_contiguous:
+        raise ValueError("data must be a C-contiguous buffer")
+    return b"".join((bytes([(field_number << 3) | 2]), _varint(view.nbytes), view))
 
 
-def decode_single_bytes_field(raw: bytes, field_number: int) -> bytes | None:
-    """``data`` if ``raw`` is exactly one ``bytes`` field ``field_number``, else ``None`` (use the full parser)."""
+def decode_single_bytes_field(raw: bytes | memoryview, field_number: int) -> bytes | memoryview | None:
+    """``data`` if ``raw`` is exactly one ``bytes`` field ``field_number``, else ``None`` (use the full parser).
+
+    The result is a slice of ``raw``: a copy for ``bytes``, a zero-copy view for a ``memoryview``.
+    """
     if len(raw) < 2 or raw[0] != ((field_number << 3) | 2):
         return None
     length = 0

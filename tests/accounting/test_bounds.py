@@ -362,3 +362,39 @@ def test_heterogeneous_rr_lower_against_exact_product() -> None:
     got = bounds.epsilon_for_rounds("rr-lower", rounds, 1e-4).value
     assert got <= exact
     assert got >= exact * (1 - 1e-2)
+
+
+def test_a_failing_pld_query_is_refused_not_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    # If the PLD epsilon query ever returns a number whose delta exceeds the target (e.g. an underflow that
+    # yields 0), bounds re-checks it and raises instead of quoting it as a guarantee.
+    from accounting import pld
+
+    good = bounds.epsilon("clones", 1.0, 10_000, 1e-6, rounds=5).value
+    monkeypatch.setattr(pld, "epsilon_for_delta", lambda composed, delta: 0.0)
+    with pytest.raises(ArithmeticError, match="numerical failure"):
+        bounds.epsilon("clones", 1.0, 10_000, 1e-6, rounds=5)
+    monkeypatch.setattr(pld, "epsilon_for_delta", lambda composed, delta: math.inf)
+    with pytest.raises(ArithmeticError):
+        bounds.epsilon("rr-lower", 1.0, 10_000, 1e-6, rounds=5)
+    monkeypatch.undo()
+    assert bounds.epsilon("clones", 1.0, 10_000, 1e-6, rounds=5).value == good
+
+
+def test_many_groups_are_bucketed_on_the_safe_side() -> None:
+    rounds = [ShuffleRound(2_000 + 37 * i, 1.0 + 0.001 * i) for i in range(6)]  # 6 groups > HETEROGENEOUS_EXACT_GROUPS
+    items = [(r.n, r.eps0, 1) for r in rounds]
+    for family, direction in (("clones", 1), ("rr-lower", -1)):
+        b = bounds.epsilon_for_rounds(family, rounds, 1e-6)
+        assert b.details["bucketed"]["groups_before"] == 6
+        unbucketed, _ = bounds._heterogeneous_epsilon(family, items, 6, 1e-6, False)
+        # upper: the bucketed rounds dominate (value >=); lower: they are dominated (value <=); both close
+        assert direction * (b.value - unbucketed) >= -1e-3 * unbucketed
+        assert b.value == pytest.approx(unbucketed, rel=1e-2)
+
+
+def test_dominating_round_moves_in_the_safe_direction() -> None:
+    for n, eps0 in [(1, 0.1), (10, 1.0), (12_345, 2.5), (10**6, 9.99)]:
+        n_up, e_up = bounds._dominating_round(n, eps0, lower=False)
+        assert n_up <= n and e_up >= eps0 and n_up >= n / bounds.HETEROGENEOUS_GRID_RATIO - 1
+        n_lo, e_lo = bounds._dominating_round(n, eps0, lower=True)
+        assert n_lo >= n and e_lo <= eps0 and e_lo >= eps0 / bounds.HETEROGENEOUS_GRID_RATIO

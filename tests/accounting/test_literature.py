@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from scipy import integrate, optimize, special, stats
+from scipy import integrate, special, stats
 
 from accounting import RefusedError
 from accounting import literature as lit
@@ -299,3 +299,69 @@ def test_randomized_response_descriptions() -> None:
     with pytest.raises(TypeError, match="eps0"):
         BinaryRandomizedResponse(True)  # type: ignore[arg-type]
     assert LocalRandomizer(2).eps0 == 2.0
+
+
+# ------------------------------------------------------------------------------------------------ rdp
+
+
+def test_rdp_conversion_matches_dp_accounting() -> None:
+    from dp_accounting.rdp import rdp_privacy_accountant as ref
+
+    from accounting import rdp
+
+    orders = rdp.DEFAULT_ORDERS
+    for scale in (1e-6, 1e-3, 0.1, 2.0):
+        curve = scale * orders  # a Gaussian-like linear curve
+        for d in (1e-4, 1e-8):
+            ours, a_ours = rdp.epsilon_from_rdp(orders, curve, d)
+            theirs, _ = ref.compute_epsilon(orders, curve, d)
+            assert ours == pytest.approx(theirs, rel=1e-12)
+            back, _ = rdp.delta_from_rdp(orders, curve, ours)
+            their_back, _ = ref.compute_delta(orders, curve, ours)
+            assert back == pytest.approx(min(their_back, 1.0), rel=1e-9)
+            assert back <= d * (1 + 1e-9)
+
+
+def test_rdp_conversion_is_sound_for_the_gaussian_mechanism() -> None:
+    # Gaussian mechanism with sensitivity 1 and noise sigma: RDP alpha / (2 sigma^2) (Mironov 2017, Prop. 7),
+    # exact (eps, delta) curve = mu-GDP with mu = 1/sigma. The conversion must not go below the exact curve.
+    from accounting import rdp
+
+    for sigma in (0.5, 1.0, 5.0, 50.0):
+        curve = rdp.DEFAULT_ORDERS / (2 * sigma**2)
+        for d in (1e-5, 1e-10):
+            converted, _ = rdp.epsilon_from_rdp(rdp.DEFAULT_ORDERS, curve, d)
+            exact = lit.gdp_epsilon(1.0 / sigma, d)
+            assert exact <= converted <= exact * 1.5
+
+
+def test_rdp_validation_and_composition() -> None:
+    from accounting import rdp
+
+    a = np.array([2.0, 4.0])
+    assert np.allclose(rdp.compose_rdp([(np.array([1.0, 2.0]), 3), (np.array([0.5, 0.5]), 2)]), [4.0, 7.0])
+    with pytest.raises(ValueError, match="> 1"):
+        rdp.epsilon_from_rdp(np.array([1.0, 2.0]), np.array([0.1, 0.1]), 1e-6)
+    with pytest.raises(ValueError, match="delta"):
+        rdp.epsilon_from_rdp(a, np.array([0.1, 0.1]), 0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        rdp.epsilon_from_rdp(a, np.array([-0.1, 0.1]), 1e-6)
+    with pytest.raises(ValueError, match="share"):
+        rdp.compose_rdp([(np.ones(2), 1), (np.ones(3), 1)])
+    assert rdp.epsilon_from_rdp(a, np.array([np.inf, 0.01]), 1e-6)[1] == 4.0
+
+
+def test_canonical_gdp_for_kary_randomizers() -> None:
+    from accounting import bounds
+
+    # binary RR through the mechanism equals the canonical-gdp family
+    family = bounds.epsilon("canonical-gdp", 2.0, 100_000, 1e-6, rounds=4).value
+    assert lit.canonical_gdp_epsilon(BinaryRandomizedResponse(2.0), 100_000, 1e-6, rounds=4) == pytest.approx(
+        family, rel=EXACT_RTOL
+    )
+    # a larger alphabet spreads the same eps0 over more symbols: smaller chi^2, smaller epsilon
+    e2 = lit.canonical_gdp_epsilon(KaryRandomizedResponse(2.0, 2), 100_000, 1e-6)
+    e10 = lit.canonical_gdp_epsilon(KaryRandomizedResponse(2.0, 10), 100_000, 1e-6)
+    assert e10 < e2
+    with pytest.raises(TypeError, match="chi2"):
+        lit.canonical_gdp_epsilon(LaplaceRandomizer(1.0, 1.0), 100_000, 1e-6)

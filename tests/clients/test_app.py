@@ -177,3 +177,36 @@ def test_core_without_flower(keys, model) -> None:
         make_envelope(model, _cfg(9, eps0=8.0), pinned, (x, y))
     with pytest.raises(RequestError):
         make_envelope(model, {"round": 1}, pinned, (x, y))
+
+
+def test_pinned_settings_resolution_errors(keys) -> None:
+    from clients.core import ClientSetupError, data_settings_from_run_config, pinned_from_configs
+
+    node = {"partition-id": 0, "num-partitions": N_PART}
+    run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root)}
+    p = pinned_from_configs(node, run)
+    assert (p.eps0, p.clip_l1, p.partition_id, p.log2_grid) == (EPS0, CLIP, 0, None)
+    assert p.client_key == shuffler_keys.load_private_key(keys.client_key(0))
+    assert "client_key" not in repr(p)  # the private key is never printed
+    with pytest.raises(ClientSetupError, match="'clip-l1'"):
+        pinned_from_configs(node, {"eps0": EPS0, "keys-dir": str(keys.root)})
+    with pytest.raises(ClientSetupError, match="must be a number"):
+        pinned_from_configs(node, {**run, "eps0": "2.0"})
+    with pytest.raises(ClientSetupError, match="finite number > 0"):
+        pinned_from_configs(node, {**run, "eps0": -1.0})
+    with pytest.raises(ClientSetupError, match="keys"):
+        pinned_from_configs({"partition-id": 99, "num-partitions": 100}, run)  # no key file for client 99
+    with pytest.raises(ClientSetupError, match="num-partitions"):
+        pinned_from_configs({"partition-id": 0}, run)
+    with pytest.raises(ClientSetupError, match="partition-id must be in"):
+        pinned_from_configs({"partition-id": 2, "num-partitions": 2}, run)
+    with pytest.raises(ClientSetupError, match="log2-grid"):
+        pinned_from_configs(node, {**run, "log2-grid": 1.5})
+    dep = {"eps0": 1.0, "clip-l1": 1.0, "client-key": str(keys.root / "missing.key"),
+           "server-public-key": str(keys.server_hpke_pub), "shuffler-public-key": str(keys.shuffler_hpke_pub),
+           "partition-id": 0, "num-partitions": 1}
+    with pytest.raises(ClientSetupError, match="cannot load"):
+        pinned_from_configs(dep, {})
+    assert data_settings_from_run_config({}) == {"dataset": "digits", "data_dir": None, "pca_components": 60,
+                                                 "scheme": "iid", "alpha": 0.5, "seed": 0}
+    assert data_settings_from_run_config({"pca-components": 0})["pca_components"] is None

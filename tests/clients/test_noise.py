@@ -64,7 +64,9 @@ def _chi2_pvalue(samples: np.ndarray, num: int, log2_den: int, max_bins: int = 6
         (5, 0),  # x = 5: only the top (geometric) table, P(0) ~ 0.99
         (3, 2),  # x = 0.75
         (1, 4),  # x = 1/16: one truncated digit + top
-        (3, 7),  # x = 3/128
+        (3, 7),  # x = 3/128: top digit only, restarts ("255 or more") in 0.25% of draws
+        (1, 6),  # x = 1/64: restarts in 1.9% of draws
+        (1, 9),  # x = 1/512: one truncated digit + top digit with x = 1/2
     ],
 )
 def test_sampler_matches_pmf_chi_square(num: int, log2_den: int) -> None:
@@ -75,7 +77,7 @@ def test_sampler_matches_pmf_chi_square(num: int, log2_den: int) -> None:
 
 
 def test_sampler_large_scale_quantiles_and_low_digits() -> None:
-    """Scale 2**21 (the randomizer's regime: three truncated digits and a top digit).
+    """Scale 2**21 (the randomizer's regime: two truncated digits and a top digit).
 
     Bins of |Z| between exact quantiles, and the lowest base-256 digit (near-uniform), chi-square at ALPHA."""
     num, log2_den = 1, 21
@@ -83,14 +85,18 @@ def test_sampler_large_scale_quantiles_and_low_digits() -> None:
     t = math.exp(-x)
     rng = ChaCha20Rng(_key(200))
     s = DiscreteLaplaceSampler(num, log2_den)
-    assert s.n_digits == 3
+    assert s.n_digits == 2
     z = s.sample(N, rng)
     # P(|Z| >= k) = 2 t^k / (1 + t) for k >= 1; edges where this is 0.95, 0.9, ..., 0.05
     levels = np.arange(0.95, 0.0, -0.05)
     edges = np.ceil(np.log(levels * (1 + t) / 2) / -x).astype(np.int64)
-    surv = 2 * np.exp(-x * edges) / (1 + t)  # exact survival at the integer edges
+    log_surv = math.log(2) - x * edges - math.log1p(t)  # log P(|Z| >= edge), exact closed form
+    surv = np.exp(log_surv)
     a = np.abs(z)
-    masses = np.concatenate([[1 - surv[0]], surv[:-1] - surv[1:], [surv[-1]]])
+    # bin masses without cancellation: 1 - S_0 = -expm1(log S_0); S_i - S_{i+1} = S_i * -expm1(-x (e_{i+1}-e_i))
+    masses = np.concatenate(
+        [[-math.expm1(log_surv[0])], surv[:-1] * -np.expm1(-x * np.diff(edges)), [surv[-1]]]
+    )
     counts = np.concatenate(
         [[np.count_nonzero(a < edges[0])],
          [np.count_nonzero((a >= lo) & (a < hi)) for lo, hi in zip(edges[:-1], edges[1:])],

@@ -107,6 +107,10 @@ def test_round_timings_splits_each_round() -> None:
         (20.5, "run", "[shuffledp] round 1: 2 reports (attested), accuracy 0.5"),  # later copy is ignored
         (22.0, "supernode-0", "[RUN 5, ROUND 2]"),
         (23.0, "supernode-0", "Receiving: train.shuffled message (ID: c)"),
+        (23.25, "supernode-0", "Received successfully"),
+        (23.5, "supernode-0", "Start `flwr-clientapp` process"),
+        (24.5, "supernode-0", "[RUN 5, ROUND 2]"),
+        (24.5, "supernode-0", "Sending: train.shuffled message (ID: d)"),
         (25.0, "supernode-0", "Sent successfully"),
         (26.0, "run", "[shuffledp] round 2: 1 reports (attested)"),
     ]
@@ -114,7 +118,8 @@ def test_round_timings_splits_each_round() -> None:
     assert rows[0] == {"round": 1, "wall": 15.0, "to-first-node": 8.0, "node-spread": 1.0, "client": 3.1,
                        "server-side": 3.0}
     assert rows[1] == {"round": 2, "wall": 6.0, "to-first-node": 3.0, "node-spread": 0.0, "client": 2.0,
-                       "server-side": 1.0}
+                       "server-side": 1.0, "client-download": 0.25, "client-pickup": 0.25, "clientapp": 1.0,
+                       "client-upload": 0.5}
 
 
 def test_file_tailer_stamps_new_lines(tmp_path: Path) -> None:

@@ -70,7 +70,22 @@ def test_local_deployment_three_nodes_two_rounds(tmp_path: Path) -> None:
         assert (work / "logs" / f"supernode-{i}.log").read_text().count("Sent successfully") == 2
     timing = result.timings["rounds"]
     assert [row["round"] for row in timing] == [1, 2] and all(row["wall"] > 0 for row in timing)
+    # the ServerApp's own per-phase clock was merged in; the collect phase contains the slowest client
+    assert all(row["server-collect"] + 0.5 >= row["client"] > 0 and row["server-shuffle"] >= 0 for row in timing)
     # nothing the deployment started is left running
+    assert _wait_gone(str(work)) == []
+
+
+def test_process_isolation_as_in_the_compose_file(tmp_path: Path) -> None:
+    """The SuperLink with ``--isolation process`` and a separate ``flower-superexec`` holding the SuperExec secret
+    (the ``superlink``/``serverapp`` services of deploy/compose.yml, as local processes)."""
+    work = tmp_path / "work"
+    result = dc.run_local(dc.LocalDeployment(nodes=2, rounds=1, workdir=work, isolation="process", timeout=600))
+    assert result.status == "finished:completed", dc.tail(work / "logs" / "serverapp-executor.log", 40)
+    assert result.report is not None and [r["n_reports"] for r in result.report["rounds"]] == [2]
+    # the ServerApp ran under the separate executor, not under a SuperExec the SuperLink spawned itself
+    assert "Starting Flower SuperExec" not in (work / "logs" / "superlink.log").read_text()
+    assert (work / "logs" / "serverapp-executor.log").stat().st_size > 0
     assert _wait_gone(str(work)) == []
 
 

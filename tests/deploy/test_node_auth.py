@@ -66,3 +66,27 @@ def test_supernode_keypair_is_what_flower_reads() -> None:
     assert sk.curve.name == "secp384r1"
     assert sk.public_key().public_numbers() == pk.public_numbers()
     assert dc.supernode_keypair()[0] != private  # fresh randomness each time
+
+
+def test_serverapp_executor_without_the_secret_is_refused(keys: dc.DeployKeys, tmp_path: Path) -> None:
+    """With ``--isolation process`` (the compose set-up) the SuperLink's Runtime API shares the public port; an
+    executor that does not hold ``superlink/superexec.secret`` is refused when it asks for a ServerApp task."""
+    group = dc.ProcessGroup(grace_seconds=5)
+    base_env = dict(os.environ)
+    wrong = tmp_path / "wrong.secret"
+    wrong.write_bytes(b"not-the-deployment-secret")
+    wrong.chmod(0o600)
+    try:
+        address = dc.start_superlink(group, keys, tmp_path / "superlink", base_env, tmp_path / "superlink.log",
+                                     isolation="process")
+        group.start("intruder", [dc._flower_bin("flower-superexec"), "--runtime-api-address", address,
+                                 "--root-certificates", str(keys.superlink_ca_cert),
+                                 "--superexec-auth-secret-file", str(wrong)],
+                    log=tmp_path / "intruder.log", env=dc.flower_env(tmp_path / "home", base_env))
+        dc._wait_for(lambda: dc._log_contains(tmp_path / "superlink.log", "SuperExec authentication failed"), 90,
+                     "the SuperLink to refuse the executor", dc.ProcessGroup())
+        log = (tmp_path / "superlink.log").read_text()
+        assert '"POST /v1/runtime/acquire-task HTTP/1.1" 401' in log
+        assert '"POST /v1/runtime/acquire-task HTTP/1.1" 200' not in log
+    finally:
+        group.stop_all()

@@ -95,6 +95,7 @@ class Refusal:
     reason: str | None  # the shuffler's reason tag, or None when gRPC/TLS refuses before the handler
     resubmit: list[bytes] = field(default_factory=list)
     payloads: list[bytes] = field(default_factory=list)
+    after: Callable[[], None] | None = None  # an extra check once the refusal has happened
 
 
 @dataclass
@@ -429,9 +430,7 @@ def reused_binding_with_another_batch(ctx: Ctx) -> Refusal:
         with ctx.svc.client() as c:
             assert c.fetch_all(att) == first
 
-    r = Refusal(action, grpc.StatusCode.ALREADY_EXISTS, "binding_used", envs, payloads)
-    r.after = check_unchanged  # type: ignore[attr-defined]
-    return r
+    return Refusal(action, grpc.StatusCode.ALREADY_EXISTS, "binding_used", envs, payloads, after=check_unchanged)
 
 
 @case
@@ -657,9 +656,8 @@ def test_catalogue(svc: Svc, name: str) -> None:
         if outcome.reason is not None:
             assert details.split(":", 1)[0] == outcome.reason, details
         _assert_alive(svc)
-        after_hook = getattr(outcome, "after", None)
-        if after_hook is not None:
-            after_hook()
+        if outcome.after is not None:
+            outcome.after()
         # nothing was released and nothing consumed: the honest envelopes of the refused request go through
         if outcome.resubmit:
             att = ctx.submit(outcome.resubmit)

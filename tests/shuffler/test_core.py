@@ -279,3 +279,45 @@ def test_background_writeback_and_holes(core: ShufflerCore, kit, monkeypatch) ->
     assert list(core.journal.staging_dir.iterdir()) == []
     sealed2 = _run(core, kit, [kit.seal(i, round_id=2) for i in range(6)], round_id=2)  # no holes
     assert sorted(_payloads(core, kit, sealed2, round_id=2)) == sorted(kit.payload(i) for i in range(6))
+
+
+def test_staging_is_preallocated_and_a_full_disk_refuses_early(core: ShufflerCore, kit, monkeypatch) -> None:
+    import errno
+
+    import shuffler.core as coremod
+
+    calls: list[tuple[int, int]] = []
+    real = coremod.os.posix_fallocate
+
+    def spy(fd: int, offset: int, length: int) -> None:
+        calls.append((offset, length))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(coremod.os, "posix_fallocate", spy)
+    sealed = _run(core, kit, [kit.seal(i) for i in range(4)])
+    assert calls == [(0, 4 * sealed.inner_length)]  # the whole file, before the first write
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(coremod.os, "posix_fallocate", full)
+    b = core.begin(kit.header(4, round_id=2))
+    with pytest.raises(Refused) as info:
+        b.add(kit.seal(0, round_id=2))
+    b.abort()
+    assert (info.value.code, info.value.reason) == ("resource_exhausted", "disk_full")
+    assert list(core.journal.staging_dir.iterdir()) == []
+
+
+def test_core_config_validation(kit, tmp_path: Path) -> None:
+    from shuffler.core import CoreConfig
+
+    with pytest.raises(ValueError, match="exceeds the 8 enrolled clients"):
+        kit.core_config(tmp_path / "j", k=9)
+    with pytest.raises(ValueError, match="k must be an int >= 1"):
+        kit.core_config(tmp_path / "j", k=0)
+    with pytest.raises(ValueError, match="enrolment is empty"):
+        kit.core_config(tmp_path / "j", enrolment={})
+    with pytest.raises(ValueError, match="max_envelope_bytes"):
+        kit.core_config(tmp_path / "j", max_envelope_bytes=10)
+    assert isinstance(kit.core_config(tmp_path / "j"), CoreConfig)

@@ -20,13 +20,16 @@ from typing import Any
 import grpc
 import pytest
 
+from shuffler import shuffler_pb2 as pb
 from shuffler.client import ShufflerError
+from shuffler.core import Header
 from shuffler.config import load_config
 from shuffler.journal import Journal
 from shuffler.process import ShufflerStartError
 from shuffler.service import core_from_config
 
 from ._fixtures_adv import (  # noqa: TID252
+    FETCH,
     SUBMIT,
     envelope_enc,
     envelope_msg,
@@ -91,8 +94,22 @@ def test_kill_after_ack_before_fetch_serves_the_attested_bytes(kit, shuffler) ->
     got = Counter(open_all(kit, first, 1))
     assert got == Counter(payloads) and sum(got.values()) == att.n_accepted  # nothing lost, nothing doubled
     assert _fetch(kit, shuffler, att) == first
-    _crash_and_restart(shuffler)  # and again: a sealed batch never changes
-    assert _fetch(kit, shuffler, att) == first
+    # crash again, this time leaving what an interrupted later commit would: an output renamed into batches/
+    # whose commit record was never written, and a staging file. Both are removed and never served.
+    shuffler.kill()
+    jdir = _journal_dir(shuffler)
+    orphan_id = bytes(range(16))
+    (jdir / "batches" / f"{orphan_id.hex()}.out").write_bytes(first[0] * 3)
+    (jdir / "staging" / "leftover.stage").write_bytes(b"x" * 100)
+    shuffler.start()
+    assert sorted(p.name for p in (jdir / "batches").iterdir()) == [f"{att.batch_id.hex()}.out"]
+    assert list((jdir / "staging").iterdir()) == []
+    assert _fetch(kit, shuffler, att) == first  # a sealed batch never changes
+    with raw_channel(kit, shuffler.address) as ch:
+        call = ch.unary_stream(FETCH, request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(pb.FetchRequest(batch_id=orphan_id).SerializeToString(), timeout=RPC_TIMEOUT))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
     with kit.client(shuffler.address) as c:
         s = c.stats()
     assert (s["batches_sealed"], s["reports_accepted"]) == (1, 6)
@@ -295,45 +312,46 @@ def test_torn_journal_tail_is_ignored_and_the_journal_stays_appendable(kit, shuf
     assert len(_sealed_records(shuffler)) == len(TORN_TAILS) + 1
 
 
-def test_damage_before_the_tail_stops_the_service_loudly(kit, shuffler) -> None:
-    for r in (8, 9):
-        _submit(kit, shuffler, _honest(kit, r)[0], r)
-    shuffler.kill()
-    log_file = _journal_dir(shuffler) / "journal.log"
+def _sealed_offline(kit: Any, cfg: Path, rounds: tuple[int, ...]) -> list[Any]:
+    """Seal batches with the in-process core on the config's journal (no process start needed)."""
+    core = core_from_config(load_config(cfg))
+    try:
+        out = []
+        for r in rounds:
+            envs, _ = _honest(kit, r)
+            b = core.begin(Header(protocol_version=1, key_epoch=kit.key_epoch, round_id=r, model_digest=kit.digest,
+                                  expected_count=len(envs)))
+            for e in envs:
+                b.add(e)
+            out.append(b.finish())
+        return out
+    finally:
+        core.close()
+
+
+def test_damage_before_the_tail_stops_the_service_loudly(kit, tmp_path: Path) -> None:
+    cfg = write_service_config(kit, tmp_path / "shuffler.toml")
+    _sealed_offline(kit, cfg, (8, 9))
+    log_file = load_config(cfg).journal_dir / "journal.log"
     data = bytearray(log_file.read_bytes())
     data[60] ^= 0x01  # inside the first record's body; a second, intact record follows
     log_file.write_bytes(bytes(data))
-    with pytest.raises(ShufflerStartError, match="JournalCorrupt|further data"):
-        shuffler.start()
+    p = process(kit, cfg)
+    try:
+        with pytest.raises(ShufflerStartError, match="JournalCorrupt|further data"):
+            p.start()
+    finally:
+        p.kill()
 
 
-def test_truncated_sealed_output_stops_the_service_loudly(kit, shuffler) -> None:
-    att = _submit(kit, shuffler, _honest(kit, 10)[0], 10)
-    shuffler.kill()
-    out = _journal_dir(shuffler) / "batches" / f"{att.batch_id.hex()}.out"
-    with open(out, "r+b") as fh:
-        fh.truncate(out.stat().st_size - 1)
-    with pytest.raises(ShufflerStartError, match="missing or not"):
-        shuffler.start()
-
-
-def test_orphans_from_a_crash_are_removed_and_never_served(kit, shuffler) -> None:
-    att = _submit(kit, shuffler, _honest(kit, 11)[0], 11)
-    first = _fetch(kit, shuffler, att)
-    shuffler.kill()
-    jdir = _journal_dir(shuffler)
-    orphan_id = bytes(range(16))
-    (jdir / "batches" / f"{orphan_id.hex()}.out").write_bytes(first[0] * 3)  # output renamed, record never written
-    (jdir / "staging" / "leftover.stage").write_bytes(b"x" * 100)
-    shuffler.start()
-    assert sorted(p.name for p in (jdir / "batches").iterdir()) == [f"{att.batch_id.hex()}.out"]
-    assert list((jdir / "staging").iterdir()) == []
-    assert _fetch(kit, shuffler, att) == first
-    with raw_channel(kit, shuffler.address) as ch:
-        from shuffler import shuffler_pb2 as pb
-
-        call = ch.unary_stream("/shuffledp.shuffler.v1.Shuffler/Fetch", request_serializer=None,
-                               response_deserializer=None)
-        with pytest.raises(grpc.RpcError) as info:
-            list(call(pb.FetchRequest(batch_id=orphan_id).SerializeToString(), timeout=RPC_TIMEOUT))
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+def test_truncated_sealed_output_stops_the_service_loudly(kit, tmp_path: Path) -> None:
+    cfg = write_service_config(kit, tmp_path / "shuffler.toml")
+    (sealed,) = _sealed_offline(kit, cfg, (10,))
+    with open(sealed.output, "r+b") as fh:
+        fh.truncate(sealed.output.stat().st_size - 1)
+    p = process(kit, cfg)
+    try:
+        with pytest.raises(ShufflerStartError, match="missing or not"):
+            p.start()
+    finally:
+        p.kill()

@@ -119,6 +119,8 @@ def test_init_parameter_validation(tmp_path: Path) -> None:
         keys.init_key_directory(tmp_path / "b", 2, key_epoch=-1)
     with pytest.raises(ValueError, match="k must be"):
         keys.init_key_directory(tmp_path / "c", 2, k=0)
+    with pytest.raises(ValueError, match="n_clients = 2"):
+        keys.init_key_directory(tmp_path / "d", 2, k=3)
     assert keys.client_id(7) == "client-7"
     with pytest.raises(ValueError):
         keys.client_id(-1)

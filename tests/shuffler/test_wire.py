@@ -33,3 +33,32 @@ def test_decode_rejects_anything_else() -> None:
     assert decode_single_bytes_field(b"\x0a", 1) is None
     assert decode_single_bytes_field(b"\x0a" + b"\xff" * 11, 1) is None  # overlong varint
     assert decode_single_bytes_field(b"", 1) is None
+
+
+def test_numpy_buffers_use_their_byte_length() -> None:
+    import numpy as np
+
+    arr = np.arange(24, dtype=np.uint8).reshape(4, 6)  # len() would be 4
+    assert encode_bytes_field(2, arr) == pb.SubmitRequest(envelope=arr.tobytes()).SerializeToString()
+    wide = np.arange(6, dtype=np.int32)
+    assert decode_single_bytes_field(encode_bytes_field(1, wide), 1) == wide.tobytes()
+
+
+def test_submit_deserializer_fast_path_and_fallback() -> None:
+    import pytest
+    from google.protobuf.message import DecodeError
+
+    from shuffler.service import _submit_request
+
+    env = b"\x01" * 500
+    fast = _submit_request(pb.SubmitRequest(envelope=env).SerializeToString())
+    assert fast.WhichOneof("item") == "envelope" and bytes(fast.envelope) == env
+    assert isinstance(fast.envelope, memoryview)  # sliced, not copied
+    hdr = _submit_request(pb.SubmitRequest(header=pb.SubmitHeader(round_id=5)).SerializeToString())
+    assert hdr.WhichOneof("item") == "header" and hdr.header.round_id == 5
+    # header and envelope in one message: protobuf's oneof rule (last one wins) via the generated parser
+    both = pb.SubmitRequest(header=pb.SubmitHeader(round_id=5)).SerializeToString() + encode_bytes_field(2, b"e")
+    assert _submit_request(both).WhichOneof("item") == "envelope"
+    assert _submit_request(b"").WhichOneof("item") is None
+    with pytest.raises(DecodeError):
+        _submit_request(b"\xff\xff\xff\xff\x0f junk")

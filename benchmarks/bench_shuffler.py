@@ -1,0 +1,405 @@
+"""Benchmark: sealed reports through a real shuffler process, submit + fetch over mTLS on loopback.
+
+For each report size (default 100 KiB and 1 MiB payloads) and each repetition this script
+
+1. seals ``--reports`` envelopes (one per enrolled client) for a fresh round, into a file (not timed);
+2. starts nothing new: one ``shuffler.process.ShufflerProcess`` per size serves all repetitions of that size
+   (mTLS, 127.0.0.1, port 0, journal in a temporary directory on the same disk as ``--workdir``);
+3. times ``ShufflerClient.submit`` (client-streaming, envelopes read from the file one at a time) and
+   ``ShufflerClient.fetch`` (server-streaming; the client checks lengths, count and the attested output
+   digest, as the ServerApp does) separately;
+4. reads the peak resident memory (``VmHWM``) of the shuffler process and of this client process from
+   ``/proc/<pid>/status``; the peak is reset (``echo 5 > /proc/<pid>/clear_refs``) before each phase, so each
+   figure is the peak of that phase.
+
+MB/s uses MB = 10^6 bytes of envelope (submit) or inner ciphertext (fetch); "together" is the envelope bytes
+over submit + fetch time. The goal in issue 3 is >= 300 MB/s together on a 2-core machine.
+
+``--baseline`` also measures plain gRPC client-streaming of the same envelopes to a do-nothing servicer in a
+child process over the same mTLS credentials (the transport ceiling on this machine).
+``--strace`` attaches ``strace -c -f`` to the shuffler during one submit+fetch (syscall time, e.g. fsync).
+
+Usage::
+
+    python benchmarks/bench_shuffler.py                      # 1,000 x 100 KiB and 1,000 x 1 MiB, 2 repeats
+    python benchmarks/bench_shuffler.py --reports 200 --sizes 1MiB --repeat 1 --baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from shuffler import keys as keyfiles
+from shuffler.client import ShufflerClient
+from shuffler.envelope import ENVELOPE_OVERHEAD, INNER_OVERHEAD, model_digest, seal
+from shuffler.process import ShufflerProcess
+
+MB = 1_000_000
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().lower()
+    for suffix, mult in (("kib", 1024), ("mib", 1024**2), ("kb", 1000), ("mb", 1000**2), ("b", 1)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(t)
+
+
+def vm_hwm(pid: int | str) -> int:
+    """Peak resident set size in bytes (VmHWM) of a process."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+
+
+def cpu_seconds(pid: int | str) -> float:
+    """User + system CPU time consumed so far by a process (all threads), from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def reset_hwm(pid: int | str) -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0). Returns False if not permitted."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class EnvelopeFile:
+    """A sized iterable of fixed-length envelopes stored back to back in a file (read one at a time)."""
+
+    def __init__(self, path: Path, count: int, length: int) -> None:
+        self.path, self.count, self.length = path, count, length
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[bytes]:
+        with open(self.path, "rb", buffering=0) as fh:
+            for _ in range(self.count):
+                chunk = fh.read(self.length)
+                if len(chunk) != self.length:
+                    raise RuntimeError(f"{self.path} is truncated")
+                yield chunk
+
+
+@dataclass
+class Keys:
+    d: keyfiles.KeyDirectory
+    client_sks: list[bytes]
+    server_pk: bytes
+    shuffler_pk: bytes
+    verify_key: bytes
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+
+def make_keys(root: Path, n_clients: int, max_envelope: int) -> Keys:
+    """A key directory with one shuffler/server key set and ``n_clients`` enrolled clients.
+
+    ``init_key_directory`` writes (and fsyncs) one key file per client; the benchmark only needs the client
+    keys in memory, so it enrols one client there and then rewrites the enrolment with ``n_clients`` keys."""
+    d = keyfiles.init_key_directory(root, 1, k=1, max_envelope_bytes=max_envelope)
+    pairs = [keyfiles.generate_keypair("ed25519") for _ in range(n_clients)]
+    keyfiles.save_enrolment(d.enrolment, {keyfiles.client_id(i): pk for i, (_, pk) in enumerate(pairs)}, overwrite=True)
+    return Keys(
+        d=d,
+        client_sks=[sk for sk, _ in pairs],
+        server_pk=keyfiles.load_public_key(d.server_hpke_pub, "x25519"),
+        shuffler_pk=keyfiles.load_public_key(d.shuffler_hpke_pub, "x25519"),
+        verify_key=keyfiles.load_public_key(d.shuffler_signing_pub, "ed25519"),
+        ca=d.ca_cert.read_bytes(),
+        cert=d.serverapp_cert.read_bytes(),
+        key=d.serverapp_tls_key.read_bytes(),
+    )
+
+
+def write_config(keys: Keys, path: Path, journal: Path, k: int, max_envelope: int, max_reports: int) -> Path:
+    d = keys.d
+    path.write_text(
+        "\n".join(
+            [
+                'address = "127.0.0.1:0"',
+                "key_epoch = 0",
+                f"k = {k}",
+                f"max_envelope_bytes = {max_envelope}",
+                f"max_batch_reports = {max_reports}",
+                f'hpke_key = "{d.shuffler_hpke_key}"',
+                f'signing_key = "{d.shuffler_signing_key}"',
+                f'enrolment = "{d.enrolment}"',
+                f'journal_dir = "{journal}"',
+                "[tls]",
+                f'ca = "{d.ca_cert}"',
+                f'cert = "{d.shuffler_cert}"',
+                f'key = "{d.shuffler_tls_key}"',
+                'client_common_names = ["serverapp"]',
+                "",
+            ]
+        )
+    )
+    return path
+
+
+def seal_round(keys: Keys, path: Path, n: int, payload_size: int, round_id: int, digest: bytes) -> EnvelopeFile:
+    payload = bytes(payload_size)  # content does not matter to the shuffler; fixed length does
+    with open(path, "wb") as fh:
+        for i in range(n):
+            fh.write(
+                seal(payload, server_public_key=keys.server_pk, shuffler_public_key=keys.shuffler_pk,
+                     signing_key=keys.client_sks[i], key_epoch=0, round_id=round_id, model_digest=digest)
+            )
+    return EnvelopeFile(path, n, payload_size + ENVELOPE_OVERHEAD)
+
+
+@dataclass
+class Run:
+    size: int
+    n: int
+    t_submit: float
+    t_fetch: float
+    env_bytes: int
+    inner_bytes: int
+    shuffler_hwm_submit: int
+    shuffler_hwm_fetch: int
+    client_hwm_submit: int
+    client_hwm_fetch: int
+    cpu_shuffler_submit: float
+    cpu_shuffler_fetch: float
+    cpu_client_submit: float
+    cpu_client_fetch: float
+
+
+def one_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: int, digest: bytes, max_msg: int) -> Run:
+    client = ShufflerClient(proc.address, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key,
+                            shuffler_verify_key=keys.verify_key, max_message_bytes=max_msg, timeout=3600)
+    me = os.getpid()
+    try:
+        reset_hwm(proc.pid), reset_hwm(me)
+        c0, s0 = cpu_seconds(me), cpu_seconds(proc.pid)
+        t0 = time.perf_counter()
+        att = client.submit(round_id=round_id, key_epoch=0, model_digest=digest, envelopes=envs)
+        t1 = time.perf_counter()
+        c1, s1 = cpu_seconds(me), cpu_seconds(proc.pid)
+        hwm_s_sub, hwm_c_sub = vm_hwm(proc.pid), vm_hwm(me)
+        if att.n_accepted != envs.count:
+            raise RuntimeError(f"only {att.n_accepted} of {envs.count} reports accepted: {dict(att.dropped)}")
+        reset_hwm(proc.pid), reset_hwm(me)
+        got = 0
+        c2, s2 = cpu_seconds(me), cpu_seconds(proc.pid)
+        t2 = time.perf_counter()
+        for inner in client.fetch(att):  # verified against the attestation at the end of the stream
+            got += len(inner)
+        t3 = time.perf_counter()
+        c3, s3 = cpu_seconds(me), cpu_seconds(proc.pid)
+        hwm_s_fetch, hwm_c_fetch = vm_hwm(proc.pid), vm_hwm(me)
+    finally:
+        client.close()
+    return Run(
+        size=envs.length - ENVELOPE_OVERHEAD, n=envs.count, t_submit=t1 - t0, t_fetch=t3 - t2,
+        env_bytes=envs.count * envs.length, inner_bytes=got, shuffler_hwm_submit=hwm_s_sub,
+        shuffler_hwm_fetch=hwm_s_fetch, client_hwm_submit=hwm_c_sub, client_hwm_fetch=hwm_c_fetch,
+        cpu_shuffler_submit=s1 - s0, cpu_shuffler_fetch=s3 - s2, cpu_client_submit=c1 - c0, cpu_client_fetch=c3 - c2,
+    )
+
+
+_BASELINE_SERVER = textwrap.dedent(
+    """
+    import sys, time
+    from concurrent import futures
+    import grpc
+    from shuffler import shuffler_pb2 as pb, shuffler_pb2_grpc as pb_grpc
+    ca, cert, key, limit, port_file = sys.argv[1:6]
+    class Sink(pb_grpc.ShufflerServicer):
+        def Submit(self, it, ctx):
+            n = 0
+            for req in it:
+                n += len(req.envelope)
+            return pb.SubmitResponse(statement=str(n).encode())
+    s = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", int(limit))])
+    pb_grpc.add_ShufflerServicer_to_server(Sink(), s)
+    creds = grpc.ssl_server_credentials([(open(key, "rb").read(), open(cert, "rb").read())],
+                                        root_certificates=open(ca, "rb").read(), require_client_auth=True)
+    port = s.add_secure_port("127.0.0.1:0", creds)
+    s.start()
+    open(port_file, "w").write(str(port))
+    s.wait_for_termination()
+    """
+)
+
+
+def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path) -> float:
+    """Seconds to client-stream the envelopes to a do-nothing servicer (same mTLS, same message sizes)."""
+    import grpc
+
+    from shuffler import shuffler_pb2 as pb
+    from shuffler import shuffler_pb2_grpc as pb_grpc
+
+    port_file = workdir / "baseline.port"
+    port_file.unlink(missing_ok=True)
+    d = keys.d
+    p = subprocess.Popen([sys.executable, "-c", _BASELINE_SERVER, str(d.ca_cert), str(d.shuffler_cert),
+                          str(d.shuffler_tls_key), str(max_msg + 1024), str(port_file)])
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text():
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("baseline server did not start")
+            time.sleep(0.05)
+        port = int(port_file.read_text())
+        creds = grpc.ssl_channel_credentials(root_certificates=keys.ca, private_key=keys.key, certificate_chain=keys.cert)
+        with grpc.secure_channel(f"127.0.0.1:{port}", creds,
+                                 options=[("grpc.max_send_message_length", max_msg + 1024)]) as ch:
+            stub = pb_grpc.ShufflerStub(ch)
+            grpc.channel_ready_future(ch).result(timeout=10)
+            t0 = time.perf_counter()
+            resp = stub.Submit(pb.SubmitRequest(envelope=bytes(e)) for e in envs)
+            t1 = time.perf_counter()
+        if int(resp.statement) != envs.count * envs.length:
+            raise RuntimeError("baseline sink received the wrong number of bytes")
+        return t1 - t0
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(10)
+
+
+def strace_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: int, digest: bytes, max_msg: int,
+               out: Path) -> str:
+    if shutil.which("strace") is None:
+        return "strace not installed"
+    tracer = subprocess.Popen(["strace", "-c", "-f", "-o", str(out), "-p", str(proc.pid)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    try:
+        one_run(keys, proc, envs, round_id, digest, max_msg)
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(30)
+    return out.read_text() if out.exists() else "(no strace output)"
+
+
+def fmt_bytes(b: float) -> str:
+    return f"{b / 2**20:,.0f} MiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reports", type=int, default=1000)
+    ap.add_argument("--sizes", default="100KiB,1MiB", help="comma-separated payload sizes")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per size (each a new round, freshly sealed)")
+    ap.add_argument("--workdir", default=None, help="where keys, envelopes and the journal go (default: a tempdir)")
+    ap.add_argument("--baseline", action="store_true", help="also time plain gRPC streaming to a sink")
+    ap.add_argument("--strace", action="store_true", help="strace -c the shuffler during one extra run per size")
+    ap.add_argument("--malloc-tuning", action="store_true",
+                    help="start the shuffler with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised so that glibc "
+                         "reuses heap memory for megabyte messages instead of a fresh mmap (page faults) per message")
+    ns = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in ns.sizes.split(",")]
+    if ns.malloc_tuning:  # inherited by the shuffler subprocess (and set for this client process's children)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 2**20)
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(256 * 2**20)
+    if ns.reports < 1 or ns.repeat < 1 or not sizes:
+        ap.error("--reports and --repeat must be >= 1")
+    tmp = tempfile.TemporaryDirectory(prefix="bench-shuffler-", dir=ns.workdir)
+    work = Path(tmp.name)
+    print(f"# bench_shuffler: {ns.reports} reports per batch, sizes {ns.sizes}, {ns.repeat} run(s) each; "
+          f"{os.cpu_count()} CPUs; workdir {work}; shuffler malloc tuning {'on' if ns.malloc_tuning else 'off'}; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    max_env = max(sizes) + ENVELOPE_OVERHEAD
+    max_msg = max_env + 1024
+    keys = make_keys(work / "keys", ns.reports, max_env)
+    digest = model_digest([b"bench-model"])
+    rows: list[Run] = []
+    extra: list[str] = []
+    round_id = 0
+    try:
+        for size in sizes:
+            journal = work / f"journal-{size}"
+            cfg = write_config(keys, work / f"shuffler-{size}.toml", journal, k=min(10, ns.reports), max_envelope=max_env,
+                               max_reports=max(ns.reports, 1))
+            proc = ShufflerProcess(cfg, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key)
+            proc.start()
+            try:
+                print(f"# shuffler pid {proc.pid} at {proc.address}; idle VmHWM {fmt_bytes(vm_hwm(proc.pid))}", flush=True)
+                for rep in range(ns.repeat):
+                    round_id += 1
+                    t = time.perf_counter()
+                    envs = seal_round(keys, work / "envelopes.bin", ns.reports, size, round_id, digest)
+                    t_seal = time.perf_counter() - t
+                    run = one_run(keys, proc, envs, round_id, digest, max_msg)
+                    rows.append(run)
+                    print(f"# size {size} run {rep + 1}: seal {t_seal:.2f}s (untimed), submit {run.t_submit:.2f}s, "
+                          f"fetch {run.t_fetch:.2f}s", flush=True)
+                    shutil.rmtree(journal / "batches", ignore_errors=True)  # keep disk use bounded between runs
+                    (journal / "batches").mkdir(exist_ok=True)
+                if ns.baseline:
+                    tb = baseline(keys, envs, max_msg, work)
+                    extra.append(f"baseline plain gRPC mTLS client-stream to a sink, {size} B payloads: "
+                                 f"{envs.count * envs.length / MB / tb:,.0f} MB/s ({tb:.2f}s)")
+                if ns.strace:
+                    round_id += 1
+                    envs = seal_round(keys, work / "envelopes.bin", ns.reports, size, round_id, digest)
+                    text = strace_run(keys, proc, envs, round_id, digest, max_msg, work / f"strace-{size}.txt")
+                    extra.append(f"strace -c -f of the shuffler, {size} B payloads, one submit+fetch:\n{text}")
+                    shutil.rmtree(journal / "batches", ignore_errors=True)
+                    (journal / "batches").mkdir(exist_ok=True)
+            finally:
+                proc.stop()
+    finally:
+        tmp.cleanup()
+
+    print()
+    header = (f"| payload | reports | submit s | submit rep/s | submit MB/s | fetch s | fetch MB/s | together s | "
+              f"together MB/s | shuffler peak (submit/fetch) | client peak (submit/fetch) |")
+    print(header)
+    print("|" + "|".join(["---"] * (header.count("|") - 1)) + "|")
+    for size in sizes:
+        rs = [r for r in rows if r.size == size]
+        for label, pick in (("median", statistics.median), ("best", min)):
+            if len(rs) == 1 and label == "best":
+                continue
+            ts = pick([r.t_submit for r in rs])
+            tf = pick([r.t_fetch for r in rs])
+            tt = pick([r.t_submit + r.t_fetch for r in rs])
+            r0 = rs[0]
+            print(
+                f"| {size // 1024} KiB ({label}) | {r0.n} | {ts:.2f} | {r0.n / ts:,.0f} | {r0.env_bytes / MB / ts:,.0f} | "
+                f"{tf:.2f} | {r0.inner_bytes / MB / tf:,.0f} | {tt:.2f} | {r0.env_bytes / MB / tt:,.0f} | "
+                f"{fmt_bytes(max(r.shuffler_hwm_submit for r in rs))} / {fmt_bytes(max(r.shuffler_hwm_fetch for r in rs))} | "
+                f"{fmt_bytes(max(r.client_hwm_submit for r in rs))} / {fmt_bytes(max(r.client_hwm_fetch for r in rs))} |"
+            )
+    print()
+    print("CPU seconds per phase (median over runs; less sensitive than wall time to other load on the machine):")
+    print("| payload | shuffler submit | shuffler fetch | client submit | client fetch | shuffler MB per CPU-s (submit) |")
+    print("|---|---|---|---|---|---|")
+    for size in sizes:
+        rs = [r for r in rows if r.size == size]
+        med = statistics.median
+        css = med([r.cpu_shuffler_submit for r in rs])
+        print(f"| {size // 1024} KiB | {css:.2f} | {med([r.cpu_shuffler_fetch for r in rs]):.2f} | "
+              f"{med([r.cpu_client_submit for r in rs]):.2f} | {med([r.cpu_client_fetch for r in rs]):.2f} | "
+              f"{rs[0].env_bytes / MB / css if css else float('inf'):,.0f} |")
+    for line in extra:
+        print()
+        print(line)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

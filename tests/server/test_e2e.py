@@ -1,0 +1,51 @@
+"""One end-to-end run of the real thing: ``shuffledp run`` -> private SuperLink -> ``flwr run`` (Ray simulation)
+-> ServerApp + ClientApps + a shuffler process -> outputs. About 20 clients, 2 rounds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from accounting.ledger import Ledger
+
+pytestmark = pytest.mark.e2e
+
+_RAY_START_FAILURES = ("Timed out waiting for file", "Simulation Runtime crashed", "gcs_server", "Exit Code: 700")
+
+
+def _run(tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["SHUFFLEDP_FLWR_HOME"] = str(tmp_path / "flwr-home")
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", "run", "--clients", "20", "--rounds", "2", "--run-name", name,
+         "--output-dir", str(tmp_path / "outputs"), "--run-config", "min-reports=15 eps0=2.0"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+
+
+def test_shuffledp_run_end_to_end(tmp_path: Path) -> None:
+    result = _run(tmp_path, "e2e")
+    if result.returncode != 0 and any(s in result.stdout + result.stderr for s in _RAY_START_FAILURES):
+        result = _run(tmp_path, "e2e-retry")  # Ray sometimes fails to start under CPU contention: retry once
+    out_dir = Path(result.stdout.strip().splitlines()[-1].split("outputs: ", 1)[-1]) if result.stdout else None
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+    assert out_dir is not None and out_dir.is_dir()
+    report = json.loads((out_dir / "report.json").read_text())
+    assert report["finished"] is True
+    assert [r["round"] for r in report["rounds"]] == [1, 2]
+    assert all(r["n_reports"] == 20 for r in report["rounds"])  # every simulated client's envelope was attested
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in report["rounds"])
+    assert report["rounds"][0]["epsilon"] < report["rounds"][1]["epsilon"]
+    with Ledger(out_dir / "ledger.sqlite", create=False) as ledger:
+        assert [(r["round"], r["n_reports"]) for r in ledger.rows()] == [(1, 20), (2, 20)]
+    assert (out_dir / "accuracy_epsilon.png").stat().st_size > 1000
+    progress = [line for line in result.stdout.splitlines() if line.startswith("[shuffledp] round")]
+    assert len(progress) == 2 and "accuracy" in progress[0] and "epsilon so far" in progress[0]
+    # the shuffler process of the run was stopped, and it released two batches of 20
+    log = (out_dir / "shuffler.log").read_text()
+    assert "accepted=20" in log and "shuffler stopped" in log
