@@ -752,7 +752,7 @@ def suggested_interval(
     points, and reduced if the grid would have fewer than ``MIN_COMPOSED_GRID`` points (cheap, and it
     keeps the error small when delta is close to the total variation distance, where epsilon is small
     compared with ``s1``: e.g. 2e-4 relative at T = 1, n = 1e6, eps0 = 0.5, delta = 1e-4). The value is rounded
-    to 3 significant digits so it can serve as a cache key.
+    down to 3 significant digits so it can serve as a cache key.
     """
     eps0 = _check_eps0(eps0)
     n = _check_n(n)
@@ -765,7 +765,9 @@ def suggested_interval(
     h = max(h, width / MAX_COMPOSED_GRID)
     if not (h > 0.0 and math.isfinite(h)):
         raise ValueError(f"cannot choose a grid interval for eps0={eps0}, n={n}: loss moments {m1}, {s1}")
-    return float(f"{h:.3g}")
+    # round DOWN to 3 significant digits (a stable cache key that never loosens the bounds above)
+    scale = 10.0 ** (math.floor(math.log10(h)) - 2)
+    return float(f"{math.floor(h / scale) * scale:.3g}")
 
 
 def clone_pld(

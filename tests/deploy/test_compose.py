@@ -152,6 +152,11 @@ def _help_for(command: list[str]) -> str:
 
 
 def test_commands_use_real_flags(compose: dict[str, Any]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    commands = [[str(c) for c in s["command"]] for s in compose["services"].values()]
+    with ThreadPoolExecutor(max_workers=4) as pool:  # each --help starts an interpreter; fetch them at once
+        list(pool.map(_help_for, commands))
     seen = 0
     for name, service in compose["services"].items():
         command = service["command"]

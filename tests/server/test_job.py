@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +65,76 @@ def test_resolve_paths_needs_a_key_directory(tmp_path: Path, keys: Any, kit: Any
         resolve_paths(make_config(tmp_path, keys, **{"keys-dir": str(tmp_path)}))
     paths = resolve_paths(make_config(tmp_path, keys, **{"run-name": ""}), run_id=42)
     assert paths.out_dir.name == "run-42"
+
+
+_CHILD = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {testdir!r})
+from flwr.supercore.task_identity import TaskIdentity
+TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 1, 1
+import conftest as c
+from shuffler.keys import KeyDirectory
+from server.job import run_job
+keys = c.Keys(KeyDirectory(Path({keys!r})))
+cfg = c.make_config(Path({tmp!r}), keys, **{{"num-server-rounds": {rounds}}})
+grid = c.FakeGrid.build([c.honest_factory(keys)] * c.N_CLIENTS)
+run_job(cfg, grid, node_wait=0.0, evaluator=c.digits_evaluator, initial_arrays=c.model_arrays(), plot=False)
+"""
+
+
+def test_killed_run_resumes_with_each_round_in_the_ledger_exactly_once(tmp_path: Path, keys: Any, kit: Any) -> None:
+    """SIGKILL a real run_job process mid-run (wherever it happens to be), then resume it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from server.runner import _alive, _descendants
+
+    rounds = 6
+    script = _CHILD.format(testdir=str(Path(__file__).parent), keys=str(keys.d.root), tmp=str(tmp_path), rounds=rounds)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ledger_path = tmp_path / "outputs" / "t" / "ledger.sqlite"
+    deadline = time.monotonic() + 240
+    killed_after = 0
+    try:
+        while time.monotonic() < deadline and child.poll() is None:
+            if ledger_path.exists():
+                with Ledger(ledger_path, create=False) as ledger:
+                    killed_after = len(ledger)
+                if killed_after >= 2:
+                    break
+            time.sleep(0.05)
+        assert child.poll() is None, f"the run ended before it could be killed: {child.stderr.read()[-3000:]!r}"
+        orphans = _descendants(child.pid)  # its shuffler process: ended by pid below
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    for pid in orphans:
+        if _alive(pid):
+            os.kill(pid, signal.SIGTERM)
+    for pid in orphans:
+        for _ in range(100):
+            if not _alive(pid):
+                break
+            time.sleep(0.05)
+
+    cfg = kit.make_config(tmp_path, keys, **{"num-server-rounds": rounds})
+    grid = kit.FakeGrid.build([kit.honest_factory(keys)] * kit.N)
+    result = run_job(cfg, grid, node_wait=0.0, evaluator=kit.digits_evaluator, initial_arrays=kit.model_arrays(),
+                     plot=False, progress=lambda line: None)
+    with Ledger(ledger_path, create=False) as ledger:
+        charged = [r["round"] for r in ledger.rows()]
+    assert len(charged) == len(set(charged)) and charged == sorted(charged)
+    assert len(charged) >= killed_after >= 2
+    assert charged[-1] == rounds and set(charged) <= set(range(1, rounds + 1))
+    report = json.loads((tmp_path / "outputs" / "t" / "report.json").read_text())
+    assert [r["round"] for r in report["rounds"]] == charged  # applied + lost rounds, each once
+    assert report["finished"] is True
+    assert [o.round for o in result.history] == sorted({o.round for o in result.history})
+    ckpt_rounds = [o.round for o in result.history if o.status in ("applied", "lost")]
+    assert ckpt_rounds == charged
