@@ -59,6 +59,7 @@ __all__ = [
     "CALIBRATION_RTOL",
     "FMT_DELTA_FRACTIONS",
     "PLD_VERIFY_RTOL",
+    "EPS0_MAX",
     "HETEROGENEOUS_INTERVAL",
     "epsilon",
     "delta",
@@ -111,7 +112,9 @@ def _check_n(n: Any) -> int:
     try:
         value = operator.index(n)
     except TypeError:
-        raise TypeError(f"n (number of shuffled reports) must be an integer >= 1, got {type(n).__name__} {n!r}") from None
+        raise TypeError(
+            f"n (number of shuffled reports) must be an integer >= 1, got {type(n).__name__} {n!r}"
+        ) from None
     if value < 1:
         raise ValueError(f"n (number of shuffled reports) must be an integer >= 1, got {value}")
     return int(value)
@@ -123,10 +126,19 @@ def _check_real(name: str, value: Any, allowed: str) -> float:
     return float(value)
 
 
+#: Largest eps0 accepted (the clone analysis's limit too): e^100 ~ 2.7e43 keeps every formula in range.
+EPS0_MAX = 100.0
+
+
 def _check_eps0(eps0: Any) -> float:
-    value = _check_real("eps0", eps0, "a finite real number > 0")
+    value = _check_real("eps0", eps0, f"a finite real number > 0 and <= {EPS0_MAX:g}")
     if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"eps0 must be a finite real number > 0, got {value!r}")
+        raise ValueError(f"eps0 must be a finite real number > 0 and <= {EPS0_MAX:g}, got {value!r}")
+    if value > EPS0_MAX:
+        raise ValueError(
+            f"eps0 must be a finite real number > 0 and <= {EPS0_MAX:g} (an eps0 this large gives no privacy "
+            f"worth accounting), got {value!r}"
+        )
     return value
 
 
@@ -205,14 +217,20 @@ PLD_VERIFY_RTOL = 1e-6
 def _pld_epsilon(composed: Any, delta: float) -> float:
     """``epsilon_for_delta`` of a composed PLD, re-checked with ``delta_for_epsilon`` before it is used.
 
-    The check is one pass over the grid. A non-finite epsilon (with the PLD's delta at large epsilon below
-    the target) or an epsilon whose delta exceeds the target is a numerical failure of the PLD query and
-    raises ArithmeticError instead of being reported as a privacy figure.
+    The check is one pass over the grid. An infinite epsilon is returned only when more than ``delta`` of the
+    mass sits at infinite loss; otherwise it, or an epsilon whose delta exceeds the target, is a numerical
+    failure of the PLD query and raises ArithmeticError instead of being reported as a privacy figure.
     """
     pld = _pld()
     value = float(pld.epsilon_for_delta(composed, delta))
     if not math.isfinite(value):
-        raise ArithmeticError(f"PLD epsilon query returned {value} at delta={delta}; refusing to report it")
+        infinite_mass = float(pld.delta_for_epsilon(composed, math.inf))
+        if infinite_mass > delta:
+            return math.inf  # legitimately no finite epsilon: more than delta of the mass has infinite loss
+        raise ArithmeticError(
+            f"PLD epsilon query returned {value} at delta={delta} although only {infinite_mass!r} of the mass "
+            "has infinite loss: numerical failure of the PLD query; refusing to report it"
+        )
     check = float(pld.delta_for_epsilon(composed, value))
     if check > delta * (1.0 + PLD_VERIFY_RTOL):
         raise ArithmeticError(

@@ -484,13 +484,14 @@ def _log_f(a: float, lr: np.ndarray) -> np.ndarray:
 _CHUNK_ELEMENTS = 1_000_000
 
 
-def _f_linear(a: float, lr: np.ndarray) -> np.ndarray:
-    """f(l) = e^{a l} - 1 - a (e^l - 1) in linear space (callers ensure a |l| < 600).
+def _f_linear(a: float, lr: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """f = r^a - 1 - a (r - 1) with ``u = r - 1`` and ``lr = log1p(u)``, in linear space (callers
+    ensure ``a lr < 600``).
 
-    Direct ``expm1(a l) - a expm1(l)`` loses about ``2e-16 / ((a - 1) |l|)`` relative, so for
-    ``a |l| < 1e-3`` the series ``sum_{k>=2} (a^k - a) l^k / k!`` (6 terms, error < 1e-18 relative) is
-    used instead."""
-    out = np.expm1(a * lr) - a * np.expm1(lr)
+    Direct ``expm1(a lr) - a u`` loses about ``2e-16 / ((a - 1) |lr|)`` relative, so for
+    ``a |lr| < 1e-3`` the series ``sum_{k>=2} (a^k - a) lr^k / k!`` (6 terms, error < 1e-18 relative)
+    is used instead."""
+    out = np.expm1(a * lr) - a * np.expm1(lr) if u is None else np.expm1(a * lr) - a * u
     small = np.abs(a * lr) < 1e-3
     if np.any(small):
         x = lr[small]
@@ -512,9 +513,11 @@ def _log_excess(a: float, cs: np.ndarray, w: float, eps0: float, reverse: bool) 
     exactly over an x window of log-mass drop ``30 + log m + a eps0`` around ``m/2`` (the dropped terms
     are at most ``Q(outside) (e^{a eps0} + a)``, below e^-30 of the smallest possible excess).
 
-    Binomial log-masses: Loader's form at the centre of each row, then the exact ratio recurrence
-    ``log(Bin(x+1)/Bin(x)) = log((m - x)/(x + 1))`` summed outwards (rounding ~1e-14); each row of Q is
-    then normalised to its exact total 1.
+    Binomial masses relative to the centre of each row come from the exact ratio recurrence
+    ``Bin(x+1)/Bin(x) = (m - x)/(x + 1)`` multiplied outwards (rounding ~1e-14); each row of Q is then
+    normalised to its exact total 1. With ``u = r - 1`` (exact: ``+-(1-2w)(2x-m)/den``), the summand is
+    ``f = expm1(a log1p(u)) - a u`` (series in ``log1p(u)`` when it is tiny, see :func:`_f_linear`).
+    For ``a eps0 >= 600`` (where ``r^a`` could overflow) the same sum is done in log space.
     """
     cs = np.asarray(cs, dtype=np.int64)
     out = np.empty(cs.size)
@@ -529,6 +532,7 @@ def _log_excess(a: float, cs: np.ndarray, w: float, eps0: float, reverse: bool) 
     sign = -1.0 if reverse else 1.0
     log_half = -math.log(2.0)
     linear = a * eps0 < 600.0
+    centre = half  # column of x = floor(m / 2)
     for start in range(0, cs.size, rows):
         c = cs[start : start + rows].astype(np.float64)[:, None]
         m = c + 1.0
@@ -536,33 +540,36 @@ def _log_excess(a: float, cs: np.ndarray, w: float, eps0: float, reverse: bool) 
         x = xc + offsets[None, :]
         valid = (x >= 0.0) & (x <= m)
         xs = np.clip(x, 0.0, m)
-        # step[j] = log Bin(x_j + 1) - log Bin(x_j); only used between valid points
-        with np.errstate(divide="ignore", invalid="ignore"):
-            step = np.log1p((m - 2.0 * xs - 1.0) / (xs + 1.0))
-        step = np.where(valid & (xs < m), step, 0.0)
-        centre = half  # column of x = xc
-        log_bin = np.zeros_like(x)
-        log_bin[:, centre + 1 :] = np.cumsum(step[:, centre:-1], axis=1)
-        log_bin[:, :centre] = -np.cumsum(step[:, centre - 1 :: -1], axis=1)[:, ::-1]
-        log_bin += _binom_logpmf(xc, m, log_half, log_half)
-        num = (1.0 - w) * xs + w * (m - xs)  # P(x|c) = Bin(x; m, 1/2) * 2 num / m
         den = w * xs + (1.0 - w) * (m - xs)  # Q(x|c) = Bin(x; m, 1/2) * 2 den / m
         if reverse:
-            num, den = den, num
-        ok = valid & (den > 0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            lr = np.where(ok, np.log1p(sign * (1.0 - 2.0 * w) * (2.0 * xs - m) / den), 0.0)
+            den = (1.0 - w) * xs + w * (m - xs)
+        u = sign * (1.0 - 2.0 * w) * (2.0 * xs - m) / den  # r - 1
+        lr = np.log1p(u)
         if linear:
-            # Q up to a per-row constant (the centre mass); rows are normalised by their sum.
-            qv = np.where(ok, np.exp(log_bin - log_bin[:, centre : centre + 1]) * den, 0.0)
-            total = np.sum(qv * _f_linear(a, lr), axis=1) / np.sum(qv, axis=1)
+            # Bin(x)/Bin(xc): right of the centre multiply (m - x)/(x + 1) (0 once x reaches m),
+            # left of it multiply x/(m - x + 1) (0 once x reaches 0)
+            rel = np.empty_like(x)
+            rel[:, centre] = 1.0
+            xr = x[:, centre:-1]
+            rel[:, centre + 1 :] = np.cumprod(np.maximum(m - xr, 0.0) / (xr + 1.0), axis=1)
+            xl = x[:, centre:0:-1]
+            rel[:, :centre] = np.cumprod(np.maximum(xl, 0.0) / (m - xl + 1.0), axis=1)[:, ::-1]
+            qv = np.where(valid, rel * den, 0.0)
+            total = np.sum(qv * _f_linear(a, lr, u), axis=1) / np.sum(qv, axis=1)
             with np.errstate(divide="ignore"):
                 out[start : start + rows] = np.log(total)
         else:
             with np.errstate(divide="ignore", invalid="ignore"):
-                log_q = np.where(ok, log_bin + np.log(2.0 * den / m), -np.inf)
+                step = np.log1p((m - 2.0 * xs - 1.0) / (xs + 1.0))
+            step = np.where(valid & (xs < m), step, 0.0)
+            log_bin = np.zeros_like(x)
+            log_bin[:, centre + 1 :] = np.cumsum(step[:, centre:-1], axis=1)
+            log_bin[:, :centre] = -np.cumsum(step[:, centre - 1 :: -1], axis=1)[:, ::-1]
+            log_bin += _binom_logpmf(xc, m, log_half, log_half)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                log_q = np.where(valid, log_bin + np.log(2.0 * den / m), -np.inf)
             log_q -= special.logsumexp(log_q, axis=1, keepdims=True)
-            terms = np.where(ok, _log_f(a, lr) + log_q, -np.inf)
+            terms = np.where(valid, _log_f(a, lr) + log_q, -np.inf)
             out[start : start + rows] = special.logsumexp(terms, axis=1)
     return out
 
@@ -751,8 +758,8 @@ def suggested_interval(
     window of the composition is about ``T m1 + 17 sqrt(T) s1`` wide) stays below ``MAX_COMPOSED_GRID``
     points, and reduced if the grid would have fewer than ``MIN_COMPOSED_GRID`` points (cheap, and it
     keeps the error small when delta is close to the total variation distance, where epsilon is small
-    compared with ``s1``: e.g. 2e-4 relative at T = 1, n = 1e6, eps0 = 0.5, delta = 1e-4). The value is rounded
-    down to 3 significant digits so it can serve as a cache key.
+    compared with ``s1``: e.g. 2e-4 relative at T = 1, n = 1e6, eps0 = 0.5, delta = 1e-4). The value
+    is rounded down to 3 significant digits so it can serve as a cache key.
     """
     eps0 = _check_eps0(eps0)
     n = _check_n(n)

@@ -142,7 +142,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
 
     if f(hi) == 0.0:
         return hi
-    return float(optimize.brentq(lambda e: max(f(e), -1e300), 0.0, hi, xtol=ROOT_XTOL, rtol=ROOT_RTOL))
+    return float(optimize.brentq(lambda e: max(f(e), -1e300), 0.0, hi, xtol=ROOT_XTOL, rtol=ROOT_RTOL, maxiter=500))
 
 
 def ccg_gdp_mu(eps0: float, n: int) -> float:
@@ -339,7 +339,9 @@ def rr_lower_epsilon(eps0: float, n: int, delta: float) -> float:
     if _rr_delta_from(rr, hi) > delta:  # pragma: no cover - cannot happen: no mass above the largest loss
         raise ArithmeticError("rr-lower: delta at the largest privacy loss is not 0")
     return float(
-        optimize.brentq(lambda e: _rr_delta_from(rr, e) / delta - 1.0, 0.0, hi, xtol=ROOT_XTOL, rtol=ROOT_RTOL)
+        optimize.brentq(
+            lambda e: _rr_delta_from(rr, e) / delta - 1.0, 0.0, hi, xtol=ROOT_XTOL, rtol=ROOT_RTOL, maxiter=500
+        )
     )
 
 

@@ -90,7 +90,8 @@ class LaplaceRandomizer:
         object.__setattr__(self, "dimension", _integer_at_least("dimension d", self.dimension, 1))
         if not math.isfinite(self.eps0):
             raise ValueError(
-                f"clip_l1 / noise_scale is too large: eps0 = 2C/b overflows (C={self.clip_l1!r}, b={self.noise_scale!r})"
+                "clip_l1 / noise_scale is too large: eps0 = 2C/b overflows "
+                f"(C={self.clip_l1!r}, b={self.noise_scale!r})"
             )
 
     @property

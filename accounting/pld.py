@@ -14,8 +14,13 @@ it) can only decrease it. This gives the two discretisations:
 * ``pessimistic=True``: losses rounded UP onto the grid ``k * interval``, truncated mass -> infinity
   mass. Every ``delta``/``eps`` computed from it (after any composition) is an upper bound.
 * ``pessimistic=False``: losses rounded DOWN, truncated mass dropped. A lower bound (up to the
-  FFT aliasing of ``dp_accounting``'s truncated self-convolution, at most ``_TAIL_MASS_TRUNCATION`` in
-  delta per composition step; see :func:`compose`).
+  FFT aliasing of the truncated self-convolution, at most ``_TAIL_MASS_TRUNCATION`` in delta per
+  composition step; see :func:`compose`).
+
+Self-composition (:func:`compose`) is done here with a real FFT and powers by repeated squaring inside
+a Chernoff window (the same method as dp_accounting's ``self_compose``, about 3x faster, checked against
+it and against direct convolution in the tests); the result is a ``dp_accounting`` ``DensePLDPmf``
+wrapped in a ``PrivacyLossDistribution``, so either library's queries apply.
 
 The queries :func:`epsilon_for_delta` and :func:`delta_for_epsilon` are vectorised re-implementations
 of the same formulas (``dp_accounting``'s dense ``get_epsilon_for_delta`` is a Python loop over the grid,
@@ -347,12 +352,12 @@ def compose(
 ) -> PrivacyLossDistribution:
     """Compose ``pld_1`` ``count_1`` times with ``pld_2`` ``count_2`` times, and so on.
 
-    Self-composition is one FFT power (dp_accounting ``self_compose``), different PLDs are convolved
-    pairwise. All PLDs must share the discretisation interval and the estimate type. Each step may cut
-    tail mass of at most ``_TAIL_MASS_TRUNCATION`` (Chernoff bounds in dp_accounting); pessimistic PLDs
-    carry it as infinity mass (a valid upper bound). For optimistic PLDs that infinity-mass addition is
-    removed again, so the result stays a lower bound up to FFT aliasing of at most
-    ``_TAIL_MASS_TRUNCATION`` in delta per step.
+    Self-composition is one FFT power (:func:`_self_compose_dense`), different PLDs are convolved
+    pairwise (dp_accounting ``compose``). All PLDs must share the discretisation interval and the
+    estimate type. Each step may cut tail mass of at most ``_TAIL_MASS_TRUNCATION`` (Chernoff bounds);
+    pessimistic PLDs carry it as infinity mass (a valid upper bound). For optimistic PLDs that
+    infinity-mass addition is removed again, so the result stays a lower bound up to FFT aliasing of at
+    most ``_TAIL_MASS_TRUNCATION`` in delta per step.
     """
     if isinstance(plds_with_counts, (str, bytes)) or not isinstance(plds_with_counts, Sequence):
         raise TypeError("plds_with_counts must be a sequence of (PrivacyLossDistribution, count)")

@@ -195,30 +195,38 @@ def partition_dirichlet(
     labels: np.ndarray, num_partitions: int, alpha: float, seed: int = 0, *, min_size: int = 1
 ) -> list[np.ndarray]:
     """Dirichlet label skew (Hsu, Qi, Brown 2019): for each class, split its samples across partitions with
-    proportions ~ Dir(alpha); redraw (same seeded stream) until every partition has ``min_size`` samples."""
+    proportions ~ Dir(alpha).
+
+    With many partitions some come out smaller than ``min_size``; instead of redrawing (which almost never
+    succeeds for hundreds of partitions), each such partition receives samples moved one at a time from the
+    currently largest partition (a uniformly chosen sample of it, from the same seeded stream).
+    """
     y = np.asarray(labels)
     _check_partitions(len(y), num_partitions)
     if not (np.isfinite(alpha) and alpha > 0):
         raise ValueError(f"alpha must be finite and > 0, got {alpha}")
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+        raise ValueError(f"min_size must be an int >= 0, got {min_size!r}")
     if min_size * num_partitions > len(y):
         raise ValueError(f"min_size={min_size} x {num_partitions} partitions exceeds {len(y)} samples")
     rng = np.random.default_rng(seed)
-    classes = np.unique(y)
-    for _ in range(1000):
-        parts: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
-        for c in classes:
-            idx = rng.permutation(np.flatnonzero(y == c))
-            props = rng.dirichlet(np.full(num_partitions, alpha))
-            cuts = (np.cumsum(props)[:-1] * len(idx)).astype(np.int64)
-            for i, chunk in enumerate(np.split(idx, cuts)):
-                parts[i].append(chunk)
-        out = [np.sort(np.concatenate(p)) for p in parts]
-        if min(len(p) for p in out) >= min_size:
-            return out
-    raise ValueError(
-        f"could not draw a Dirichlet(alpha={alpha}) partition with >= {min_size} samples in each of "
-        f"{num_partitions} partitions; raise alpha or lower num_partitions"
-    )
+    parts: list[list[int]] = [[] for _ in range(num_partitions)]
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        props = rng.dirichlet(np.full(num_partitions, alpha))
+        cuts = (np.cumsum(props)[:-1] * len(idx)).astype(np.int64)
+        for i, chunk in enumerate(np.split(idx, cuts)):
+            parts[i].extend(chunk.tolist())
+    sizes = np.array([len(p) for p in parts])
+    for i in np.flatnonzero(sizes < min_size):
+        while len(parts[i]) < min_size:
+            donor = int(np.argmax(sizes))
+            j = int(rng.integers(len(parts[donor])))
+            parts[donor][j], parts[donor][-1] = parts[donor][-1], parts[donor][j]
+            parts[i].append(parts[donor].pop())
+            sizes[donor] -= 1
+            sizes[i] += 1
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
 
 
 def partition(

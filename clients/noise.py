@@ -59,7 +59,8 @@ _AMBIGUOUS_FLAG = np.uint16(1 << 15)
 
 
 class ChaCha20Rng:
-    """A fast CSPRNG: the ChaCha20 keystream under a key from ``os.urandom`` (re-keyed every 2**36 bytes).
+    """A fast CSPRNG: the ChaCha20 keystream under a key from ``os.urandom`` (re-keyed every 2**36 bytes and
+    in a forked child process, so a child never repeats its parent's stream).
 
     ``key`` is for reproducible tests only; production code must leave it ``None``. Not thread-safe.
     """
@@ -83,11 +84,15 @@ class ChaCha20Rng:
         # 16-byte nonce = 32-bit block counter (starts at 0) || 96-bit nonce; the key is fresh, so zero is fine.
         self._enc = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
         self._used = 0
+        self._pid = os.getpid()
 
     def random_bytes(self, n: int) -> np.ndarray:
         """``n`` keystream bytes as a fresh uint8 array."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
+        if self._pid != os.getpid() and not self._fixed_key:
+            # a forked child must never replay its parent's keystream (the noise of two clients would be equal)
+            self._rekey()
         if self._used + n > _REKEY_BYTES:
             if self._fixed_key:
                 raise RuntimeError("fixed-key test stream exhausted (2**36 bytes)")

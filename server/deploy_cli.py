@@ -942,10 +942,6 @@ def merge_server_seconds(rows: list[dict[str, float]], run_dir: Path) -> None:
             row["messaging"] = round(row["server-collect"] - row["client"], 3)
 
 
-def _find_report(output_dir: Path) -> Path | None:
-    reports = sorted(output_dir.rglob("report.json"), key=lambda p: p.stat().st_mtime)
-    return reports[-1] if reports else None
-
 
 def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResult:
     """Run the whole local deployment (see the module docstring) and return what it observed.
@@ -989,6 +985,8 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
     status = "not-started"
     timings: dict[str, Any] = {}
     run_info: dict[str, Any] = {}
+    output_dir = work / "outputs"
+    run_name = "deploy-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{secrets.token_hex(3)}"
     t_start = time.monotonic()
     with _stop_on_signals():
         try:
@@ -1025,8 +1023,6 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
             tailer.start()
 
             # 4. submit the app; overrides in a TOML file (paths are quoted properly, nothing secret inside)
-            output_dir = work / "outputs"
-            run_name = "deploy-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime())
             overrides: dict[str, object] = {
                 "num-server-rounds": cfg.rounds,
                 "fraction": 1.0,
@@ -1079,7 +1075,8 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
                 time.sleep(0.5)
                 # the SuperLink logs "Finished task ... of run <id>"; `flwr ls` (a new Python process each time)
                 # is asked then, and every 20 s as a fallback
-                done = tailer is not None and any("Finished task" in line and finished_line in line for _, _, line in tailer.events)
+                done = tailer is not None and any(
+                    "Finished task" in line and finished_line in line for _, _, line in tailer.events)
                 if done or time.monotonic() >= next_ls:
                     next_ls = time.monotonic() + 20.0
                     res = _flwr(cli_env, ["ls", CONNECTION_NAME, "--run-id", run_id, "--format", "json"],
@@ -1110,9 +1107,10 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
                 tailer.stop()
             group.stop_all()
             if shuffler is not None:
-                shuffler.stop()
+                shuffler.__exit__(None, None, None)  # SIGTERM, wait, remove its temporary files
 
-    report_path = _find_report(work / "outputs")
+    report_file = output_dir / run_name / "report.json"
+    report_path = report_file if report_file.is_file() else None
     report = json.loads(report_path.read_text()) if report_path else None
     if tailer is not None:
         events = list(tailer.events)

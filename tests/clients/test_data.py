@@ -165,3 +165,17 @@ def test_gzip_detection_by_magic(tmp_path) -> None:
     write_idx(tmp_path / "x", arr)
     (tmp_path / "y").write_bytes(gzip.compress((tmp_path / "x").read_bytes()))  # .gz content, no suffix
     assert np.array_equal(read_idx(tmp_path / "y"), arr)
+
+
+def test_dirichlet_with_many_partitions_fills_every_partition() -> None:
+    """Hundreds of Dirichlet partitions (the >= 1,000-reports regime): every partition gets >= min_size samples,
+    by moving samples from the largest partitions, and the result is still a disjoint cover, deterministic."""
+    y = load_data().y_train
+    for n, alpha, min_size in [(500, 0.5, 1), (1437, 1.0, 1), (200, 0.2, 3)]:
+        parts = partition_dirichlet(y, n, alpha, seed=1, min_size=min_size)
+        _check_cover(parts, len(y))
+        assert min(len(p) for p in parts) >= min_size
+        again = partition_dirichlet(y, n, alpha, seed=1, min_size=min_size)
+        assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    with pytest.raises(ValueError, match="exceeds"):
+        partition_dirichlet(y, 500, 0.5, min_size=3)

@@ -246,3 +246,24 @@ def test_log_pmf_normalised_in_log_space() -> None:
         # log(total) = lp0 + log(1 + 2 t / (1 - t)) = lp0 + log((1 + t)/(1 - t))
         log_total = lp0 + math.log1p(math.exp(-x)) - math.log(-math.expm1(-x))
         assert abs(log_total) < 1e-12
+
+
+def test_forked_child_does_not_replay_the_parent_stream() -> None:
+    import multiprocessing as mp
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    rng = ChaCha20Rng()
+    ctx = mp.get_context("fork")
+    parent_r, child_w = ctx.Pipe(duplex=False)
+
+    def child(conn) -> None:
+        conn.send(rng.random_bytes(32).tobytes())
+        conn.close()
+
+    proc = ctx.Process(target=child, args=(child_w,))
+    proc.start()
+    from_child = parent_r.recv()
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+    assert from_child != rng.random_bytes(32).tobytes()

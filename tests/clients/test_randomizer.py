@@ -206,3 +206,33 @@ def test_default_grid_coarsens_for_small_eps0_and_reports_it() -> None:
     assert r.log2_grid > -20  # the default rule moved to a coarser grid to keep saturation negligible
     assert r.eps_used <= 1e-4
     assert DiscreteLaplaceRandomizer(1.0, 1.0).log2_grid == -20
+
+
+def test_released_noise_has_the_claimed_parameter() -> None:
+    """The noise actually added, y - q(x), follows the discrete Laplace pmf with t = exp(-num / 2**52) that the
+    guarantee is computed from (chi-square at significance ALPHA, fixed test key).
+
+    Coarse grid so the scale is small: eps0 = 1, C = 3, gamma = 1 -> K = 3, scale 2K/eps0 = 6 grid units."""
+    from scipy import stats
+
+    from clients.noise import discrete_laplace_log_pmf
+
+    alpha = 1e-3
+    r = DiscreteLaplaceRandomizer(1.0, 3.0, log2_grid=0, rng=ChaCha20Rng(b"\x0b" * 32))
+    d = 100_000
+    x = np.zeros(d)
+    x[:3] = [2.0, -0.6, 0.4]
+    q = r.quantize(x)
+    z = r.privatize(x) - q
+    kmax = 40
+    ks = np.arange(-kmax, kmax + 1)
+    p = np.exp(discrete_laplace_log_pmf(ks, r.noise_num, r.noise_log2_den))
+    s = r.noise_num / 2.0**r.noise_log2_den
+    tail = math.exp(-s * (kmax + 1)) / (1 + math.exp(-s))  # P(Z > kmax) = P(Z < -kmax), closed form
+    probs = np.concatenate([[tail], p, [tail]])
+    counts = np.concatenate(
+        [[np.count_nonzero(z < -kmax)], [np.count_nonzero(z == k) for k in ks], [np.count_nonzero(z > kmax)]]
+    )
+    assert stats.chisquare(counts, probs / probs.sum() * d).pvalue > alpha
+    # and the scale is 2K/eps0 grid units, i.e. 2C/eps0: var = 2t/(1-t)^2 ~ 2 * 6**2
+    assert np.var(z) == pytest.approx(2 * math.exp(-s) / (-math.expm1(-s)) ** 2, rel=0.05)

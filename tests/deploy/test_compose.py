@@ -152,11 +152,6 @@ def _help_for(command: list[str]) -> str:
 
 
 def test_commands_use_real_flags(compose: dict[str, Any]) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    commands = [[str(c) for c in s["command"]] for s in compose["services"].values()]
-    with ThreadPoolExecutor(max_workers=4) as pool:  # each --help starts an interpreter; fetch them at once
-        list(pool.map(_help_for, commands))
     seen = 0
     for name, service in compose["services"].items():
         command = service["command"]
@@ -197,3 +192,39 @@ def test_compose_configs_are_accepted(env_dirs: dict[str, str]) -> None:
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
             x509.DNSName)
         assert {"superlink", "shuffler", "localhost"} <= set(names), cert_path
+
+
+_BLOCKER = """
+import importlib.abc, sys
+BLOCKED = set(sys.argv[1].split(","))
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is not installed in this image")
+        return None
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _import_without(blocked: list[str], code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _BLOCKER + code, ",".join(blocked)], capture_output=True, text=True,
+                          timeout=120, cwd=DEPLOY.parent)
+
+
+def test_shuffler_image_needs_only_its_four_dependencies() -> None:
+    """Dockerfile.shuffler installs cryptography, grpcio, grpcio-health-checking and protobuf only."""
+    code = ("import shuffler.cli, shuffler.service, shuffler.core, shuffler.journal, shuffler.config, "
+            "shuffler.keys, shuffler.tls, shuffler.attestation, shuffler.envelope\n"
+            "from server.cli import main\n"
+            "raise SystemExit(main(['shuffler', 'serve', '--help']))\n")
+    res = _import_without(["numpy", "scipy", "torch", "flwr", "sklearn", "matplotlib", "dp_accounting", "ray"], code)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "--config" in res.stdout
+
+
+def test_client_image_dependencies_suffice_for_the_clientapp() -> None:
+    """Dockerfile.client installs flwr, numpy, cryptography, scikit-learn and CPU PyTorch (no Ray, no
+    matplotlib, no dp-accounting)."""
+    code = "import clients.app, clients.core, clients.data, clients.models\nprint(clients.app.app)\n"
+    res = _import_without(["matplotlib", "dp_accounting", "ray"], code)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -172,3 +172,22 @@ def _dead_within(pid: int, seconds: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_every_deploy_command_in_the_readme_parses() -> None:
+    import shlex
+
+    commands, inside = [], False
+    for line in README.read_text().splitlines():
+        if line.strip().startswith("```"):
+            inside = not inside
+        elif inside and line.strip().startswith("shuffledp deploy"):
+            commands.append(line.split("#")[0].strip())
+    assert len(commands) >= 4
+    parser = dc._parser()
+    for command in commands:
+        argv = shlex.split(command.replace("$", ""))[2:]
+        try:
+            parser.parse_args(argv)
+        except SystemExit as exc:  # argparse reports the bad flag on stderr
+            raise AssertionError(f"README command does not parse: {command}") from exc

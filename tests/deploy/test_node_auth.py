@@ -34,6 +34,7 @@ def superlink(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dc.Dep
         assert started and all(p.poll() is not None for p in started)
 
 
+@pytest.mark.e2e
 def test_unregistered_supernode_is_refused(superlink: tuple[dc.DeployKeys, str, Path, dc.ProcessGroup],
                                            tmp_path: Path) -> None:
     keys, address, root, group = superlink
@@ -63,6 +64,7 @@ def test_unregistered_supernode_is_refused(superlink: tuple[dc.DeployKeys, str, 
     assert sl.count("Activated node_id") == 1 and f"Activated node_id={node_id}" in sl
 
 
+@pytest.mark.e2e
 def test_serverapp_executor_without_the_secret_is_refused(
         superlink: tuple[dc.DeployKeys, str, Path, dc.ProcessGroup], tmp_path: Path) -> None:
     """With ``--isolation process`` the Runtime API shares the public port; an executor that does not hold
