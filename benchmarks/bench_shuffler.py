@@ -17,7 +17,8 @@ over submit + fetch time. The goal in issue 3 is >= 300 MB/s together on a 2-cor
 
 ``--baseline`` also measures plain gRPC client-streaming of the same envelopes to a do-nothing servicer in a
 child process over the same mTLS credentials (the transport ceiling on this machine).
-``--strace`` attaches ``strace -c -f`` to the shuffler during one submit+fetch (syscall time, e.g. fsync).
+``--strace`` attaches ``strace -c -f`` to the shuffler during one extra submit+fetch (syscall time, e.g. fsync);
+``--perf`` records it with ``perf record -g`` and prints where its CPU time goes (by library and symbol).
 
 Usage::
 
@@ -293,6 +294,29 @@ def strace_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: 
     return out.read_text() if out.exists() else "(no strace output)"
 
 
+def perf_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: int, digest: bytes, max_msg: int,
+             out: Path) -> str:
+    """``perf record`` the shuffler during one submit+fetch; returns the top DSOs and symbols by self time."""
+    if shutil.which("perf") is None:
+        return "perf not installed"
+    data = out.with_suffix(".data")
+    rec = subprocess.Popen(["perf", "record", "-F", "499", "-g", "-o", str(data), "-p", str(proc.pid)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    try:
+        one_run(keys, proc, envs, round_id, digest, max_msg)
+    finally:
+        rec.send_signal(signal.SIGINT)
+        rec.wait(60)
+    parts = []
+    for sort in ("dso", "dso,symbol"):
+        r = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", sort, "--stdio", "-g", "none"],
+                           capture_output=True, text=True, timeout=120)
+        lines = [ln.rstrip() for ln in r.stdout.splitlines() if "%" in ln and not ln.lstrip().startswith("#")]
+        parts.append(f"perf self time by {sort}:\n" + "\n".join(lines[:15]))
+    return "\n".join(parts)
+
+
 def fmt_bytes(b: float) -> str:
     return f"{b / 2**20:,.0f} MiB"
 
@@ -305,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where keys, envelopes and the journal go (default: a tempdir)")
     ap.add_argument("--baseline", action="store_true", help="also time plain gRPC streaming to a sink")
     ap.add_argument("--strace", action="store_true", help="strace -c the shuffler during one extra run per size")
+    ap.add_argument("--perf", action="store_true", help="perf record the shuffler during one extra run per size")
     ap.add_argument("--malloc-tuning", action="store_true",
                     help="start the shuffler with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised so that glibc "
                          "reuses heap memory for megabyte messages instead of a fresh mmap (page faults) per message")
@@ -351,6 +376,13 @@ def main(argv: list[str] | None = None) -> int:
                     tb = baseline(keys, envs, max_msg, work)
                     extra.append(f"baseline plain gRPC mTLS client-stream to a sink, {size} B payloads: "
                                  f"{envs.count * envs.length / MB / tb:,.0f} MB/s ({tb:.2f}s)")
+                if ns.perf:
+                    round_id += 1
+                    envs = seal_round(keys, work / "envelopes.bin", ns.reports, size, round_id, digest)
+                    text = perf_run(keys, proc, envs, round_id, digest, max_msg, work / f"perf-{size}.txt")
+                    extra.append(f"perf of the shuffler, {size} B payloads, one submit+fetch:\n{text}")
+                    shutil.rmtree(journal / "batches", ignore_errors=True)
+                    (journal / "batches").mkdir(exist_ok=True)
                 if ns.strace:
                     round_id += 1
                     envs = seal_round(keys, work / "envelopes.bin", ns.reports, size, round_id, digest)

@@ -22,14 +22,16 @@ Method (exact relative to the CSPRNG; no floating point anywhere in the sampling
        uniform on [0, 1), compared *lazily*: the top 16 bits of ``U`` index a guide table that settles the
        outcome unless a threshold lies in that 2**-16 bucket (at most 255 of 65,536 buckets); then 64 more
        bits of ``U`` are compared with the thresholds ``floor(S_l 2**80)`` (exact Python integers computed with
-       :mod:`decimal` at a precision that certifies the floor), and in the (probability ~2**-70) event of a
-       tie, 64 further bits at a time against thresholds recomputed at higher precision. Each decision is
-       therefore exactly ``U < S_l``.
+       :mod:`decimal` at a precision that certifies the floor), and in the event of a
+       tie (probability ~2**-70 per sample), 64 further bits at a time against thresholds recomputed at higher
+       precision. Each decision is therefore exactly ``U < S_l``. (The ambiguous buckets are settled by a
+       vectorised binary search, since the thresholds in one bucket are sorted.)
     3. ``H``'s table has outcomes 0..254 and "255 or more"; by memorylessness the latter adds 255 and redraws.
     4. Sign from one CSPRNG bit; the pair (negative, 0) is rejected and redrawn so that 0 is not counted twice.
 
 The output pmf is exactly the one above, relative to the CSPRNG. About 2 bytes of keystream per digit and one
-table gather per digit: roughly 10 bytes per sample at the scales the randomizer uses.
+table gather per digit: about 7 bytes of keystream per sample at the randomizer's default scale (2**21 grid
+units for eps0 = 1: two truncated digits and the top digit, plus a sign byte).
 """
 
 from __future__ import annotations
