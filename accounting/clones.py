@@ -665,7 +665,7 @@ def _loss_support(eps0: float, n: int, variant: str, pessimistic: bool):
       loss (rounding up), mass above to infinity; optimistic -> mass below dropped, mass above to the
       highest kept loss (rounding down).
 
-    Returns ``(losses, probs, infinity_mass)`` as float arrays (not yet on a grid).
+    Returns ``(losses, probs, infinity_mass)`` as float arrays sorted by loss (not yet on a grid).
     """
     w, _, _ = _params(eps0, variant)
     c, pmf, lo_tail, hi_tail = _c_distribution(n, eps0, variant, PLD_WINDOW_DROP)
@@ -728,7 +728,10 @@ def _loss_support(eps0: float, n: int, variant: str, pessimistic: bool):
         probs *= mass[:, None]
         all_l.append(losses[valid])
         all_p.append(probs[valid])
-    return np.concatenate(all_l), np.concatenate(all_p), float(infinity)
+    losses = np.concatenate(all_l)
+    probs = np.concatenate(all_p)
+    order = np.argsort(losses, kind="stable")  # sorted once here, cached; later sorts are linear
+    return losses[order], probs[order], float(infinity)
 
 
 def clone_loss_moments(eps0: float, n: int, variant: Variant = "stronger") -> tuple[float, float]:

@@ -317,6 +317,41 @@ def perf_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: in
     return "\n".join(parts)
 
 
+def core_breakdown(keys: Keys, cfg: Path, envs: EnvelopeFile, round_id: int, digest: bytes) -> str:
+    """The same batch through the transport-free core in this process: time of add() (open, verify, stage)
+    versus finish() (output digest over the whole batch, fsync, rename, sign, journal append)."""
+    from shuffler.config import load_config
+    from shuffler.core import Header
+    from shuffler.service import core_from_config
+
+    core = core_from_config(load_config(cfg))
+    try:
+        b = core.begin(Header(protocol_version=1, key_epoch=0, round_id=round_id, model_digest=digest,
+                              expected_count=envs.count))
+        read = 0.0
+        t_add = 0.0
+        c0 = time.process_time()
+        it = iter(envs)
+        for _ in range(envs.count):
+            t = time.perf_counter()
+            e = next(it)
+            t2 = time.perf_counter()
+            b.add(e)
+            t_add += time.perf_counter() - t2
+            read += t2 - t
+        c1 = time.process_time()
+        t = time.perf_counter()
+        sealed = b.finish()
+        t_fin = time.perf_counter() - t
+        c2 = time.process_time()
+    finally:
+        core.close()
+    total = envs.count * envs.length / MB
+    return (f"core only (no gRPC), {envs.count} x {envs.length} B: add() {t_add:.2f}s wall / {c1 - c0:.2f} CPU-s "
+            f"({total / t_add:,.0f} MB/s), finish() {t_fin:.2f}s wall / {c2 - c1:.2f} CPU-s; "
+            f"batch {sealed.batch_id.hex()[:8]} sealed")
+
+
 def fmt_bytes(b: float) -> str:
     return f"{b / 2**20:,.0f} MiB"
 
@@ -329,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where keys, envelopes and the journal go (default: a tempdir)")
     ap.add_argument("--baseline", action="store_true", help="also time plain gRPC streaming to a sink")
     ap.add_argument("--strace", action="store_true", help="strace -c the shuffler during one extra run per size")
+    ap.add_argument("--core-breakdown", action="store_true",
+                    help="also push one batch per size through the in-process core (no gRPC): add() vs finish()")
     ap.add_argument("--perf", action="store_true", help="perf record the shuffler during one extra run per size")
     ap.add_argument("--malloc-tuning", action="store_true",
                     help="start the shuffler with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised so that glibc "
@@ -376,6 +413,13 @@ def main(argv: list[str] | None = None) -> int:
                     tb = baseline(keys, envs, max_msg, work)
                     extra.append(f"baseline plain gRPC mTLS client-stream to a sink, {size} B payloads: "
                                  f"{envs.count * envs.length / MB / tb:,.0f} MB/s ({tb:.2f}s)")
+                if ns.core_breakdown:
+                    round_id += 1
+                    envs = seal_round(keys, work / "envelopes.bin", ns.reports, size, round_id, digest)
+                    core_cfg = write_config(keys, work / f"core-{size}.toml", work / f"core-journal-{size}",
+                                            k=min(10, ns.reports), max_envelope=max_env, max_reports=ns.reports)
+                    extra.append(core_breakdown(keys, core_cfg, envs, round_id, digest))
+                    shutil.rmtree(work / f"core-journal-{size}", ignore_errors=True)
                 if ns.perf:
                     round_id += 1
                     envs = seal_round(keys, work / "envelopes.bin", ns.reports, size, round_id, digest)

@@ -72,6 +72,9 @@ def test_local_deployment_three_nodes_two_rounds(tmp_path: Path) -> None:
     assert [row["round"] for row in timing] == [1, 2] and all(row["wall"] > 0 for row in timing)
     # the ServerApp's own per-phase clock was merged in; the collect phase contains the slowest client
     assert all(row["server-collect"] + 0.5 >= row["client"] > 0 and row["server-shuffle"] >= 0 for row in timing)
+    # the run config (sent to every SuperNode) names key files by path and holds no key material
+    run_config = (work / "run-config.toml").read_text()
+    assert "PRIVATE KEY" not in run_config and "shuffler-client-key" in run_config
     # nothing the deployment started is left running
     assert _wait_gone(str(work)) == []
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import struct
 from pathlib import Path
@@ -90,6 +91,24 @@ def envelope_enc(envelope: bytes) -> bytes:
 
 def open_all(kit: Any, inners: list[bytes], round_id: int) -> list[bytes]:
     return [open_inner(x, server_private_key=kit.server_sk, key_epoch=kit.key_epoch, round_id=round_id) for x in inners]
+
+
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """Read-only parse of ``journal.log`` (``"SJR1" || len:u32 || SHA-256(body) || body``), complete records only.
+
+    Unlike ``shuffler.journal.Journal`` this never truncates a torn tail or deletes orphans, so it is safe to
+    call while the service runs."""
+    data = path.read_bytes()
+    out: list[dict[str, Any]] = []
+    pos = 0
+    while pos + 40 <= len(data):
+        magic, length = data[pos : pos + 4], int.from_bytes(data[pos + 4 : pos + 8], "big")
+        body = data[pos + 40 : pos + 40 + length]
+        if magic != b"SJR1" or len(body) != length or hashlib.sha256(body).digest() != data[pos + 8 : pos + 40]:
+            break
+        out.append(json.loads(body))
+        pos += 40 + length
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- service

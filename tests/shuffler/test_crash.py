@@ -24,7 +24,6 @@ from shuffler import shuffler_pb2 as pb
 from shuffler.client import ShufflerError
 from shuffler.core import Header
 from shuffler.config import load_config
-from shuffler.journal import Journal
 from shuffler.process import ShufflerStartError
 from shuffler.service import core_from_config
 
@@ -37,6 +36,7 @@ from ._fixtures_adv import (  # noqa: TID252
     open_all,
     process,
     raw_channel,
+    read_journal,
     write_service_config,
 )
 
@@ -82,7 +82,7 @@ def _crash_and_restart(p: Any) -> None:
 
 
 def _sealed_records(p: Any) -> list[dict]:
-    return [r for r in Journal(_journal_dir(p)).records if r.get("type") == "batch"]
+    return [r for r in read_journal(_journal_dir(p) / "journal.log") if r.get("type") == "batch"]
 
 
 def test_kill_after_ack_before_fetch_serves_the_attested_bytes(kit, shuffler) -> None:
@@ -128,7 +128,7 @@ def test_kill_mid_fetch_then_fetch_again_is_identical(kit, shuffler) -> None:
         with pytest.raises(ShufflerError) as info:
             for _ in stream:
                 got += 1
-        print("items after kill", got)
+        assert got < 8  # the stream broke before the end: the kill really landed mid-fetch
         assert info.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
     shuffler.start()
     full = _fetch(kit, shuffler, att)
@@ -228,7 +228,6 @@ def test_kill_around_the_commit_is_exactly_once(kit, shuffler) -> None:
     t0 = time.monotonic()
     _submit(kit, shuffler, warm, 50)
     duration = time.monotonic() - t0
-    outcomes = []
     for j, fraction in enumerate(KILL_FRACTIONS):
         r = 60 + j
         envs, payloads = _honest(kit, r, n=6, size=size)
@@ -251,7 +250,6 @@ def test_kill_around_the_commit_is_exactly_once(kit, shuffler) -> None:
         shuffler.start()
         att = _submit(kit, shuffler, envs, r)  # the server's retry after a lost (or received) acknowledgement
         records = [x for x in _sealed_records(shuffler) if x["round_id"] == r]
-        outcomes.append(("acked" if "att" in acked else "lost", records[0]["batch_id"] == att.batch_id.hex()))
         if "att" in acked:
             assert att.batch_id == acked["att"].batch_id and att.statement == acked["att"].statement
         assert len(records) == 1 and records[0]["batch_id"] == att.batch_id.hex()
@@ -259,7 +257,6 @@ def test_kill_around_the_commit_is_exactly_once(kit, shuffler) -> None:
         assert Counter(open_all(kit, out, r)) == Counter(payloads) and len(out) == 6
     jdir = _journal_dir(shuffler)
     assert sorted(p.name for p in (jdir / "batches").iterdir()) == sorted(x["output"] for x in _sealed_records(shuffler))
-    print("kill outcomes:", outcomes)
 
 
 TORN_TAILS = {
