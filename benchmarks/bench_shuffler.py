@@ -44,7 +44,7 @@ from pathlib import Path
 
 from shuffler import keys as keyfiles
 from shuffler.client import ShufflerClient
-from shuffler.envelope import ENVELOPE_OVERHEAD, INNER_OVERHEAD, model_digest, seal
+from shuffler.envelope import ENVELOPE_OVERHEAD, model_digest, seal
 from shuffler.process import ShufflerProcess
 
 MB = 1_000_000
@@ -263,7 +263,8 @@ def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path) -> flo
                 raise RuntimeError("baseline server did not start")
             time.sleep(0.05)
         port = int(port_file.read_text())
-        creds = grpc.ssl_channel_credentials(root_certificates=keys.ca, private_key=keys.key, certificate_chain=keys.cert)
+        creds = grpc.ssl_channel_credentials(root_certificates=keys.ca, private_key=keys.key,
+                                             certificate_chain=keys.cert)
         with grpc.secure_channel(f"127.0.0.1:{port}", creds,
                                  options=[("grpc.max_send_message_length", max_msg + 1024)]) as ch:
             stub = pb_grpc.ShufflerStub(ch)
@@ -310,7 +311,8 @@ def perf_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: in
         rec.wait(60)
     parts = []
     for sort in ("dso", "dso,symbol"):
-        r = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", sort, "--stdio", "-g", "none"],
+        r = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", sort, "--stdio",
+                            "-g", "none"],
                            capture_output=True, text=True, timeout=120)
         lines = [ln.rstrip() for ln in r.stdout.splitlines() if "%" in ln and not ln.lstrip().startswith("#")]
         parts.append(f"perf self time by {sort}:\n" + "\n".join(lines[:15]))
@@ -392,12 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for size in sizes:
             journal = work / f"journal-{size}"
-            cfg = write_config(keys, work / f"shuffler-{size}.toml", journal, k=min(10, ns.reports), max_envelope=max_env,
+            cfg = write_config(keys, work / f"shuffler-{size}.toml", journal, k=min(10, ns.reports),
+                               max_envelope=max_env,
                                max_reports=max(ns.reports, 1))
             proc = ShufflerProcess(cfg, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key)
             proc.start()
             try:
-                print(f"# shuffler pid {proc.pid} at {proc.address}; idle VmHWM {fmt_bytes(vm_hwm(proc.pid))}", flush=True)
+                print(f"# shuffler pid {proc.pid} at {proc.address}; idle VmHWM {fmt_bytes(vm_hwm(proc.pid))}",
+                      flush=True)
                 for rep in range(ns.repeat):
                     round_id += 1
                     t = time.perf_counter()
@@ -454,14 +458,18 @@ def main(argv: list[str] | None = None) -> int:
             tt = pick([r.t_submit + r.t_fetch for r in rs])
             r0 = rs[0]
             print(
-                f"| {size // 1024} KiB ({label}) | {r0.n} | {ts:.2f} | {r0.n / ts:,.0f} | {r0.env_bytes / MB / ts:,.0f} | "
+                f"| {size // 1024} KiB ({label}) | {r0.n} | {ts:.2f} | {r0.n / ts:,.0f} | "
+                f"{r0.env_bytes / MB / ts:,.0f} | "
                 f"{tf:.2f} | {r0.inner_bytes / MB / tf:,.0f} | {tt:.2f} | {r0.env_bytes / MB / tt:,.0f} | "
-                f"{fmt_bytes(max(r.shuffler_hwm_submit for r in rs))} / {fmt_bytes(max(r.shuffler_hwm_fetch for r in rs))} | "
-                f"{fmt_bytes(max(r.client_hwm_submit for r in rs))} / {fmt_bytes(max(r.client_hwm_fetch for r in rs))} |"
+                f"{fmt_bytes(max(r.shuffler_hwm_submit for r in rs))} / "
+                f"{fmt_bytes(max(r.shuffler_hwm_fetch for r in rs))} | "
+                f"{fmt_bytes(max(r.client_hwm_submit for r in rs))} / "
+                f"{fmt_bytes(max(r.client_hwm_fetch for r in rs))} |"
             )
     print()
     print("CPU seconds per phase (median over runs; less sensitive than wall time to other load on the machine):")
-    print("| payload | shuffler submit | shuffler fetch | client submit | client fetch | shuffler MB per CPU-s (submit) |")
+    print("| payload | shuffler submit | shuffler fetch | client submit | client fetch | "
+          "shuffler MB per CPU-s (submit) |")
     print("|---|---|---|---|---|---|")
     for size in sizes:
         rs = [r for r in rows if r.size == size]

@@ -417,6 +417,12 @@ class RoundEngine:
             self.on_round(outcome)
         return outcome
 
+    def _would_exceed(self, event: ShuffleRound) -> bool:
+        """The budget test of the default family (an upper bound); an infinite budget is never exceeded."""
+        if math.isinf(self.cfg.budget_epsilon):
+            return False
+        return bool(self.accountant.would_exceed(event, self.cfg.budget_epsilon))
+
     def _epsilon_value(self) -> float:
         return float(self.accountant.epsilon().value)
 
@@ -444,7 +450,8 @@ class RoundEngine:
             return self._finish(out)
 
         # Budget, best case for this round (every sampled node reports): if even that exceeds, stop now.
-        if self.accountant.would_exceed(ShuffleRound(n=len(sampled), eps0=cfg.eps0), cfg.budget_epsilon):
+        best_case = ShuffleRound(n=len(sampled), eps0=cfg.eps0)
+        if self._would_exceed(best_case):
             out.status = "stopped"
             out.reason = (
                 f"round {round_id} would exceed the privacy budget epsilon={cfg.budget_epsilon:g} at "
@@ -454,6 +461,8 @@ class RoundEngine:
             self.stopped = out
             return self._finish(out, save=False)
 
+        t_budget = time.perf_counter()
+        out.seconds["budget"] = t_budget - t0
         # From here on the round id is used, whatever happens.
         self.store.mark_started(round_id)
         sent_arrays = [np.array(a, copy=True) for a in self.arrays]
@@ -468,7 +477,7 @@ class RoundEngine:
         out.n_malformed_replies = counts["malformed"] + counts["duplicates"]
         out.n_envelopes = len(envelopes)
         t1 = time.perf_counter()
-        out.seconds["collect"] = t1 - t0
+        out.seconds["collect"] = t1 - t_budget
         if len(envelopes) < cfg.min_reports:
             out.reason = (
                 f"{len(envelopes)} envelopes arrived ({counts['errors']} error replies, {counts['malformed']} "
@@ -499,7 +508,7 @@ class RoundEngine:
             )
             return self._finish(out)
         event = ShuffleRound(n=n_attested, eps0=cfg.eps0)
-        if self.accountant.would_exceed(event, cfg.budget_epsilon):
+        if event != best_case and self._would_exceed(event):
             out.status = "stopped"
             out.reason = (
                 f"round {round_id} with the attested n={n_attested} would exceed the privacy budget "

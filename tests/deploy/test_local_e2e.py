@@ -92,7 +92,21 @@ def test_process_isolation_as_in_the_compose_file(tmp_path: Path) -> None:
     assert _wait_gone(str(work)) == []
 
 
-def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+def test_failure_after_start_stops_every_process(tmp_path: Path) -> None:
+    """The SuperLink is up when the shuffler fails to start (a corrupt key): the error names the step and the
+    SuperLink is stopped."""
+    keys = dc.create_deploy_keys(tmp_path / "keys", 2, k=2)
+    hpke = keys.root / "shuffler" / "hpke.key"
+    hpke.write_bytes(b"-----BEGIN PRIVATE KEY-----\nbroken\n-----END PRIVATE KEY-----\n")
+    work = tmp_path / "work"
+    with pytest.raises(dc.DeployError, match="the shuffler service did not start"):
+        dc.run_local(dc.LocalDeployment(nodes=2, rounds=1, workdir=work, keys_dir=keys.root))
+    assert "Uvicorn running on" in (work / "logs" / "superlink.log").read_text()  # it had started
+    assert _wait_gone(str(work)) == [] and _wait_gone(str(keys.root)) == []
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_and_sigterm_stop_every_process(tmp_path: Path, sig: signal.Signals, code: int) -> None:
     work = tmp_path / "work"
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "deploy", "local", "--nodes", "2", "--rounds", "1",
                              "--workdir", str(work)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -104,11 +118,11 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the deployment did not come up"
             time.sleep(0.2)
         assert len(_processes_mentioning(str(work))) >= 3  # SuperLink and two SuperNodes at least
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
+    assert proc.returncode == code, err
     assert "every process was stopped" in err
     assert _wait_gone(str(work)) == []

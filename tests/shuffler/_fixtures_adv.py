@@ -148,11 +148,15 @@ def write_service_config(
 
 
 def process(kit: Any, config: Path, **kw: Any) -> ShufflerProcess:
-    return ShufflerProcess(config, root_certificate=kit.ca, client_certificate=kit.app_cert, client_key=kit.app_key, **kw)
+    return ShufflerProcess(
+        config, root_certificate=kit.ca, client_certificate=kit.app_cert, client_key=kit.app_key, **kw
+    )
 
 
 def raw_channel(kit: Any, address: str, *, max_bytes: int = 8 << 20) -> grpc.Channel:
-    creds = grpc.ssl_channel_credentials(root_certificates=kit.ca, private_key=kit.app_key, certificate_chain=kit.app_cert)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=kit.ca, private_key=kit.app_key, certificate_chain=kit.app_cert
+    )
     return grpc.secure_channel(
         address,
         creds,

@@ -256,7 +256,8 @@ def test_kill_around_the_commit_is_exactly_once(kit, shuffler) -> None:
         out = _fetch(kit, shuffler, att)
         assert Counter(open_all(kit, out, r)) == Counter(payloads) and len(out) == 6
     jdir = _journal_dir(shuffler)
-    assert sorted(p.name for p in (jdir / "batches").iterdir()) == sorted(x["output"] for x in _sealed_records(shuffler))
+    outputs = sorted(x["output"] for x in _sealed_records(shuffler))
+    assert sorted(p.name for p in (jdir / "batches").iterdir()) == outputs
 
 
 TORN_TAILS = {

@@ -40,7 +40,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 from scipy import stats
@@ -48,7 +47,7 @@ from scipy import stats
 import shuffler
 from shuffler import shuffler_pb2 as pb
 from shuffler.attestation import DROP_REASONS
-from shuffler.core import Header, ShufflerCore
+from shuffler.core import ShufflerCore
 from shuffler.envelope import open_outer
 
 from ._fixtures_adv import (  # noqa: TID252
@@ -372,7 +371,8 @@ def test_logs_name_no_client_and_do_not_depend_on_the_permutation(kit, running, 
         for rec in caplog.records:
             msg = rec.getMessage()
             _assert_log_clean(msg, kit, leaks)
-            lines.append(f"{rec.name}:{rec.levelname}:{msg}".replace(str(r), "<round>").replace(att.batch_id.hex(), "<id>"))
+            line = f"{rec.name}:{rec.levelname}:{msg}"
+            lines.append(line.replace(str(r), "<round>").replace(att.batch_id.hex(), "<id>"))
         per_batch.append(lines)
     assert any("sealed" in line for line in per_batch[0]), per_batch[0]  # the log did see the batch
     assert len({tuple(o) for o in orders}) > 1, "three identical permutations: cannot check independence"
