@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per size (medians are reported)")
     args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # tiny models: a thread pool only adds contention (the simulation's actors use 1 too)
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-rounds-") as tmp:

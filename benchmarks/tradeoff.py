@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clip", type=float, default=float(DEFAULTS["clip-l1"]))
     parser.add_argument("--delta", type=float, default=float(DEFAULTS["target-delta"]))
     args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # tiny models: a thread pool only adds contention (the simulation's actors use 1 too)
     rows = []
     for eps0 in [*args.eps0, None]:
         t0 = time.perf_counter()

@@ -238,7 +238,6 @@ class RoundEngine:
         store: CheckpointStore,
         node_wait: float = 0.0,
         on_round: Callable[[RoundOutcome], None] | None = None,
-        message_factory: Callable[..., Any] | None = None,
     ) -> None:
         self.cfg = config
         self.grid = grid
@@ -249,7 +248,7 @@ class RoundEngine:
         self.store = store
         self.node_wait = float(node_wait)
         self.on_round = on_round
-        self._message_factory = message_factory
+        self._settled = False
         self._rng = secrets.SystemRandom()
         self.arrays: list[np.ndarray] = [np.array(a, copy=True) for a in initial_arrays]
         if not self.arrays:
@@ -401,12 +400,24 @@ class RoundEngine:
         return msgs
 
     def _connected_nodes(self) -> list[int]:
+        """The connected nodes; waits up to ``node_wait`` s for at least ``min-reports`` of them.
+
+        Before the first round of a process it also waits (within ``node_wait``) until the count has been stable
+        for a moment: Flower registers simulated nodes progressively, and a first round sent to the first 1,000
+        of 1,437 nodes would leave the others out of it.
+        """
         deadline = time.monotonic() + self.node_wait
+        settle = 0.0 if self._settled else min(3.0, self.node_wait)
+        last_count, stable_since = -1, time.monotonic()
         while True:
             nodes = sorted(set(int(n) for n in self.grid.get_node_ids()))
-            if len(nodes) >= self.cfg.min_reports or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if len(nodes) != last_count:
+                last_count, stable_since = len(nodes), now
+            if (len(nodes) >= self.cfg.min_reports and now - stable_since >= settle) or now >= deadline:
+                self._settled = True
                 return nodes
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(0.5, max(0.0, deadline - now)))
 
     def _finish(self, outcome: RoundOutcome, *, save: bool = True) -> RoundOutcome:
         self.history.append(outcome)

@@ -4,7 +4,9 @@ Statement: canonical JSON (sorted keys, no spaces), UTF-8::
 
     {"format": "shuffledp-attestation/v1", "batch_id": hex16, "protocol_version": 1, "key_epoch": E,
      "round_id": R, "model_digest": hex32, "k": k, "n_received": N, "n_accepted": A, "inner_length": L,
-     "output_digest": hex32, "dropped": {reason: count, ...}}
+     "output_digest": hex32, "dropped": {reason: count, ...}, "envelope_length": B}
+
+``envelope_length`` is the length announced in the submit header (0 if none; absent in older statements).
 
 Signature: Ed25519 (RFC 8032) by the shuffler's signing key over ``"shuffledp/attestation/v1" || statement``.
 A verifier checks the signature over the bytes it received and only then parses them.
@@ -51,6 +53,7 @@ DROP_REASONS: tuple[str, ...] = (
     "unknown_signer",  # signer key not in the enrolment file
     "duplicate_signer",  # a second report from the same enrolled client in this round
     "replay",  # HPKE enc or report id seen before in this key epoch
+    "wrong_length",  # not the envelope length announced in the submit header
 )
 
 
@@ -91,6 +94,7 @@ class Attestation:
     dropped: Mapping[str, int] = field(default_factory=dict)
     statement: bytes = b""
     signature: bytes = b""
+    envelope_length: int = 0  # the envelope length announced in the submit header (0: none, legacy)
 
     @staticmethod
     def build_statement(
@@ -106,6 +110,7 @@ class Attestation:
         inner_length: int,
         output_digest: bytes,
         dropped: Mapping[str, int],
+        envelope_length: int = 0,
     ) -> bytes:
         doc = {
             "format": ATTESTATION_FORMAT,
@@ -120,6 +125,7 @@ class Attestation:
             "inner_length": inner_length,
             "output_digest": output_digest.hex(),
             "dropped": {r: int(dropped.get(r, 0)) for r in DROP_REASONS},
+            "envelope_length": int(envelope_length),
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -152,6 +158,7 @@ class Attestation:
                 dropped={str(r): int(c) for r, c in doc["dropped"].items()},
                 statement=bytes(statement),
                 signature=bytes(signature),
+                envelope_length=int(doc.get("envelope_length", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, AttestationError):

@@ -18,12 +18,14 @@ Refusals raise :class:`Refused` with a ``code`` the gRPC layer maps to a status 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
 import secrets
 import struct
 import threading
+from array import array
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ from cryptography.hazmat.primitives.asymmetric import x25519
 
 from shuffler import envelope as env
 from shuffler.attestation import DROP_REASONS, Attestation, OutputDigest, sign_statement
-from shuffler.journal import Journal, fsync_dir
+from shuffler.journal import Journal, JournalFailed, JournalWriteError, fsync_dir
 
 __all__ = ["CoreConfig", "Header", "Refused", "SealedBatch", "ShufflerCore", "BatchBuilder"]
 
@@ -48,7 +50,17 @@ REFUSAL_CODES = (
     "resource_exhausted",
     "not_found",
     "permission_denied",
+    "unavailable",
 )
+
+#: Hard cap on max_batch_reports (the permutation and the replay tags of a batch are held in memory).
+MAX_BATCH_REPORTS_CAP = 1_000_000
+#: Free space that must remain after a staging file is allocated, for the journal's commit records: a fixed
+#: part plus a per-report part (each accepted report adds two hex replay tags, ~100 bytes, to its record).
+JOURNAL_HEADROOM_BYTES = 64 * 1024 * 1024
+JOURNAL_HEADROOM_PER_REPORT = 256
+_ZERO_CHUNK = 1 << 20
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class Refused(Exception):
@@ -84,8 +96,14 @@ class CoreConfig:
             raise ValueError(
                 f"max_envelope_bytes must be an int >= {env.ENVELOPE_OVERHEAD}, got {self.max_envelope_bytes!r}"
             )
-        if not isinstance(self.max_batch_reports, int) or self.max_batch_reports < 1:
-            raise ValueError(f"max_batch_reports must be an int >= 1, got {self.max_batch_reports!r}")
+        if (
+            isinstance(self.max_batch_reports, bool)
+            or not isinstance(self.max_batch_reports, int)
+            or not 1 <= self.max_batch_reports <= MAX_BATCH_REPORTS_CAP
+        ):
+            raise ValueError(
+                f"max_batch_reports must be an int in [1, {MAX_BATCH_REPORTS_CAP}], got {self.max_batch_reports!r}"
+            )
         if len(self.hpke_private_key) != 32 or len(self.signing_private_key) != 32:
             raise ValueError("hpke_private_key and signing_private_key must be 32 raw bytes each")
         if not self.enrolment:
@@ -98,13 +116,18 @@ class CoreConfig:
 
 @dataclass(frozen=True)
 class Header:
-    """The submit header: the binding and the number of envelopes that follow."""
+    """The submit header: the binding and the number of envelopes that follow.
+
+    ``envelope_length`` (0 = not given, legacy) is the length every envelope of the round has; an envelope of
+    another length is then a counted drop (``wrong_length``) instead of refusing the whole batch.
+    """
 
     protocol_version: int
     key_epoch: int
     round_id: int
     model_digest: bytes
     expected_count: int
+    envelope_length: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +167,8 @@ def _request_digest(header: Header, envelope_hashes: list[bytes]) -> bytes:
         struct.pack(">BIQI", header.protocol_version, header.key_epoch, header.round_id, header.expected_count)
     )
     h.update(header.model_digest)
+    if header.envelope_length:  # absent from legacy digests, so they stay valid
+        h.update(struct.pack(">Q", header.envelope_length))
     for eh in sorted(envelope_hashes):
         h.update(eh)
     return h.digest()
@@ -157,7 +182,10 @@ class ShufflerCore:
         self._by_key = {bytes(pk): cid for cid, pk in config.enrolment.items()}
         self._hpke_sk = x25519.X25519PrivateKey.from_private_bytes(config.hpke_private_key)
         self._lock = threading.Lock()
+        self._alloc_lock = threading.Lock()
         self.journal = Journal(config.journal_dir)
+        #: called (no arguments) once if the journal fails for good; the service turns health NOT_SERVING
+        self.on_unhealthy: list[Any] = []
         self._sealed: dict[bytes, SealedBatch] = {}
         self._by_binding: dict[tuple[int, int], SealedBatch] = {}
         self._seen_enc: dict[int, set[bytes]] = {}
@@ -196,6 +224,19 @@ class ShufflerCore:
         for reason, count in dropped.items():
             self.counters[f"dropped:{reason}"] += int(count)
 
+    @property
+    def healthy(self) -> bool:
+        """False once the journal failed for good (a failed append could not be rolled back)."""
+        return not self.journal.failed
+
+    def _mark_unhealthy(self) -> None:
+        log.error("journal failed for good: refusing all further submissions")
+        for cb in list(self.on_unhealthy):
+            try:
+                cb()
+            except Exception as exc:  # noqa: BLE001 - a hook must not hide the original failure
+                log.error("on_unhealthy hook failed (%s)", type(exc).__name__)
+
     # ----------------------------------------------------------------------------------------------- submit
     def begin(self, header: Header) -> "BatchBuilder":
         """Validate a submit header and start a batch. Raises :class:`Refused`."""
@@ -209,6 +250,8 @@ class ShufflerCore:
         return BatchBuilder(self, header, replay_only=(header.key_epoch, header.round_id) in self._by_binding)
 
     def _check_header(self, header: Header) -> None:
+        if not self.healthy:
+            raise Refused("unavailable", "journal_failed", "the shuffler's journal failed; it accepts no batches")
         if header.protocol_version != env.ENVELOPE_VERSION:
             raise Refused(
                 "invalid_argument",
@@ -241,6 +284,15 @@ class ShufflerCore:
                 "below_threshold",
                 f"expected_count {header.expected_count} is below the release threshold k = {self.config.k}",
             )
+        if header.envelope_length and not (
+            env.ENVELOPE_OVERHEAD <= header.envelope_length <= self.config.max_envelope_bytes
+        ):
+            raise Refused(
+                "invalid_argument",
+                "envelope_length",
+                f"envelope_length {header.envelope_length} is outside [{env.ENVELOPE_OVERHEAD}, "
+                f"{self.config.max_envelope_bytes}]",
+            )
 
     def _commit(self, builder: "BatchBuilder") -> SealedBatch:
         """Finalise the permuted output, sign, journal. Called with the staging file complete and checks passed.
@@ -257,34 +309,28 @@ class ShufflerCore:
         final = self.journal.batches_dir / out_name
         digest = OutputDigest()
         fd = builder.staging_fd
-        builder.wait_writeback()
+        source = builder.staging_path
+        if source is None or fd < 0:
+            raise RuntimeError("no staging file")
         occupied = sorted(builder.used_slots())  # output order = slot order
         builder.forget_permutation()
-        if len(occupied) == header.expected_count:  # no holes: the staging file is the output
-            for slot in occupied:
-                chunk = os.pread(fd, inner_length, slot * inner_length)
-                if len(chunk) != inner_length:
-                    raise RuntimeError("staging file is shorter than expected")
-                digest.update(chunk)
-            os.fsync(fd)
-            source = builder.staging_path
-        else:
-            source = self.journal.staging_dir / f".{out_name}.tmp"
-            with open(source, "wb") as out:
-                for slot in occupied:
-                    chunk = os.pread(fd, inner_length, slot * inner_length)
-                    if len(chunk) != inner_length:
-                        raise RuntimeError("staging file is shorter than expected")
-                    digest.update(chunk)
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
+        # Squeeze out the holes in place: the i-th occupied slot moves to position i <= slot, so a chunk is
+        # always read before anything is written over it. No second copy of the batch is needed on disk.
+        for i, slot in enumerate(occupied):
+            chunk = os.pread(fd, inner_length, slot * inner_length)
+            if len(chunk) != inner_length:
+                raise RuntimeError("staging file is shorter than expected")
+            digest.update(chunk)
+            if slot != i:
+                os.pwrite(fd, chunk, i * inner_length)
         del occupied
-        if source is None:
-            raise RuntimeError("no staging file")
-        os.chmod(source, 0o400)  # a sealed batch never changes
+        os.ftruncate(fd, n * inner_length)
+        os.fchmod(fd, 0o400)  # a sealed batch never changes
+        os.fsync(fd)  # data, size and mode durable before the rename
         os.replace(source, final)
+        builder.staging_path = None
         fsync_dir(self.journal.batches_dir)
+        fsync_dir(self.journal.staging_dir)
         dropped = {r: builder.drops.get(r, 0) for r in DROP_REASONS}
         statement = Attestation.build_statement(
             batch_id=batch_id,
@@ -298,6 +344,7 @@ class ShufflerCore:
             inner_length=inner_length,
             output_digest=digest.digest(),
             dropped=dropped,
+            envelope_length=header.envelope_length,
         )
         signature = sign_statement(statement, self.config.signing_private_key)
         encs = sorted(e.hex() for e in builder.encs)
@@ -318,7 +365,19 @@ class ShufflerCore:
             "replay_report_ids": rids,
             "dropped": dropped,
         }
-        self.journal.append(record)  # the commit point: durable before anyone is told
+        try:
+            self.journal.append(record)  # the commit point: durable before anyone is told
+        except JournalWriteError as exc:
+            # rolled back: nothing was committed and nobody was told, so the output is not a batch; remove it
+            final.unlink(missing_ok=True)
+            fsync_dir(self.journal.batches_dir)
+            if exc.errno in _DISK_FULL_ERRNOS:
+                raise Refused("resource_exhausted", "disk_full", "no space left to commit the batch") from None
+            raise
+        except JournalFailed:
+            # unknown state: keep the output (quarantined at the next start) and stop accepting batches
+            self._mark_unhealthy()
+            raise Refused("unavailable", "journal_failed", "the shuffler's journal failed; it accepts no batches") from None
         sb = SealedBatch(
             batch_id=batch_id,
             statement=statement,
@@ -382,17 +441,17 @@ class ShufflerCore:
 class BatchBuilder:
     """One submission in progress. Not thread-safe (one per stream).
 
-    Permute on arrival: at ``begin`` a uniformly random permutation ``perm`` of the ``expected_count`` slots is
-    drawn with ``secrets.SystemRandom`` (Fisher-Yates over ``os.urandom``), and the j-th *accepted* inner
-    ciphertext is written at slot ``perm[j]`` of the staging file. The output order is the slot order. If all
-    envelopes are accepted, the staging file is the output; otherwise the holes are squeezed out, and the
-    relative order of ``perm[0..m-1]`` is itself a uniform permutation of the m accepted reports. The
-    permutation exists only in memory and is dropped at seal time. Writing in place lets the file's writeback
-    (started in the background every ``_WRITEBACK_BYTES``) overlap with receiving, so the fsync before the
-    acknowledgement is short.
-    """
+    Permute on arrival: when the first report is accepted, a uniformly random permutation ``perm`` of the
+    ``expected_count`` slots is drawn (Fisher-Yates with ``secrets.randbelow``, over ``os.urandom``) and kept
+    compactly as an ``array('I')``; the j-th *accepted* inner ciphertext is written at slot ``perm[j]`` of the
+    staging file. The output order is the slot order. If some envelopes were dropped, the holes are squeezed
+    out at seal time, and the relative order of ``perm[0..m-1]`` is itself a uniform permutation of the m
+    accepted reports. The permutation exists only in memory and is dropped at seal time.
 
-    _WRITEBACK_BYTES = 64 * 1024 * 1024
+    Before the first write the staging file is allocated and zero-filled in offset order and synced once, so
+    the blocks that later receive reports were laid out before any report arrived; there is no periodic sync
+    during the batch, only the one before the commit.
+    """
 
     def __init__(self, core: ShufflerCore, header: Header, *, replay_only: bool) -> None:
         self.core = core
@@ -410,12 +469,8 @@ class BatchBuilder:
         self._done = False
         self.staging_fd = -1
         self.staging_path: Path | None = None
-        self._perm: list[int] | None = None
-        self._unsynced = 0
-        self._writeback: threading.Thread | None = None
+        self._perm: array | None = None
         if not replay_only:
-            self._perm = list(range(header.expected_count))
-            core._rng.shuffle(self._perm)
             self.staging_path = core.journal.staging_dir / f"{secrets.token_hex(16)}.stage"
             self.staging_fd = os.open(self.staging_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         self._opener = env.OuterOpener(
@@ -425,42 +480,65 @@ class BatchBuilder:
             model_digest=header.model_digest,
         )
 
+    @staticmethod
+    def draw_permutation(n: int) -> array:
+        """A uniformly random permutation of ``range(n)`` as ``array('I')``: Fisher-Yates over a CSPRNG."""
+        perm = array("I", range(n))
+        for i in range(n - 1, 0, -1):
+            j = secrets.randbelow(i + 1)
+            perm[i], perm[j] = perm[j], perm[i]
+        return perm
+
     def used_slots(self) -> list[int]:
         if self._perm is None:
-            raise RuntimeError("no permutation (replay-only builder or already sealed)")
-        return self._perm[: self.n_accepted]
+            raise RuntimeError("no permutation (replay-only builder, nothing accepted, or already sealed)")
+        return list(self._perm[: self.n_accepted])
 
     def forget_permutation(self) -> None:
         self._perm = None
 
-    def _preallocate(self) -> None:
-        """Allocate the whole staging file before the first write.
+    def wait_writeback(self) -> None:
+        """Kept for compatibility: there is no background writeback any more."""
 
-        Without this, the filesystem would allocate disk blocks in write (arrival) order while the logical
-        offsets are in output order, and the physical layout of the file would record the permutation.
-        Allocating everything up front also fails early, and clearly, when the disk cannot hold the batch.
+    def _preallocate(self) -> None:
+        """Check free space, allocate and zero-fill the whole staging file before the first report is written.
+
+        The free-space check keeps a reserve for the journal, so that concurrent batches cannot fill the disk
+        and make a commit record fail. Zero-filling in offset order (with one sync) fixes the physical layout
+        before any report arrives; without it the filesystem could allocate or convert blocks in arrival order,
+        and the layout would record the permutation.
         """
         size = self.header.expected_count * self.inner_length
+        need = size + JOURNAL_HEADROOM_BYTES + JOURNAL_HEADROOM_PER_REPORT * self.header.expected_count
+        with self.core._alloc_lock:  # check and reserve atomically with respect to other batches
+            st = os.statvfs(self.core.journal.staging_dir)
+            free = st.f_bavail * st.f_frsize
+            if free < need:
+                raise Refused(
+                    "resource_exhausted",
+                    "disk_full",
+                    f"a batch of {self.header.expected_count} reports needs {need} bytes with the journal "
+                    f"reserve; {free} are free",
+                )
+            try:
+                os.posix_fallocate(self.staging_fd, 0, size)
+            except OSError as exc:
+                raise Refused(
+                    "resource_exhausted",
+                    "disk_full",
+                    f"cannot allocate {size} bytes for a batch of {self.header.expected_count} reports: "
+                    f"{exc.strerror}",
+                ) from None
+        zeros = bytes(min(_ZERO_CHUNK, size))
+        pos = 0
         try:
-            os.posix_fallocate(self.staging_fd, 0, size)
+            while pos < size:
+                pos += os.pwrite(self.staging_fd, memoryview(zeros)[: min(len(zeros), size - pos)], pos)
+            os.fdatasync(self.staging_fd)
         except OSError as exc:
             raise Refused(
-                "resource_exhausted",
-                "disk_full",
-                f"cannot allocate {size} bytes for a batch of {self.header.expected_count} reports: {exc.strerror}",
+                "resource_exhausted", "disk_full", f"cannot write the staging file: {exc.strerror}"
             ) from None
-
-    def _start_writeback(self) -> None:
-        if self._writeback is not None and self._writeback.is_alive():
-            return
-        fd = self.staging_fd
-        self._writeback = threading.Thread(target=os.fdatasync, args=(fd,), daemon=True)
-        self._writeback.start()
-
-    def wait_writeback(self) -> None:
-        if self._writeback is not None:
-            self._writeback.join()
-            self._writeback = None
 
     def request_digest(self) -> bytes:
         return _request_digest(self.header, self._envelope_hashes)
@@ -472,6 +550,10 @@ class BatchBuilder:
         cfg = self.core.config
         self.received += 1
         if self.received > self.header.expected_count:
+            with self.core._lock:
+                self.core.counters["batches_refused"] += 1
+            log.info("batch refused: count_mismatch")
+            self.abort()
             raise Refused(
                 "invalid_argument",
                 "count_mismatch",
@@ -482,6 +564,9 @@ class BatchBuilder:
             return
         if len(envelope) > cfg.max_envelope_bytes:
             self.drops["oversized"] += 1
+            return
+        if self.header.envelope_length and len(envelope) != self.header.envelope_length:
+            self.drops["wrong_length"] += 1
             return
         try:
             report = self._opener.open(envelope)
@@ -511,17 +596,18 @@ class BatchBuilder:
         if self.inner_length < 0:
             self.inner_length = len(inner)
             self._preallocate()
+            self._perm = self.draw_permutation(self.header.expected_count)  # allocated lazily
         if len(inner) == self.inner_length and self._perm is not None:
             # slots are fixed-size: the j-th accepted report goes to slot perm[j], at perm[j] * inner_length
             os.pwrite(self.staging_fd, inner, self._perm[self.n_accepted] * self.inner_length)
-            self._unsynced += len(inner)
-            if self._unsynced >= self._WRITEBACK_BYTES:
-                self._unsynced = 0
-                self._start_writeback()
         self.n_accepted += 1
 
     def finish(self) -> SealedBatch:
-        """Check the batch and seal it, or raise :class:`Refused`. Always releases the staging file."""
+        """Check the batch and seal it, or raise :class:`Refused`. Always releases the staging file.
+
+        Refusal messages carry the reason tag and public parameters only, never counts of what was accepted
+        (they would be a free probing oracle), and a refused batch's drops are not added to the counters.
+        """
         if self._done:
             raise RuntimeError("batch already finished")
         core = self.core
@@ -549,23 +635,20 @@ class BatchBuilder:
                     raise Refused(
                         "invalid_argument",
                         "mixed_lengths",
-                        f"accepted inner ciphertexts have {len(self._lengths)} different lengths; "
-                        "all reports in a batch must have the same length",
+                        "accepted inner ciphertexts differ in length; all reports in a batch must have the same "
+                        "length (announce envelope_length in the header to drop odd ones instead)",
                     )
-                n = self.n_accepted
-                if n < core.config.k:
+                if self.n_accepted < core.config.k:
                     raise Refused(
                         "failed_precondition",
                         "below_threshold",
-                        f"{n} distinct enrolled signers accepted; the release threshold is k = {core.config.k}",
+                        f"fewer distinct enrolled signers than the release threshold k = {core.config.k}",
                     )
                 return core._commit(self)
         except Refused as exc:
             with core._lock:
                 core.counters["batches_refused"] += 1
-                for reason, count in self.drops.items():
-                    core.counters[f"dropped:{reason}"] += count
-            log.info("batch refused: %s (received=%d, dropped=%d)", exc.reason, self.received, sum(self.drops.values()))
+            log.info("batch refused: %s", exc.reason)
             raise
         finally:
             self.abort()
@@ -574,13 +657,12 @@ class BatchBuilder:
         """Discard the staging file (idempotent)."""
         self._done = True
         self._perm = None
-        self.wait_writeback()
         if self.staging_fd >= 0:
             os.close(self.staging_fd)
             self.staging_fd = -1
         if self.staging_path is not None:
             try:
-                self.staging_path.unlink()  # already renamed away if the batch was sealed
+                self.staging_path.unlink()
             except FileNotFoundError:
                 pass
             self.staging_path = None

@@ -4,27 +4,37 @@ File ``journal.log`` is a sequence of records::
 
     "SJR1" || body_length:u32 || SHA-256(body):32B || body (UTF-8 JSON)
 
-A record is durable once :meth:`Journal.append` returns (write, flush, ``fsync``). On open, records are read
-in order; a final record that is incomplete or fails its checksum is a torn tail from a crash during the
-append: it is cut off (the file is truncated to the last good record) and reported in ``torn_bytes``. A bad
-record followed by further data is corruption, not a torn tail, and opening fails loudly.
+A record is durable once :meth:`Journal.append` returns. The record is written through an unbuffered file
+descriptor (an ``os.write`` loop) and ``fsync``ed. If the write or the fsync fails (disk full, I/O error),
+the file is truncated back to where the record started and fsynced again, so a failed append leaves nothing
+behind that could be committed later or make a later, acknowledged record look like a torn tail. If even the
+rollback fails, the journal marks itself ``failed`` and refuses every further append (the service then goes
+NOT_SERVING): an unknown tail must never be followed by an acknowledged record.
+
+On open, records are read in order. Only a last record that is *physically incomplete* (shorter than its
+header, or than the body length its header announces), or a tail of zero bytes, is a torn tail from a crash
+during the append: it is cut off and reported in ``torn_bytes``. A complete record whose checksum fails, a bad
+header, or any damage followed by further data is corruption, and opening fails loudly (:class:`JournalCorrupt`).
 
 Batch outputs live in ``batches/<batch_id>.out`` (written to a temporary name, fsynced, renamed, directory
-fsynced) before their commit record is appended; an output file without a commit record is an orphan from a
-crash and is deleted on open, as are leftover staging files.
+fsynced) before their commit record is appended. An output file without a commit record is moved to
+``quarantine/`` on open (never deleted: if it ever were an acknowledged batch, the operator can still recover
+it), and leftover staging files are removed.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import secrets
 import struct
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Journal", "JournalCorrupt", "fsync_dir"]
+__all__ = ["Journal", "JournalCorrupt", "JournalFailed", "JournalWriteError", "fsync_dir"]
 
 _MAGIC = b"SJR1"
 _HEAD = struct.Struct(">4sI32s")
@@ -33,7 +43,16 @@ log = logging.getLogger("shuffler.journal")
 
 
 class JournalCorrupt(RuntimeError):
-    """The journal has a damaged record before its end; refusing to guess."""
+    """The journal has a damaged record; refusing to guess."""
+
+
+class JournalWriteError(OSError):
+    """An append failed and was rolled back: the journal is exactly as before the call. ``errno`` is the
+    original error's."""
+
+
+class JournalFailed(RuntimeError):
+    """An append failed and could not be rolled back; the journal refuses all further appends."""
 
 
 def fsync_dir(path: Path) -> None:
@@ -52,13 +71,17 @@ class Journal:
         self.dir = Path(directory)
         self.batches_dir = self.dir / "batches"
         self.staging_dir = self.dir / "staging"
-        for d in (self.dir, self.batches_dir, self.staging_dir):
+        self.quarantine_dir = self.dir / "quarantine"
+        for d in (self.dir, self.batches_dir, self.staging_dir, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, 0o700)
         self.path = self.dir / "journal.log"
         self.torn_bytes = 0
+        self.failed = False
+        self.quarantined: list[str] = []
         self.records: list[dict[str, Any]] = self._recover()
-        self._fh = open(self.path, "ab")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self._size = os.fstat(self._fd).st_size
         self._clean_orphans()
 
     def _recover(self) -> list[dict[str, Any]]:
@@ -86,14 +109,15 @@ class Journal:
                 else:
                     body = data[pos + _HEAD.size : end]
                     if hashlib.sha256(body).digest() != digest:
-                        bad = "checksum mismatch"
+                        # a complete record cannot be the remains of an interrupted append
+                        raise JournalCorrupt(f"{self.path}: checksum mismatch in the complete record at byte {pos}")
                     else:
                         records.append(json.loads(body))
                         pos = end
                         continue
             # A damaged record is acceptable only as the very last thing in the file (a torn append).
             if not self._is_torn_tail(data, start):
-                raise JournalCorrupt(f"{self.path}: {bad} at byte {start} with further data after it")
+                raise JournalCorrupt(f"{self.path}: {bad} at byte {start} and it is not a torn tail (further data)")
             self.torn_bytes = len(data) - start
             log.warning("journal: ignoring a torn tail of %d bytes (%s)", self.torn_bytes, bad)
             with open(self.path, "r+b") as fh:
@@ -112,25 +136,64 @@ class Journal:
         magic, length, _ = _HEAD.unpack_from(tail, 0)
         if magic != _MAGIC:
             return not tail.strip(b"\0")  # a file extended with zeros by the filesystem after a crash
-        return _HEAD.size + length >= len(tail)
+        # a complete header with a plausible length, and fewer bytes than it announces: an interrupted append
+        return length <= _MAX_RECORD and _HEAD.size + length > len(tail)
 
     def _clean_orphans(self) -> None:
+        """Quarantine outputs without a commit record (never delete them); remove staging files."""
         committed = {r["output"] for r in self.records if r.get("type") == "batch"}
+        moved = False
         for p in self.batches_dir.iterdir():
             if p.name not in committed:
-                p.unlink()
+                dest = self.quarantine_dir / f"{p.name}.{secrets.token_hex(4)}"
+                os.replace(p, dest)
+                self.quarantined.append(dest.name)
+                moved = True
+        if moved:
+            fsync_dir(self.quarantine_dir)
+            fsync_dir(self.batches_dir)
+            log.warning("journal: moved %d output file(s) without a commit record to quarantine/", len(self.quarantined))
         for p in self.staging_dir.iterdir():
             p.unlink()
 
     def append(self, record: dict[str, Any]) -> None:
-        """Append one record and fsync it; durable when this returns."""
+        """Append one record and fsync it; durable when this returns.
+
+        Raises :class:`JournalWriteError` if the append failed and was rolled back (nothing of it remains), or
+        :class:`JournalFailed` if the rollback failed too or the journal had already failed.
+        """
+        if self.failed:
+            raise JournalFailed("the journal failed earlier and refuses further appends")
         body = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
         if len(body) > _MAX_RECORD:
             raise ValueError(f"journal record of {len(body)} bytes exceeds {_MAX_RECORD}")
-        self._fh.write(_HEAD.pack(_MAGIC, len(body), hashlib.sha256(body).digest()) + body)
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        data = memoryview(_HEAD.pack(_MAGIC, len(body), hashlib.sha256(body).digest()) + body)
+        start = self._size
+        try:
+            written = 0
+            while written < len(data):
+                n = os.write(self._fd, data[written:])
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "write made no progress")
+                written += n
+            os.fsync(self._fd)
+        except OSError as exc:
+            try:
+                os.ftruncate(self._fd, start)
+                os.fsync(self._fd)
+            except OSError as exc2:
+                self.failed = True
+                log.error("journal: an append failed (%s) and its rollback failed too (%s); refusing all "
+                          "further appends", exc.strerror, exc2.strerror)
+                raise JournalFailed(
+                    f"journal append failed ({exc.strerror}) and could not be rolled back ({exc2.strerror})"
+                ) from exc
+            log.error("journal: an append failed and was rolled back (%s)", exc.strerror)
+            raise JournalWriteError(exc.errno, f"journal append failed and was rolled back: {exc.strerror}") from exc
+        self._size = start + len(data)
         self.records.append(record)
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

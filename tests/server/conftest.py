@@ -27,6 +27,14 @@ N_CLIENTS = 12
 K = 8
 
 
+@pytest.fixture(autouse=True, scope="session")
+def single_torch_thread() -> None:
+    """Tiny models: torch's thread pool only adds contention on a 2-core machine (as in the simulation's actors)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def task_identity() -> Iterator[None]:
     """Flower's Message constructor needs the task identity that the ServerApp runtime sets."""

@@ -94,7 +94,8 @@ def test_killed_run_resumes_with_each_round_in_the_ledger_exactly_once(tmp_path:
 
     rounds = 4
     script = _CHILD.format(testdir=str(Path(__file__).parent), keys=str(keys.d.root), tmp=str(tmp_path), rounds=rounds)
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     ledger_path = tmp_path / "outputs" / "t" / "ledger.sqlite"
     deadline = time.monotonic() + 240
     killed_after = 0

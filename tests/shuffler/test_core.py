@@ -79,6 +79,7 @@ def test_failed_verification_is_dropped_and_counted_by_reason(core: ShufflerCore
         "bad_signature": 0,
         "duplicate_signer": 0,
         "replay": 0,
+        "wrong_length": 0,
     }
     assert sorted(_payloads(core, kit, sealed)) == sorted(kit.payload(i) for i in range(4))
     stats = core.stats()

@@ -377,3 +377,88 @@ def test_output_damaged_on_disk_is_never_served_as_good(kit, running) -> None:
         out.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
         with pytest.raises(AttestationError, match="output digest"):
             c.fetch_all(att)
+
+
+_FAILED_APPEND_SCRIPT = r"""
+import json, os, resource, signal, sys
+from pathlib import Path
+from shuffler.config import load_config
+from shuffler.core import Header
+from shuffler.service import core_from_config
+
+cfg_path, env_dir = sys.argv[1], Path(sys.argv[2])
+cfg = load_config(cfg_path)
+core = core_from_config(cfg)
+meta = json.loads((env_dir / "meta.json").read_text())
+
+def seal_round(r):
+    envs = [p.read_bytes() for p in sorted(env_dir.glob(f"r{r}-*.env"))]
+    b = core.begin(Header(protocol_version=1, key_epoch=meta["key_epoch"], round_id=r,
+                          model_digest=bytes.fromhex(meta["digest"]), expected_count=len(envs)))
+    for e in envs:
+        b.add(e)
+    return b.finish()
+
+a = seal_round(13)
+# B: the file-size limit cuts its journal record half-way (a short write, then EFBIG): a real failed append
+log = cfg.journal_dir / "journal.log"
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (log.stat().st_size + 500, hard))
+try:
+    seal_round(14)
+    b_failed = False
+except OSError:
+    b_failed = True
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+c = seal_round(15)  # acknowledged: finish() returned
+core.close()
+print(json.dumps({"a": a.batch_id.hex(), "c": c.batch_id.hex(), "b_failed": b_failed}))
+"""
+
+
+def test_a_failed_journal_append_does_not_cost_a_later_acknowledged_batch(kit, tmp_path: Path) -> None:
+    """Batch A is sealed; the commit of batch B fails half-way through writing its journal record (here a file
+    size limit: a short write, then EFBIG; in production a full disk or an I/O error); the service stays up and
+    seals batch C, which is acknowledged. After a restart the journal must open, and A and C must be there
+    with their outputs: an acknowledged commit may never be lost to, or blocked by, the debris of a failed one.
+    B itself may survive (its remaining bytes can reach the file with the next append), like a batch whose
+    acknowledgement was lost; then it must be whole, and an identical retry must get B's own attestation.
+
+    Runs the core in a child process, because the fault is injected with RLIMIT_FSIZE."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = write_service_config(kit, tmp_path / "shuffler.toml")
+    env_dir = tmp_path / "envelopes"
+    env_dir.mkdir()
+    b_envs = []
+    for r in (13, 14, 15):
+        for j, e in enumerate(_honest(kit, r)[0]):
+            (env_dir / f"r{r}-{j}.env").write_bytes(e)
+            if r == 14:
+                b_envs.append(e)
+    (env_dir / "meta.json").write_text(json.dumps({"key_epoch": kit.key_epoch, "digest": kit.digest.hex()}))
+    run = subprocess.run([sys.executable, "-c", _FAILED_APPEND_SCRIPT, str(cfg), str(env_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ids = json.loads(run.stdout.strip().splitlines()[-1])
+    assert ids["b_failed"], "the injected fault did not make B's commit fail"
+    recovered = core_from_config(load_config(cfg))  # raises JournalCorrupt if the debris sits mid-journal
+    try:
+        by_round = {sb.round_id: sb for sb in recovered._sealed.values()}
+        assert by_round[13].batch_id.hex() == ids["a"] and by_round[15].batch_id.hex() == ids["c"]
+        assert set(by_round) <= {13, 14, 15}
+        for sb in by_round.values():
+            assert len(list(recovered.read_batch(sb.batch_id))) == 6
+        b = recovered.begin(Header(protocol_version=1, key_epoch=kit.key_epoch, round_id=14,
+                                   model_digest=kit.digest, expected_count=len(b_envs)))
+        for e in b_envs:
+            b.add(e)
+        retry = b.finish()
+        if 14 in by_round:
+            assert retry.batch_id == by_round[14].batch_id and retry.statement == by_round[14].statement
+        assert len(list(recovered.read_batch(retry.batch_id))) == 6
+    finally:
+        recovered.close()
