@@ -582,7 +582,7 @@ def flower_env(flwr_home: Path, base: Mapping[str, str] | None = None) -> dict[s
 
 def start_superlink(group: ProcessGroup, keys: DeployKeys, state_dir: Path, base_env: Mapping[str, str],
                     log: Path, *, host: str = "127.0.0.1", port: int | None = None,
-                    ready_timeout: float = 60.0, isolation: str = "subprocess") -> str:
+                    ready_timeout: float = 120.0, isolation: str = "subprocess") -> str:
     """Start ``flower-superlink`` with TLS, ``--enable-supernode-auth`` and a file database; return host:port.
 
     ``isolation="subprocess"``: the SuperLink starts its own ServerApp executor, whose working directory is
@@ -645,7 +645,7 @@ def start_shuffler(keys: DeployKeys, log: Path) -> Any:
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = ShufflerProcess(keys.shuffler_config, root_certificate=keys.shuffler_ca_cert.read_bytes(),
                            client_certificate=keys.serverapp_cert.read_bytes(),
-                           client_key=keys.serverapp_key.read_bytes(), log_path=log)
+                           client_key=keys.serverapp_key.read_bytes(), log_path=log, startup_timeout=90.0)
     try:
         proc.start()
     except ShufflerStartError as exc:
@@ -769,11 +769,12 @@ def register_supernode(cli_env: Mapping[str, str], public_key: Path) -> str:
 class _LogFollower(threading.Thread):
     """Streams ``flwr log RUN --stream`` into a file, stamping each line with its arrival time."""
 
-    def __init__(self, popen: subprocess.Popen[str], out: IO[str], t0: float) -> None:
+    def __init__(self, popen: subprocess.Popen[str], out: IO[str], t0: float, echo: IO[str] | None = None) -> None:
         super().__init__(daemon=True)
         self.popen = popen
         self.out = out
         self.t0 = t0
+        self.echo = echo  # progress lines ("[shuffledp] ...") are relayed here as they arrive
         self.lines: list[tuple[float, str]] = []
 
     def run(self) -> None:
@@ -785,6 +786,9 @@ class _LogFollower(threading.Thread):
             self.lines.append((t, line.rstrip("\n")))
             self.out.write(f"{t:9.3f} {line}")
             self.out.flush()
+            if self.echo is not None and "[shuffledp]" in line:
+                self.echo.write(line if line.endswith("\n") else line + "\n")
+                self.echo.flush()
 
 
 class FileTailer(threading.Thread):
@@ -1060,7 +1064,7 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
             log_proc = subprocess.Popen([_flower_bin("flwr"), "log", run_id, CONNECTION_NAME, "--stream"],
                                         env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)
-            follower = _LogFollower(log_proc, run_log, t_start)
+            follower = _LogFollower(log_proc, run_log, t_start, echo=out)
             follower.start()
             deadline = time.monotonic() + cfg.timeout
             status = "pending"
@@ -1254,7 +1258,7 @@ def main(argv: Sequence[str]) -> int:
                               min_reports=args.min_reports, reply_timeout=args.reply_timeout,
                               timeout=args.timeout, run_config=_parse_overrides(args.run_config),
                               isolation=args.isolation)
-        result = run_local(cfg)
+        result = run_local(cfg, out=sys.stderr if args.json else sys.stdout)  # keep --json output parseable
         if args.json:
             print(json.dumps({"status": result.status, "run-id": result.run_id, "report": result.report,
                               "timings": result.timings, "workdir": str(result.workdir)}, indent=1, default=str))

@@ -129,6 +129,7 @@ class ShufflerConnection:
                 client_certificate=cert,
                 client_key=key,
                 log_path=self.paths.shuffler_log,
+                startup_timeout=120.0,
             )
             if process.config.key_epoch != self.cfg.key_epoch:
                 raise ConfigError(

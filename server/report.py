@@ -92,6 +92,9 @@ def write_plot(path: str | os.PathLike[str], rounds: Sequence[Mapping[str, Any]]
     fig, ax1 = plt.subplots(figsize=(7, 4), dpi=110)
     ax1.plot(xs, acc, marker="o", color="tab:blue", label="test accuracy")
     ax1.set_xlabel("round")
+    from matplotlib.ticker import MaxNLocator
+
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax1.set_ylabel("test accuracy", color="tab:blue")
     ax1.set_ylim(0.0, 1.0)
     ax1.grid(alpha=0.3)

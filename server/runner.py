@@ -409,6 +409,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"shuffledp {args[0]}: {exc}\n")
         return 2
     flwr_home = Path(os.environ.get("SHUFFLEDP_FLWR_HOME") or project / ".flwr")
+
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C
     sys.stdout.write(f"[shuffledp] {args[0]}: {spec['clients']} simulated clients, outputs in {out_dir}\n")
     sys.stdout.flush()
     try:
@@ -416,6 +421,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunnerError as exc:
         sys.stderr.write(f"shuffledp {args[0]}: {exc}\n")
         return 1
+    except KeyboardInterrupt:
+        sys.stderr.write(
+            f"shuffledp {args[0]}: interrupted; the SuperLink and the simulation were stopped. Continue the run "
+            f"with `shuffledp resume {out_dir}`\n"
+        )
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     ok, why = _finished(out_dir)
     if not ok:
         sys.stderr.write(

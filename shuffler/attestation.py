@@ -4,9 +4,9 @@ Statement: canonical JSON (sorted keys, no spaces), UTF-8::
 
     {"format": "shuffledp-attestation/v1", "batch_id": hex16, "protocol_version": 1, "key_epoch": E,
      "round_id": R, "model_digest": hex32, "k": k, "n_received": N, "n_accepted": A, "inner_length": L,
-     "output_digest": hex32, "dropped": {reason: count, ...}, "envelope_length": B}
+     "output_digest": hex32, "dropped": {reason: count, ...}[, "envelope_length": B]}
 
-``envelope_length`` is the length announced in the submit header (0 if none; absent in older statements).
+``envelope_length`` is present only if the submit header announced one (then it is that length).
 
 Signature: Ed25519 (RFC 8032) by the shuffler's signing key over ``"shuffledp/attestation/v1" || statement``.
 A verifier checks the signature over the bytes it received and only then parses them.
@@ -125,8 +125,9 @@ class Attestation:
             "inner_length": inner_length,
             "output_digest": output_digest.hex(),
             "dropped": {r: int(dropped.get(r, 0)) for r in DROP_REASONS},
-            "envelope_length": int(envelope_length),
         }
+        if envelope_length:  # only when announced, so legacy statements keep their exact form
+            doc["envelope_length"] = int(envelope_length)
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod

@@ -1,7 +1,9 @@
 """``shuffledp shuffler ...`` and ``shuffledp keys ...``.
 
     shuffledp shuffler serve --config FILE [--port-file PATH] [--log-level LEVEL]
-    shuffledp keys init --out DIR --clients N [--key-epoch E] [--k K] [--max-envelope-bytes B]
+    shuffledp keys init --out DIR --clients N [--key-epoch E] [--k K] [--max-envelope-bytes B]   (simulations)
+    shuffledp keys client --out DIR --client-id ID            (on a device: its own signing key pair)
+    shuffledp keys enrol --enrolment FILE --client-id ID --public-key PATH   (operator: add a client's key)
 
 ``python -m shuffler.cli shuffler serve ...`` is the same as ``shuffledp shuffler serve ...``.
 """
@@ -35,6 +37,13 @@ def _keys_parser() -> argparse.ArgumentParser:
     s.add_argument("--key-epoch", type=int, default=0)
     s.add_argument("--k", type=int, default=None, help="release threshold (default min(N, max(2, N // 2)))")
     s.add_argument("--max-envelope-bytes", type=int, default=None)
+    c = sub.add_parser("client", help="make one client's Ed25519 signing key pair (run on the device)")
+    c.add_argument("--out", required=True, help="directory for ID.key (0600) and ID.pub")
+    c.add_argument("--client-id", required=True)
+    e = sub.add_parser("enrol", help="add a client's public key to the enrolment file (shuffler operator)")
+    e.add_argument("--enrolment", required=True, help="enrolment.json (created if missing)")
+    e.add_argument("--client-id", required=True)
+    e.add_argument("--public-key", required=True, help="the client's Ed25519 public key (PEM, from keys client)")
     return p
 
 
@@ -55,8 +64,24 @@ def _run_shuffler(args: list[str]) -> int:
 
 def _run_keys(args: list[str]) -> int:
     ns = _keys_parser().parse_args(args)
-    from shuffler.keys import DEFAULT_MAX_ENVELOPE_BYTES, init_key_directory
+    from shuffler.keys import DEFAULT_MAX_ENVELOPE_BYTES, create_client_key, enrol_client, init_key_directory
 
+    if ns.verb == "client":
+        try:
+            _, pub = create_client_key(ns.out, ns.client_id)
+        except (ValueError, FileExistsError) as exc:
+            sys.stderr.write(f"shuffledp keys client: {exc}\n")
+            return 2
+        sys.stdout.write(f"wrote the signing key pair of {ns.client_id}; give only {pub} to the operator\n")
+        return 0
+    if ns.verb == "enrol":
+        try:
+            enrol_client(ns.enrolment, ns.client_id, ns.public_key)
+        except (ValueError, FileNotFoundError) as exc:
+            sys.stderr.write(f"shuffledp keys enrol: {exc}\n")
+            return 2
+        sys.stdout.write(f"enrolled {ns.client_id} in {ns.enrolment}\n")
+        return 0
     try:
         d = init_key_directory(
             ns.out,

@@ -20,7 +20,7 @@ from shuffler import shuffler_pb2_grpc as pb_grpc
 from shuffler import wire
 from shuffler.attestation import Attestation, AttestationError, OutputDigest
 from shuffler.config import is_loopback
-from shuffler.service import grpc_options
+from shuffler.service import FRAMING_SLACK, grpc_options
 
 __all__ = ["ShufflerClient", "ShufflerError", "Attestation", "AttestationError"]
 
@@ -92,6 +92,10 @@ class ShufflerClient:
         self._verify_key = bytes(shuffler_verify_key)
         self._max = max_message_bytes
         self._timeout = timeout
+        #: envelopes that submit() did not send because they exceed the message limit (cumulative)
+        self.skipped_oversized = 0
+        # the largest envelope gRPC lets through: the send limit minus the field's tag and length varint
+        self._send_limit = max_message_bytes + FRAMING_SLACK - 16
 
     def close(self) -> None:
         self._channel.close()
@@ -110,12 +114,22 @@ class ShufflerClient:
         model_digest: bytes,
         envelopes: Iterable[bytes],
         count: int | None = None,
+        envelope_length: int | None = None,
     ) -> Attestation:
         """Submit one round's batch; returns the verified attestation. Raises :class:`ShufflerError` on refusal.
 
         The header announces the number of envelopes: ``count`` if given (then ``envelopes`` may be any
         iterable, e.g. a generator reading from disk, and must yield exactly ``count`` items), else
         ``len(envelopes)`` (a non-sized iterable is materialised first). Envelopes are streamed one per message.
+
+        ``envelope_length`` (recommended) announces the length every envelope of the round has: an envelope of
+        another length is then dropped and counted (``wrong_length``) and the honest rest of the batch is
+        released; without it, accepted reports of different lengths refuse the whole batch (``mixed_lengths``).
+
+        An envelope too large for the channel's message limit would make gRPC abort the whole stream, so it is
+        not sent: an empty placeholder takes its place (the shuffler counts it as a ``malformed`` drop, or
+        ``wrong_length`` with ``envelope_length``, so the announced count still holds) and
+        :attr:`skipped_oversized` is incremented.
         """
         env.binding(key_epoch, round_id, model_digest)  # validates types and ranges
         if count is None:
@@ -127,6 +141,10 @@ class ShufflerClient:
             items = envelopes
         if count >= 2**32:
             raise ValueError("too many envelopes for one batch")
+        if envelope_length is not None and (
+            isinstance(envelope_length, bool) or not isinstance(envelope_length, int) or envelope_length < 1
+        ):
+            raise ValueError(f"envelope_length must be a positive int, got {envelope_length!r}")
         sent = 0
         header = pb.SubmitRequest(
             header=pb.SubmitHeader(
@@ -135,6 +153,7 @@ class ShufflerClient:
                 round_id=round_id,
                 model_digest=bytes(model_digest),
                 expected_count=count,
+                envelope_length=envelope_length or 0,
             )
         ).SerializeToString()
 
@@ -143,6 +162,9 @@ class ShufflerClient:
             yield header
             for e in items:
                 sent += 1
+                if len(e) > self._send_limit:
+                    self.skipped_oversized += 1
+                    e = b""  # a counted drop at the shuffler instead of an aborted stream
                 yield wire.encode_bytes_field(2, e)  # == SubmitRequest(envelope=e).SerializeToString()
 
         try:
@@ -156,6 +178,8 @@ class ShufflerClient:
             raise AttestationError("attestation binding (round, key epoch, model digest) differs from the submission")
         if att.n_received != sent or sent != count:
             raise AttestationError(f"attestation says {att.n_received} envelopes received; {sent} were sent")
+        if att.envelope_length != (envelope_length or 0):
+            raise AttestationError(f"attestation envelope_length {att.envelope_length}; {envelope_length} was sent")
         if att.protocol_version != env.ENVELOPE_VERSION:
             raise AttestationError(f"attestation protocol version {att.protocol_version}")
         return att

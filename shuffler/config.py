@@ -7,7 +7,8 @@ not silently fall back to a default)::
     key_epoch = 0                      # the only epoch this process accepts
     k = 10                             # release threshold: distinct enrolled signers per batch
     max_envelope_bytes = 67108864      # larger envelopes are dropped; gRPC message limits derive from it
-    max_batch_reports = 100000         # optional
+    max_batch_reports = 100000         # optional; at most 1000000
+    submit_idle_timeout = 60           # optional; seconds a Submit stream may stall between messages
     hpke_key = "shuffler/hpke.key"     # X25519, 0600
     signing_key = "shuffler/signing.key"  # Ed25519, 0600
     enrolment = "enrolment.json"
@@ -43,6 +44,7 @@ _TOP = {
     "enrolment",
     "journal_dir",
     "insecure",
+    "submit_idle_timeout",
     "tls",
 }
 _TLS = {"ca", "cert", "key", "client_common_names"}
@@ -74,6 +76,14 @@ class ServiceConfig:
     journal_dir: Path
     insecure: bool
     tls: TLSConfig | None
+    submit_idle_timeout: float = 60.0  # seconds a Submit stream may wait for its next message
+
+
+def _seconds(doc: dict[str, Any], key: str, default: float, where: Path) -> float:
+    v = doc.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.1 <= v <= 3600:
+        raise ConfigError(f"{where}: {key} must be a number of seconds in [0.1, 3600], got {v!r}")
+    return float(v)
 
 
 def _int(doc: dict[str, Any], key: str, lo: int, hi: int, where: Path) -> int:
@@ -155,8 +165,9 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
         k=_int(doc, "k", 1, 10**9, path),
         max_envelope_bytes=_int(doc, "max_envelope_bytes", 1024, 2**31 - 65536, path),
         max_batch_reports=_int(
-            {"max_batch_reports": doc.get("max_batch_reports", 100_000)}, "max_batch_reports", 1, 10**8, path
+            {"max_batch_reports": doc.get("max_batch_reports", 100_000)}, "max_batch_reports", 1, 10**6, path
         ),
+        submit_idle_timeout=_seconds(doc, "submit_idle_timeout", 60.0, path),
         hpke_key=_path(doc, "hpke_key", base, path),
         signing_key=_path(doc, "signing_key", base, path),
         enrolment=_path(doc, "enrolment", base, path),

@@ -9,9 +9,10 @@ only then returns.
 Duties (see docs/shuffler.md): verify signature, enrolment and binding, and count every drop by reason; at most
 one report per enrolled client per round; replay cache on the outer HPKE ``enc`` and on the report id, per key
 epoch, persisted in the journal; a binding (key epoch, round) is used once (an identical resubmission returns
-the same attestation); at least ``k`` distinct enrolled signers or nothing is released; all accepted inner
-ciphertexts the same length or the batch is refused; uniform permutation from ``secrets.SystemRandom``
-(Fisher-Yates over ``os.urandom``); the output carries inner ciphertexts only.
+the same attestation); at least ``k`` distinct enrolled signers or nothing is released; with an announced
+``envelope_length`` an envelope of another length is a counted drop (``wrong_length``), without one (legacy)
+accepted inner ciphertexts of different lengths refuse the batch; uniform permutation (Fisher-Yates with
+``secrets.randbelow`` over ``os.urandom``); the output carries inner ciphertexts only.
 
 Refusals raise :class:`Refused` with a ``code`` the gRPC layer maps to a status code.
 """
@@ -60,7 +61,8 @@ MAX_BATCH_REPORTS_CAP = 1_000_000
 JOURNAL_HEADROOM_BYTES = 64 * 1024 * 1024
 JOURNAL_HEADROOM_PER_REPORT = 256
 _ZERO_CHUNK = 1 << 20
-_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: errnos that mean "no space": a rolled-back commit with one of these is reported as disk_full
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class Refused(Exception):
@@ -371,9 +373,8 @@ class ShufflerCore:
             # rolled back: nothing was committed and nobody was told, so the output is not a batch; remove it
             final.unlink(missing_ok=True)
             fsync_dir(self.journal.batches_dir)
-            if exc.errno in _DISK_FULL_ERRNOS:
-                raise Refused("resource_exhausted", "disk_full", "no space left to commit the batch") from None
-            raise
+            log.error("batch not committed: the journal append failed and was rolled back (%s)", exc.strerror)
+            raise  # an OSError; the service maps a full disk to RESOURCE_EXHAUSTED disk_full
         except JournalFailed:
             # unknown state: keep the output (quarantined at the next start) and stop accepting batches
             self._mark_unhealthy()

@@ -110,7 +110,8 @@ class Journal:
                     body = data[pos + _HEAD.size : end]
                     if hashlib.sha256(body).digest() != digest:
                         # a complete record cannot be the remains of an interrupted append
-                        raise JournalCorrupt(f"{self.path}: checksum mismatch in the complete record at byte {pos}")
+                        more = " with further data after it" if end < len(data) else " (the last record)"
+                        raise JournalCorrupt(f"{self.path}: checksum mismatch in the complete record at byte {pos}{more}")
                     else:
                         records.append(json.loads(body))
                         pos = end

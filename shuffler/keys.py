@@ -17,12 +17,18 @@ Key directory layout (binding, see docs/interfaces.md)::
     DIR/shuffler.toml                a ready ``shuffledp shuffler serve --config`` file (127.0.0.1, port 0)
 
 The enrolment file is JSON ``{"format": "shuffledp-enrolment/v1", "clients": {"client-0": "<hex>", ...}}``.
+
+``init_key_directory`` (``shuffledp keys init``) writes every client's signing key next to the CA key and the
+shuffler's keys: that is for simulations only. In a deployment each device makes its own key pair
+(:func:`create_client_key`, ``shuffledp keys client``) and hands over only the public key, and the shuffler
+operator adds it to the enrolment (:func:`enrol_client`, ``shuffledp keys enrol``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,8 +53,11 @@ __all__ = [
     "client_id",
     "KeyDirectory",
     "init_key_directory",
+    "create_client_key",
+    "enrol_client",
     "DEFAULT_MAX_ENVELOPE_BYTES",
 ]
+_CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 KeyKind = Literal["x25519", "ed25519"]
 ENROLMENT_FORMAT = "shuffledp-enrolment/v1"
@@ -378,3 +387,42 @@ def init_key_directory(
     )
     _atomic_write(d.config, config.encode(), 0o644, overwrite=False)
     return d
+
+
+def _check_client_id(cid: str) -> str:
+    if not isinstance(cid, str) or not _CLIENT_ID.fullmatch(cid):
+        raise ValueError(f"client id must match {_CLIENT_ID.pattern} (letters, digits, '.', '_', '-'), got {cid!r}")
+    return cid
+
+
+def create_client_key(out: str | os.PathLike[str], cid: str) -> tuple[Path, Path]:
+    """A device makes its own Ed25519 signing key pair: ``OUT/<id>.key`` (0600) and ``OUT/<id>.pub``.
+
+    Only the public key leaves the device (to the shuffler operator, for :func:`enrol_client`). Refuses to
+    overwrite existing files. Returns ``(private_key_path, public_key_path)``.
+    """
+    _check_client_id(cid)
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key_path, pub_path = d / f"{cid}.key", d / f"{cid}.pub"
+    if key_path.exists() or pub_path.exists():
+        raise FileExistsError(f"{key_path} or {pub_path} already exists; refusing to overwrite a key")
+    sk, pk = generate_keypair("ed25519")
+    save_private_key(key_path, sk, "ed25519")
+    save_public_key(pub_path, pk, "ed25519")
+    return key_path, pub_path
+
+
+def enrol_client(enrolment: str | os.PathLike[str], cid: str, public_key: str | os.PathLike[str]) -> None:
+    """Add one client's Ed25519 public key (a PEM file the client supplied) to the enrolment file.
+
+    Creates the file if it does not exist. Refuses a client id that is already enrolled and a key that is
+    already enrolled under another id (one key per client).
+    """
+    _check_client_id(cid)
+    path = Path(enrolment)
+    clients = load_enrolment(path) if path.exists() else {}
+    if cid in clients:
+        raise ValueError(f"{path}: client {cid!r} is already enrolled")
+    clients[cid] = load_public_key(public_key, "ed25519")
+    save_enrolment(path, clients, overwrite=True)  # validates: a key enrolled twice is refused

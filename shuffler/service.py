@@ -4,16 +4,21 @@ Status codes (the reason tag is the first word of the details string, ``"<reason
 
 =====================  ==================================================================================
 INVALID_ARGUMENT       no header / header not first / second header, protocol version, model digest not 32
-                       bytes, empty batch (expected_count 0), count mismatch, mixed inner lengths, bad
-                       batch id
+                       bytes, empty batch (expected_count 0), count mismatch, mixed inner lengths (only
+                       without envelope_length), envelope_length out of range, bad batch id
 FAILED_PRECONDITION    key epoch is not the shuffler's, fewer than k distinct enrolled signers (below_threshold)
 ALREADY_EXISTS         a different batch was already sealed for this (key epoch, round) (binding_used)
-RESOURCE_EXHAUSTED     expected_count above max_batch_reports; disk_full (batch cannot be preallocated); a
-                       message above the gRPC size limit (gRPC)
+RESOURCE_EXHAUSTED     expected_count above max_batch_reports; disk_full (not enough free space with the journal
+                       reserve, or the commit record could not be written and was rolled back); busy (too
+                       many concurrent Submits); a message above the gRPC size limit (gRPC)
+DEADLINE_EXCEEDED      submit_idle: a Submit stream sent nothing for submit_idle_timeout seconds
+UNAVAILABLE            journal_failed: a failed journal append could not be rolled back; health is
+                       NOT_SERVING and every further Submit is refused
 NOT_FOUND              fetch of an unknown batch id
 PERMISSION_DENIED      mTLS peer certificate CN not in ``client_common_names``
 INTERNAL               a request that is not a protobuf (gRPC's "Exception deserializing request!");
-                       unexpected server error (details never include report data)
+                       unexpected server error, including a damaged sealed output during Fetch (details
+                       never include report data)
 UNAVAILABLE            (client side) TLS handshake failed, e.g. a peer without a certificate from the CA
 =====================  ==================================================================================
 
@@ -27,6 +32,7 @@ import os
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -39,7 +45,8 @@ from shuffler import shuffler_pb2 as pb
 from shuffler import shuffler_pb2_grpc as pb_grpc
 from shuffler import wire
 from shuffler.config import ServiceConfig, load_config
-from shuffler.core import CoreConfig, Header, Refused, ShufflerCore
+from shuffler.core import DISK_FULL_ERRNOS, CoreConfig, Header, Refused, ShufflerCore
+from shuffler.journal import JournalWriteError
 
 __all__ = ["SERVICE_NAME", "STATUS_FOR", "ShufflerServicer", "build_server", "serve", "grpc_options"]
 
@@ -55,7 +62,10 @@ STATUS_FOR: dict[str, grpc.StatusCode] = {
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "not_found": grpc.StatusCode.NOT_FOUND,
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
+#: Submits allowed at once: max_workers minus this many threads stay free for Fetch, Stats and health.
+RESERVED_WORKERS = 2
 
 
 class _EnvelopeMessage:
@@ -90,12 +100,76 @@ def grpc_options(max_envelope_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
+def server_options(max_envelope_bytes: int) -> list[tuple[str, int]]:
+    """Server options: the message limits plus HTTP/2 keepalive, so dead peers are detected and closed."""
+    return grpc_options(max_envelope_bytes) + [
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.max_connection_idle_ms", 300_000),
+    ]
+
+
+class _IdleWatchdog:
+    """Cancels a Submit whose client sends nothing for ``timeout`` seconds (status DEADLINE_EXCEEDED).
+
+    One thread per Submit polls the time of the last received message; a stalled stream would otherwise hold
+    a worker thread forever.
+    """
+
+    def __init__(self, context: grpc.ServicerContext, timeout: float) -> None:
+        self._context = context
+        self._timeout = timeout
+        self.last = time.monotonic()
+        self.fired = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="submit-idle", daemon=True)
+        self._thread.start()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+    def _run(self) -> None:
+        step = max(0.05, min(1.0, self._timeout / 4))
+        while not self._stop.wait(step):
+            if time.monotonic() - self.last > self._timeout:
+                self.fired = True
+                details = f"submit_idle: no message for {self._timeout:g} s"
+                try:  # cancel with a specific status (grpc's server call object accepts one)
+                    self._context._rpc_event.call.cancel(  # type: ignore[attr-defined]
+                        grpc._cython.cygrpc.StatusCode.deadline_exceeded, details
+                    )
+                except (AttributeError, TypeError):
+                    self._context.cancel()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _watched(iterator: Iterator[pb.SubmitRequest], dog: _IdleWatchdog) -> Iterator[pb.SubmitRequest]:
+    for item in iterator:
+        dog.touch()
+        yield item
+
+
 class ShufflerServicer(pb_grpc.ShufflerServicer):
     """The Shuffler service. Never forwards peer, time, identity or position."""
 
-    def __init__(self, core: ShufflerCore, client_common_names: tuple[str, ...] | None) -> None:
+    def __init__(
+        self,
+        core: ShufflerCore,
+        client_common_names: tuple[str, ...] | None,
+        *,
+        max_concurrent_submits: int = 6,
+        submit_idle_timeout: float = 60.0,
+    ) -> None:
         self.core = core
         self.allowed = set(client_common_names) if client_common_names else None
+        self._submit_slots = threading.BoundedSemaphore(max(1, max_concurrent_submits))
+        self.submit_idle_timeout = submit_idle_timeout
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         if self.allowed is None:
@@ -109,6 +183,18 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         context.abort(STATUS_FOR[exc.code], f"{exc.reason}: {exc}")
 
     def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> pb.SubmitResponse:
+        if not self._submit_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: too many concurrent submissions; retry later")
+        dog = _IdleWatchdog(context, self.submit_idle_timeout)
+        try:
+            return self._submit(_watched(request_iterator, dog), context, dog)
+        finally:
+            dog.stop()
+            self._submit_slots.release()
+
+    def _submit(
+        self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext, dog: _IdleWatchdog
+    ) -> pb.SubmitResponse:
         builder = None
         refusal: Refused | None = None
         try:
@@ -124,6 +210,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
                     round_id=h.round_id,
                     model_digest=bytes(h.model_digest),
                     expected_count=h.expected_count,
+                    envelope_length=h.envelope_length,
                 )
             )
             for req in request_iterator:
@@ -134,7 +221,15 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             return pb.SubmitResponse(batch_id=sealed.batch_id, statement=sealed.statement, signature=sealed.signature)
         except Refused as exc:
             refusal = exc
+        except JournalWriteError as exc:  # the commit was rolled back: nothing sealed, nothing consumed
+            if exc.errno not in DISK_FULL_ERRNOS:
+                log.error("submit: journal write failed and was rolled back")
+                context.abort(grpc.StatusCode.INTERNAL, "internal error: the batch was not committed")
+            refusal = Refused("resource_exhausted", "disk_full", "no space left to commit the batch; retry later")
         except Exception as exc:  # noqa: BLE001 - the edge: log the type only, never report data
+            if dog.fired:
+                log.info("submit: cancelled after %g s without a message", self.submit_idle_timeout)
+                return pb.SubmitResponse()
             if not context.is_active():
                 log.info("submit: stream ended by the client (%s)", type(exc).__name__)
                 return pb.SubmitResponse()
@@ -154,8 +249,12 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         except Refused as exc:
             self._abort(context, exc)
             return
-        for chunk in chunks:
-            yield wire.encode_bytes_field(1, chunk)  # == FetchResponse(inner=chunk).SerializeToString()
+        try:
+            for chunk in chunks:
+                yield wire.encode_bytes_field(1, chunk)  # == FetchResponse(inner=chunk).SerializeToString()
+        except Exception as exc:  # noqa: BLE001 - e.g. a sealed output damaged on disk; never report data
+            log.error("fetch: internal error (%s)", type(exc).__name__)
+            context.abort(grpc.StatusCode.INTERNAL, "internal error: the sealed output cannot be read")
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         try:
@@ -191,12 +290,19 @@ def build_server(
     config: ServiceConfig, core: ShufflerCore, *, max_workers: int = 8
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Create and start the gRPC server; returns ``(server, bound_port, health_servicer)``."""
+    if max_workers <= RESERVED_WORKERS:
+        raise ValueError(f"max_workers must be > {RESERVED_WORKERS}, got {max_workers}")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shuffler"),
-        options=grpc_options(config.max_envelope_bytes),
+        options=server_options(config.max_envelope_bytes),
         maximum_concurrent_rpcs=4 * max_workers,
     )
-    servicer = ShufflerServicer(core, config.tls.client_common_names if config.tls else None)
+    servicer = ShufflerServicer(
+        core,
+        config.tls.client_common_names if config.tls else None,
+        max_concurrent_submits=max_workers - RESERVED_WORKERS,
+        submit_idle_timeout=config.submit_idle_timeout,
+    )
     # Registered by hand (not with the generated add_ShufflerServicer_to_server) so that Fetch can send
     # pre-encoded bytes; Submit and Stats use the generated message classes.
     handlers = {
@@ -232,7 +338,14 @@ def build_server(
         raise OSError(f"could not bind {config.address}")
     server.start()
     for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING if core.healthy else
+                            health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def unhealthy() -> None:
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    core.on_unhealthy.append(unhealthy)
     return server, port, health_servicer
 
 

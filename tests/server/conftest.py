@@ -72,7 +72,8 @@ def shuffler_service(keys: Keys) -> Iterator[Any]:
     from shuffler.process import ShufflerProcess
 
     root, cert, key = keys.tls
-    with ShufflerProcess(keys.d.config, root_certificate=root, client_certificate=cert, client_key=key) as proc:
+    with ShufflerProcess(keys.d.config, root_certificate=root, client_certificate=cert, client_key=key,
+                         startup_timeout=120.0) as proc:
         yield proc
 
 

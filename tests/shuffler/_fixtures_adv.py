@@ -153,14 +153,17 @@ def process(kit: Any, config: Path, **kw: Any) -> ShufflerProcess:
     )
 
 
-def raw_channel(kit: Any, address: str, *, max_bytes: int = 8 << 20) -> grpc.Channel:
+def raw_channel(
+    kit: Any, address: str, *, max_bytes: int = 8 << 20, options: list[tuple[str, Any]] | None = None
+) -> grpc.Channel:
     creds = grpc.ssl_channel_credentials(
         root_certificates=kit.ca, private_key=kit.app_key, certificate_chain=kit.app_cert
     )
     return grpc.secure_channel(
         address,
         creds,
-        options=[("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)],
+        options=[("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
+        + (options or []),
     )
 
 

@@ -55,3 +55,13 @@ def test_valid_configs(tmp_path: Path) -> None:
 def test_invalid_configs(tmp_path: Path, text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         _load(tmp_path, text)
+
+
+def test_max_batch_reports_is_capped_and_the_idle_timeout_is_validated(tmp_path: Path) -> None:
+    assert _load(tmp_path, "max_batch_reports = 1000000\n" + BASE + TLS).max_batch_reports == 10**6
+    with pytest.raises(ConfigError, match=r"max_batch_reports must be an integer in \[1, 1000000\]"):
+        _load(tmp_path, "max_batch_reports = 1000001\n" + BASE + TLS)
+    assert _load(tmp_path, BASE + TLS).submit_idle_timeout == 60.0
+    assert _load(tmp_path, "submit_idle_timeout = 2.5\n" + BASE + TLS).submit_idle_timeout == 2.5
+    with pytest.raises(ConfigError, match="submit_idle_timeout must be a number of seconds"):
+        _load(tmp_path, "submit_idle_timeout = 0\n" + BASE + TLS)

@@ -265,14 +265,37 @@ def test_logs_never_name_clients_or_reports(core: ShufflerCore, kit, caplog: pyt
     assert all(x.hex()[:16] not in text for x in core.read_batch(sealed.batch_id))
 
 
-def test_background_writeback_and_holes(core: ShufflerCore, kit, monkeypatch) -> None:
-    """With writeback after every report and dropped envelopes leaving holes, the output is still complete."""
-    from shuffler.core import BatchBuilder
+def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(core: ShufflerCore, kit, monkeypatch) -> None:
+    """The staging file is zero-filled in offset order (and synced once) before any report is written to it;
+    there is no sync while reports arrive; with dropped envelopes the holes are squeezed out in place."""
+    import shuffler.core as coremod
 
-    monkeypatch.setattr(BatchBuilder, "_WRITEBACK_BYTES", 1)
+    events: list[tuple[str, int, int]] = []
+    real_pwrite, real_sync = coremod.os.pwrite, coremod.os.fdatasync
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        events.append(("zero" if not any(bytes(data)) else "data", offset, len(data)))
+        return real_pwrite(fd, data, offset)
+
+    def fdatasync(fd: int) -> None:
+        events.append(("sync", 0, 0))
+        real_sync(fd)
+
+    monkeypatch.setattr(coremod.os, "pwrite", pwrite)
+    monkeypatch.setattr(coremod.os, "fdatasync", fdatasync)
     envs = [kit.seal(i) for i in range(6)]
     mixed = envs[:3] + [b"junk", envs[3][:-1]] + envs[3:]
-    sealed = _run(core, kit, mixed)
+    b = core.begin(kit.header(len(mixed)))
+    for e in mixed:
+        b.add(e)
+    L = b.inner_length
+    first_data = next(i for i, e in enumerate(events) if e[0] == "data")
+    zeros = [e for e in events[:first_data] if e[0] == "zero"]
+    assert [o for _, o, _ in zeros] == sorted(o for _, o, _ in zeros)  # offset order
+    assert sum(n for _, _, n in zeros) == len(mixed) * L  # the whole file, before the first report
+    assert [e[0] for e in events[:first_data]][-1] == "sync"  # synced once, before any report
+    assert all(e[0] != "sync" for e in events[first_data:])  # no sync in arrival order
+    sealed = b.finish()
     att = _verify(kit, sealed)
     assert att.n_accepted == 6 and att.n_received == 8
     assert sealed.output.stat().st_size == 6 * att.inner_length
@@ -322,3 +345,178 @@ def test_core_config_validation(kit, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_envelope_bytes"):
         kit.core_config(tmp_path / "j", max_envelope_bytes=10)
     assert isinstance(kit.core_config(tmp_path / "j"), CoreConfig)
+
+
+def test_free_space_is_checked_with_a_journal_reserve_before_allocating(core: ShufflerCore, kit, monkeypatch) -> None:
+    import os as _os
+
+    import shuffler.core as coremod
+
+    calls: list[int] = []
+    monkeypatch.setattr(coremod.os, "posix_fallocate", lambda fd, o, n: calls.append(n))
+    real = _os.statvfs(core.journal.staging_dir)
+
+    class Small:  # room for the batch itself, but not for the journal reserve on top of it
+        f_frsize = 4096
+        f_bavail = (coremod.JOURNAL_HEADROOM_BYTES // 2) // 4096
+
+    monkeypatch.setattr(coremod.os, "statvfs", lambda path: Small)
+    b = core.begin(kit.header(4))
+    with pytest.raises(Refused) as info:
+        b.add(kit.seal(0))
+    b.abort()
+    assert (info.value.code, info.value.reason) == ("resource_exhausted", "disk_full")
+    assert calls == [] and list(core.journal.staging_dir.iterdir()) == []
+    monkeypatch.setattr(coremod.os, "statvfs", lambda path: real)
+    monkeypatch.undo()
+    assert _verify(kit, _run(core, kit, [kit.seal(i) for i in range(4)])).n_accepted == 4
+
+
+def _fail_journal_writes(monkeypatch, core: ShufflerCore, *, partial: int, also_truncate: bool = False) -> None:
+    """The next journal append writes ``partial`` bytes, then fails with ENOSPC (as a full disk would)."""
+    import errno
+    import os as _os
+
+    import shuffler.journal as jmod
+
+    real_write, real_trunc = _os.write, _os.ftruncate
+    state = {"partial_done": False}
+
+    def write(fd: int, data: bytes) -> int:
+        if fd == core.journal._fd:
+            if partial and not state["partial_done"] and len(data) > partial:
+                state["partial_done"] = True  # a short write first, as a filling disk does
+                return real_write(fd, bytes(data[:partial]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    def ftruncate(fd: int, length: int) -> None:
+        if also_truncate and fd == core.journal._fd:
+            raise OSError(errno.EIO, "Input/output error")
+        real_trunc(fd, length)
+
+    monkeypatch.setattr(jmod.os, "write", write)
+    monkeypatch.setattr(jmod.os, "ftruncate", ftruncate)
+
+
+def test_failed_journal_append_is_rolled_back_and_an_acknowledged_batch_survives_restart(
+    kit, tmp_path: Path, monkeypatch
+) -> None:
+    """Finding 1: B's commit record is cut short by a full disk. It must be rolled back, so that the next
+    acknowledged batch C is not mistaken for a torn tail at restart (which would forget C's binding and replay
+    tags and let the server obtain a second, different release of C's round)."""
+    import errno
+
+    from shuffler.journal import JournalWriteError
+
+    core = ShufflerCore(kit.core_config(tmp_path / "j"))
+    a = _run(core, kit, [kit.seal(i, round_id=1) for i in range(5)], round_id=1)
+    size = core.journal.path.stat().st_size
+    _fail_journal_writes(monkeypatch, core, partial=45)
+    with pytest.raises(JournalWriteError) as info:
+        _run(core, kit, [kit.seal(i, round_id=2) for i in range(6)], round_id=2)
+    assert info.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert core.journal.path.stat().st_size == size  # nothing of B remains
+    assert sorted(p.name for p in core.journal.batches_dir.iterdir()) == [a.output.name]  # B's output removed
+    c = _run(core, kit, [kit.seal(i, round_id=3) for i in range(5)], round_id=3)  # acknowledged
+    core.close()
+    core = ShufflerCore(kit.core_config(tmp_path / "j"))
+    try:
+        assert core.journal.torn_bytes == 0
+        assert sorted(_payloads(core, kit, core.lookup(c.batch_id), 3)) == sorted(kit.payload(i) for i in range(5))
+        with pytest.raises(Refused) as info2:  # C's binding is still used: no second release of round 3
+            _run(core, kit, [kit.seal(i, round_id=3) for i in range(4)], round_id=3)
+        assert info2.value.reason == "binding_used"
+        assert list(core.read_batch(a.batch_id))
+        # B was never committed: its round can still be sealed once
+        assert _verify(kit, _run(core, kit, [kit.seal(i, round_id=2) for i in range(6)], round_id=2)).n_accepted == 6
+    finally:
+        core.close()
+
+
+def test_failed_rollback_makes_the_core_unhealthy_and_refuse_everything(kit, tmp_path: Path, monkeypatch) -> None:
+    core = ShufflerCore(kit.core_config(tmp_path / "j"))
+    hooks: list[int] = []
+    core.on_unhealthy.append(lambda: hooks.append(1))
+    _fail_journal_writes(monkeypatch, core, partial=0, also_truncate=True)
+    with pytest.raises(Refused) as info:
+        _run(core, kit, [kit.seal(i) for i in range(5)])
+    assert (info.value.code, info.value.reason) == ("unavailable", "journal_failed")
+    monkeypatch.undo()
+    assert not core.healthy and hooks == [1]
+    with pytest.raises(Refused) as info:  # every further submission is refused, even with the disk back
+        core.begin(kit.header(5, round_id=2))
+    assert info.value.reason == "journal_failed"
+    core.close()
+    core = ShufflerCore(kit.core_config(tmp_path / "j"))  # the unrecorded output is quarantined, not deleted
+    try:
+        assert core.healthy and list(core.journal.batches_dir.iterdir()) == []
+        assert len(list(core.journal.quarantine_dir.iterdir())) == 1
+    finally:
+        core.close()
+
+
+def test_wrong_length_envelope_is_a_counted_drop_when_the_length_is_announced(core: ShufflerCore, kit) -> None:
+    envs = [kit.seal(i, size=64) for i in range(4)]
+    odd = kit.seal(4, size=65)
+    sealed = _run(core, kit, envs[:2] + [odd] + envs[2:], envelope_length=len(envs[0]))
+    att = _verify(kit, sealed)
+    assert att.n_accepted == 4 and att.dropped["wrong_length"] == 1 and att.envelope_length == len(envs[0])
+    assert sorted(_payloads(core, kit, sealed)) == sorted(kit.payload(i, 64) for i in range(4))
+    assert core.stats()["dropped"]["wrong_length"] == 1
+    with pytest.raises(Refused) as info:
+        core.begin(kit.header(4, round_id=2, envelope_length=10))
+    assert (info.value.code, info.value.reason) == ("invalid_argument", "envelope_length")
+
+
+def test_refusals_leak_no_counts_and_refused_drops_stay_out_of_stats(core: ShufflerCore, kit) -> None:
+    envs = [kit.seal(i) for i in range(kit.k)]
+    with pytest.raises(Refused) as info:  # k-1 distinct signers after 3 drops
+        _run(core, kit, envs[:-1] + [b"garbage", b"", b"x"])
+    assert info.value.reason == "below_threshold"
+    assert str(kit.k - 1) not in str(info.value).replace(f"k = {kit.k}", "")
+    with pytest.raises(Refused) as info:
+        _run(core, kit, [kit.seal(i, size=64) for i in range(4)] + [kit.seal(4, size=65)])
+    assert info.value.reason == "mixed_lengths" and not any(ch.isdigit() for ch in str(info.value))
+    stats = core.stats()
+    assert stats["batches_refused"] == 2 and sum(stats["dropped"].values()) == 0
+
+
+def test_too_many_envelopes_is_counted_as_a_refusal(core: ShufflerCore, kit) -> None:
+    b = core.begin(kit.header(3))
+    for i in range(3):
+        b.add(kit.seal(i))
+    with pytest.raises(Refused) as info:
+        b.add(kit.seal(3))
+    assert info.value.reason == "count_mismatch" and core.stats()["batches_refused"] == 1
+    assert list(core.journal.staging_dir.iterdir()) == []
+
+
+def test_permutation_is_compact_lazy_and_capped(core: ShufflerCore, kit, tmp_path: Path) -> None:
+    from array import array
+
+    from shuffler.core import MAX_BATCH_REPORTS_CAP, BatchBuilder
+
+    b = core.begin(kit.header(5))
+    assert b._perm is None  # nothing allocated at header time
+    b.add(kit.seal(0))
+    assert isinstance(b._perm, array) and b._perm.typecode == "I" and sorted(b._perm) == list(range(5))
+    b.abort()
+    perm = BatchBuilder.draw_permutation(1000)
+    assert sorted(perm) == list(range(1000)) and list(perm) != list(range(1000))
+    with pytest.raises(ValueError, match="max_batch_reports must be an int in"):
+        kit.core_config(tmp_path / "x", max_batch_reports=MAX_BATCH_REPORTS_CAP + 1)
+
+
+def test_sealed_output_mode_is_synced_before_the_rename(core: ShufflerCore, kit, monkeypatch) -> None:
+    import shuffler.core as coremod
+
+    events: list[str] = []
+    real = {n: getattr(coremod.os, n) for n in ("fchmod", "chmod", "fsync", "replace")}
+    for name in real:
+        monkeypatch.setattr(coremod.os, name, lambda *a, _n=name, **k: (events.append(_n), real[_n](*a, **k))[1])
+    _run(core, kit, [kit.seal(i) for i in range(4)])
+    assert "chmod" not in events
+    i = events.index("replace")
+    assert "fchmod" in events[:i] and events.index("fsync", events.index("fchmod")) < i

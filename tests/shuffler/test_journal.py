@@ -54,13 +54,16 @@ def test_zero_filled_tail_is_torn(tmp_path: Path) -> None:
     assert len(j.records) == 2 and j.torn_bytes == 4096
 
 
-def test_checksum_failure_in_last_record_is_torn(tmp_path: Path) -> None:
+def test_checksum_failure_in_a_complete_last_record_is_corruption(tmp_path: Path) -> None:
+    """Only a physically incomplete record is a torn tail; a complete one that fails its checksum is damage."""
     _fill(tmp_path, 3)
     path = tmp_path / "journal.log"
     data = bytearray(path.read_bytes())
     data[-2] ^= 0xFF
     path.write_bytes(bytes(data))
-    assert [r["i"] for r in Journal(tmp_path).records] == [0, 1]
+    with pytest.raises(JournalCorrupt, match="checksum mismatch in the complete record"):
+        Journal(tmp_path)
+    assert path.read_bytes() == bytes(data)  # nothing was cut
 
 
 def test_damage_before_the_end_is_corruption(tmp_path: Path) -> None:
@@ -73,7 +76,7 @@ def test_damage_before_the_end_is_corruption(tmp_path: Path) -> None:
         Journal(tmp_path)
 
 
-def test_orphans_and_staging_are_removed(tmp_path: Path) -> None:
+def test_orphans_are_quarantined_and_staging_is_removed(tmp_path: Path) -> None:
     j = Journal(tmp_path)
     j.append({"type": "batch", "output": "kept.out"})
     (j.batches_dir / "kept.out").write_bytes(b"x")
@@ -84,3 +87,41 @@ def test_orphans_and_staging_are_removed(tmp_path: Path) -> None:
     j = Journal(tmp_path)
     assert sorted(p.name for p in j.batches_dir.iterdir()) == ["kept.out"]
     assert list(j.staging_dir.iterdir()) == []
+    kept = sorted(p.read_bytes() for p in j.quarantine_dir.iterdir())  # moved aside, never deleted
+    assert kept == [b"y", b"z"] and len(j.quarantined) == 2
+
+
+def test_failed_append_is_rolled_back_and_nothing_is_committed_later(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    import shuffler.journal as jmod
+    from shuffler.journal import JournalFailed, JournalWriteError
+
+    _fill(tmp_path, 2)
+    j = Journal(tmp_path)
+    size = j.path.stat().st_size
+    real_write = jmod.os.write
+
+    def short_then_full(fd: int, data: bytes) -> int:
+        if len(data) > 10:
+            return real_write(fd, bytes(data[:10]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jmod.os, "write", short_then_full)
+    with pytest.raises(JournalWriteError) as info:
+        j.append({"i": 99})
+    assert info.value.errno == errno.ENOSPC and j.path.stat().st_size == size and not j.failed
+    monkeypatch.setattr(jmod.os, "write", real_write)
+    j.append({"i": 2})
+    j.close()
+    assert [r["i"] for r in Journal(tmp_path).records] == [0, 1, 2]  # 99 was never committed
+    j = Journal(tmp_path)
+    monkeypatch.setattr(jmod.os, "write", short_then_full)
+    monkeypatch.setattr(jmod.os, "ftruncate", lambda fd, n: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+    with pytest.raises(JournalFailed):
+        j.append({"i": 3})
+    monkeypatch.undo()
+    assert j.failed
+    with pytest.raises(JournalFailed, match="refuses further appends"):
+        j.append({"i": 4})
+    j.close()

@@ -124,3 +124,27 @@ def test_init_parameter_validation(tmp_path: Path) -> None:
     assert keys.client_id(7) == "client-7"
     with pytest.raises(ValueError):
         keys.client_id(-1)
+
+
+def test_cli_client_and_enrol_keep_client_private_keys_on_the_device(tmp_path: Path) -> None:
+    """A device makes its own key pair; the operator enrols only the public key it was given."""
+    device, operator = tmp_path / "device", tmp_path / "operator"
+    assert cli_main(["keys", "client", "--out", str(device), "--client-id", "phone-1"]) == 0
+    assert stat.S_IMODE((device / "phone-1.key").stat().st_mode) == 0o600
+    enrolment = operator / "enrolment.json"
+    operator.mkdir()
+    args = ["keys", "enrol", "--enrolment", str(enrolment), "--client-id", "phone-1",
+            "--public-key", str(device / "phone-1.pub")]
+    assert cli_main(args) == 0
+    pk = keys.public_from_private(keys.load_private_key(device / "phone-1.key"), "ed25519")
+    assert keys.load_enrolment(enrolment) == {"phone-1": pk}
+    assert sorted(p.name for p in operator.iterdir()) == ["enrolment.json"]  # no private key near the operator
+    assert cli_main(args) == 2  # already enrolled
+    assert cli_main(["keys", "client", "--out", str(device), "--client-id", "phone-1"]) == 2  # no overwrite
+    with pytest.raises(ValueError, match="share a public key"):
+        keys.enrol_client(enrolment, "phone-2", device / "phone-1.pub")
+    with pytest.raises(ValueError, match="client id must match"):
+        keys.create_client_key(device, "../evil")
+    assert cli_main(["keys", "client", "--out", str(device), "--client-id", "phone-2"]) == 0
+    keys.enrol_client(enrolment, "phone-2", device / "phone-2.pub")
+    assert sorted(keys.load_enrolment(enrolment)) == ["phone-1", "phone-2"]

@@ -241,3 +241,137 @@ def test_client_parameter_validation(kit) -> None:
                        shuffler_verify_key=b"x", max_message_bytes=4096)
     with kit.client("127.0.0.1:5", tls=False) as c, pytest.raises(ValueError, match="model_digest"):
         c.submit(round_id=1, key_epoch=0, model_digest=b"short", envelopes=[])
+
+
+def _service(kit, tmp_path, *, max_workers: int = 4, idle: float | None = None):
+    from .conftest import write_config  # noqa: TID252
+
+    from shuffler.config import load_config
+    from shuffler.service import build_server, core_from_config
+
+    path = write_config(kit, tmp_path / "shuffler.toml")
+    if idle is not None:  # top-level keys must come before the [tls] table
+        path.write_text(f"submit_idle_timeout = {idle}\n" + path.read_text())
+    cfg = load_config(path)
+    core = core_from_config(cfg)
+    server, port, health_servicer = build_server(cfg, core, max_workers=max_workers)
+    return server, core, f"127.0.0.1:{port}"
+
+
+def _health(kit, address: str, timeout: float = 2.0) -> int:
+    with _channel(kit, address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout).status
+
+
+def test_stalled_submits_cannot_starve_health_fetch_or_the_workers(kit, tmp_path) -> None:
+    """Finding 2: as many stalled Submit streams as there are worker threads. Health and Fetch must still
+    answer at once, Submits beyond the cap get RESOURCE_EXHAUSTED (busy), and a stalled stream is cancelled
+    with DEADLINE_EXCEEDED after the idle timeout, freeing its slot."""
+    import threading
+    import time
+
+    server, core, address = _service(kit, tmp_path, max_workers=4, idle=1.0)
+    gate = threading.Event()
+    header = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=1, key_epoch=0, round_id=7,
+                                                     model_digest=kit.digest, expected_count=5)).SerializeToString()
+
+    def stalled():
+        yield header
+        gate.wait(30)
+
+    chans = [_channel(kit, address) for _ in range(4)]
+    try:
+        with kit.client(address) as c:
+            att = c.submit(round_id=1, key_epoch=0, model_digest=kit.digest, envelopes=[kit.seal(i) for i in range(4)])
+        futs = [ch.stream_unary(SUBMIT, request_serializer=None, response_deserializer=None).future(
+            stalled(), timeout=30) for ch in chans]
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert _health(kit, address) == health_pb2.HealthCheckResponse.SERVING
+        with kit.client(address) as c:
+            assert len(c.fetch_all(att)) == 4
+        assert time.monotonic() - t0 < 1.0  # answered at once, not after the idle timeout
+        codes = []
+        for f in futs:
+            with pytest.raises(grpc.RpcError) as info:
+                f.result(timeout=10)
+            codes.append((info.value.code(), (info.value.details() or "").split(":")[0]))
+        assert sorted(codes, key=str).count((grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")) == 2, codes
+        assert codes.count((grpc.StatusCode.DEADLINE_EXCEEDED, "submit_idle")) == 2, codes
+        with kit.client(address) as c:  # the slots are free again
+            assert c.submit(round_id=2, key_epoch=0, model_digest=kit.digest,
+                            envelopes=[kit.seal(i, round_id=2) for i in range(4)]).n_accepted == 4
+    finally:
+        gate.set()
+        for ch in chans:
+            ch.close()
+        server.stop(grace=None).wait()
+        core.close()
+
+
+def test_fetch_of_a_damaged_output_is_internal(kit, running) -> None:
+    att = _submit(kit, running, [kit.seal(i) for i in range(4)])
+    out = running.core.lookup(att.batch_id).output
+    out.chmod(0o600)
+    out.write_bytes(out.read_bytes()[:-1])
+    with kit.client(running.address) as c, pytest.raises(ShufflerError) as info:
+        c.fetch_all(att)
+    assert info.value.code == grpc.StatusCode.INTERNAL
+
+
+def test_journal_failure_turns_health_not_serving_and_refuses_submits(kit, tmp_path, monkeypatch) -> None:
+    import errno
+
+    import shuffler.journal as jmod
+
+    server, core, address = _service(kit, tmp_path)
+    try:
+        real_write = jmod.os.write
+        monkeypatch.setattr(jmod.os, "write", lambda fd, d: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
+                            if fd == core.journal._fd else real_write(fd, d))
+        real_trunc = jmod.os.ftruncate
+        monkeypatch.setattr(jmod.os, "ftruncate", lambda fd, n: (_ for _ in ()).throw(OSError(errno.EIO, "EIO"))
+                            if fd == core.journal._fd else real_trunc(fd, n))
+        with kit.client(address) as c, pytest.raises(ShufflerError) as info:
+            c.submit(round_id=1, key_epoch=0, model_digest=kit.digest, envelopes=[kit.seal(i) for i in range(4)])
+        assert (info.value.code, info.value.reason) == (grpc.StatusCode.UNAVAILABLE, "journal_failed")
+        monkeypatch.undo()
+        assert _health(kit, address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with kit.client(address) as c, pytest.raises(ShufflerError) as info:
+            c.submit(round_id=2, key_epoch=0, model_digest=kit.digest,
+                     envelopes=[kit.seal(i, round_id=2) for i in range(4)])
+        assert info.value.reason == "journal_failed"
+    finally:
+        server.stop(grace=None).wait()
+        core.close()
+
+
+def test_rolled_back_commit_on_a_full_disk_is_disk_full(kit, running, monkeypatch) -> None:
+    import errno
+
+    import shuffler.journal as jmod
+
+    real_write = jmod.os.write
+    monkeypatch.setattr(jmod.os, "write", lambda fd, d: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
+                        if fd == running.core.journal._fd else real_write(fd, d))
+    with pytest.raises(ShufflerError) as info:
+        _submit(kit, running, [kit.seal(i) for i in range(4)])
+    assert (info.value.code, info.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "disk_full")
+    monkeypatch.undo()
+    assert _submit(kit, running, [kit.seal(i) for i in range(4)]).n_accepted == 4  # nothing was consumed
+    assert _health(kit, running.address) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_announced_length_releases_the_honest_reports_and_oversized_are_skipped(kit, running) -> None:
+    """Finding 3: with envelope_length in the header, an odd-length envelope is a counted drop and an envelope
+    too large for the channel is not sent (a placeholder is counted instead) -- the honest rest is released."""
+    envs = [kit.seal(i, size=64) for i in range(4)]
+    odd = kit.seal(4, size=80)
+    huge = b"\x01" * (2 << 20)  # above the 1 MiB channel limit: would abort the whole stream
+    with kit.client(running.address) as c:
+        att = c.submit(round_id=1, key_epoch=0, model_digest=kit.digest, envelopes=envs[:2] + [odd, huge] + envs[2:],
+                       envelope_length=len(envs[0]))
+        assert att.n_received == 6 and att.n_accepted == 4 and att.dropped["wrong_length"] == 2
+        assert c.skipped_oversized == 1 and att.envelope_length == len(envs[0])
+        got = [open_inner(x, server_private_key=kit.server_sk, key_epoch=0, round_id=1) for x in c.fetch_all(att)]
+    assert sorted(got) == sorted(kit.payload(i, 64) for i in range(4))
