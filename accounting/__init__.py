@@ -21,7 +21,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Bound", "RefusedError", "FAMILIES", "KINDS", "FAMILY_KINDS"]
+__all__ = ["Bound", "RefusedError", "FAMILIES", "KINDS", "FAMILY_KINDS", "EPS0_MAX", "N_MAX"]
+
+#: Largest eps0 any bound accepts (e^100 ~ 2.7e43 keeps every formula in range); events and bounds share it.
+EPS0_MAX = 100.0
+#: Largest number of shuffled reports per round the exact clone analysis accepts.
+N_MAX = 10**9
 
 #: Bound families accepted by :mod:`accounting.bounds` (``"girgis-lower"`` is accepted as well where a
 #: lower bound of Girgis et al. is meaningful, i.e. for Renyi divergences).

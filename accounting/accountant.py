@@ -67,6 +67,15 @@ def _check_delta(name: str, value: Any) -> float:
     return result
 
 
+def _revalidated(event: ShuffleRound) -> ShuffleRound:
+    """Re-run the :class:`ShuffleRound` checks (n in [1, N_MAX], eps0 in (0, EPS0_MAX]) on ``event``.
+
+    The constructor already checks them; this guards against a frozen instance altered behind its back, so
+    that nothing the bounds would reject ever enters the history (every later query would fail on it).
+    """
+    return ShuffleRound(n=event.n, eps0=event.eps0)
+
+
 def _check_family(name: str, value: Any) -> str:
     if not isinstance(value, str) or value not in FAMILIES:
         raise ValueError(f"{name} must be one of {list(FAMILIES)}, got {value!r}")
@@ -164,12 +173,14 @@ class ShuffleAccountant:
 
         Raises:
             TypeError: ``event`` is not a :class:`ShuffleRound`, or ``count`` is not an int.
-            ValueError: ``count < 1``. Nothing is composed in either case.
+            ValueError: ``count < 1``, or the event's n/eps0 are outside what the bounds accept (n in
+                [1, N_MAX], eps0 in (0, EPS0_MAX]). Nothing is composed in any of these cases.
         """
         if not isinstance(event, ShuffleRound):
             raise TypeError(f"compose takes a ShuffleRound, got {type(event).__name__}")
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        event = _revalidated(event)  # before any state changes: a rejected round leaves the history intact
         self._rounds.extend([event] * count)
 
     # -- queries -----------------------------------------------------------------------------------------------
@@ -240,7 +251,7 @@ class ShuffleAccountant:
             raise ValueError(f"budget_epsilon must be a real number > 0 (or inf), got {budget!r}")
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"count must be an integer >= 1, got {count!r}")
-        prospective = (*self._rounds, *([event] * count))
+        prospective = (*self._rounds, *([_revalidated(event)] * count))
         result = self._cached(self._family, self._target_delta, prospective)
         if isinstance(result, Refusal):
             raise RefusedError(result.reason)

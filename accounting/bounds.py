@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from scipy import optimize
 
-from accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError
+from accounting import EPS0_MAX, FAMILIES, FAMILY_KINDS, N_MAX, Bound, RefusedError
 from accounting import literature as lit
 from accounting import rdp as rdp_mod
 
@@ -58,7 +58,7 @@ __all__ = [
     "CALIBRATION_RANGE",
     "CALIBRATION_RTOL",
     "FMT_DELTA_FRACTIONS",
-    "PLD_VERIFY_RTOL",
+    "PLD_STEP_UP_RTOL",
     "EPS0_MAX",
     "HETEROGENEOUS_INTERVAL",
     "epsilon",
@@ -126,8 +126,6 @@ def _check_real(name: str, value: Any, allowed: str) -> float:
     return float(value)
 
 
-#: Largest eps0 accepted (the clone analysis's limit too): e^100 ~ 2.7e43 keeps every formula in range.
-EPS0_MAX = 100.0
 
 
 def _check_eps0(eps0: Any) -> float:
@@ -210,16 +208,21 @@ def _rdp_curve(family: str, eps0: float, n: int) -> tuple[np.ndarray, np.ndarray
     raise AssertionError(f"no RDP curve for {family}")  # pragma: no cover - internal misuse
 
 
-#: Relative slack when re-checking a PLD's epsilon: delta(eps) must be <= delta * (1 + PLD_VERIFY_RTOL).
-PLD_VERIFY_RTOL = 1e-6
+#: Largest relative increase of a PLD's epsilon allowed while stepping it up until its delta is within target.
+PLD_STEP_UP_RTOL = 1e-9
+#: Most step-up attempts (each one pass over the grid); the step doubles from one ulp each time.
+PLD_STEP_UP_MAX_STEPS = 64
 
 
 def _pld_epsilon(composed: Any, delta: float) -> float:
     """``epsilon_for_delta`` of a composed PLD, re-checked with ``delta_for_epsilon`` before it is used.
 
-    The check is one pass over the grid. An infinite epsilon is returned only when more than ``delta`` of the
-    mass sits at infinite loss; otherwise it, or an epsilon whose delta exceeds the target, is a numerical
-    failure of the PLD query and raises ArithmeticError instead of being reported as a privacy figure.
+    The returned eps always satisfies ``delta_for_epsilon(composed, eps) <= delta`` exactly (no tolerance in
+    the unsafe direction). When the closed-form query lands a hair below the true crossing (composed losses
+    of ~1e4 make ``U - e^eps W`` cancel), eps is stepped UP, from one ulp and doubling, at most
+    ``PLD_STEP_UP_MAX_STEPS`` times and by at most ``PLD_STEP_UP_RTOL`` relative in total; a larger gap is
+    a numerical failure and raises ArithmeticError. An infinite epsilon is returned only when more than
+    ``delta`` of the mass sits at infinite loss.
     """
     pld = _pld()
     value = float(pld.epsilon_for_delta(composed, delta))
@@ -231,13 +234,25 @@ def _pld_epsilon(composed: Any, delta: float) -> float:
             f"PLD epsilon query returned {value} at delta={delta} although only {infinite_mass!r} of the mass "
             "has infinite loss: numerical failure of the PLD query; refusing to report it"
         )
+    first = value
     check = float(pld.delta_for_epsilon(composed, value))
-    if check > delta * (1.0 + PLD_VERIFY_RTOL):
-        raise ArithmeticError(
-            f"PLD epsilon query returned eps={value!r} but delta(eps)={check!r} > delta={delta!r}: numerical "
-            "failure of the PLD query; refusing to report it"
-        )
-    return value
+    limit = first + PLD_STEP_UP_RTOL * max(abs(first), 1.0)
+    step = math.ulp(max(value, 1.0))
+    for _ in range(PLD_STEP_UP_MAX_STEPS):
+        if check <= delta:
+            return value
+        if value + step > limit:
+            break
+        value = value + step
+        step *= 2.0
+        check = float(pld.delta_for_epsilon(composed, value))
+    if check <= delta:
+        return value
+    raise ArithmeticError(
+        f"PLD epsilon query returned eps={first!r} with delta(eps)={float(pld.delta_for_epsilon(composed, first))!r}"
+        f" > delta={delta!r}, and stepping eps up by up to {PLD_STEP_UP_RTOL:g} relative (to {value!r}) still "
+        f"gives delta={check!r}: numerical failure of the PLD query; refusing to report it"
+    )
 
 
 def _rr_lower_pld(eps0: float, n: int, rounds_hint: int, interval: float | None = None) -> Any:
@@ -373,6 +388,18 @@ def _family_delta(
         else:
             mu = _gdp_mu(family, eps0, n) * math.sqrt(rounds)
             value, details = lit.gdp_delta(mu, epsilon), {"mu": mu}
+        # The refusal rule is applied to every answer, before it is returned. A delta that underflowed to 0 is
+        # below the smallest float, so 2 ln(1/delta) > 2 ln(1/5e-324) ~ 1489 at least and is not known
+        # beyond that: the rule cannot be shown to hold, and the family refuses (unless allow_approximate).
+        if value <= 0.0 and not allow_approximate:
+            expected = n / (math.exp(eps0) + 1.0)
+            raise RefusedError(
+                f"{family} is a CLT approximation and is refused here: its delta at epsilon={epsilon} underflows "
+                f"to 0 (below {math.ulp(0.0):.3g}), so the refusal rule n/(e^eps0+1) >= 2 ln(1/delta) (here "
+                f"n/(e^eps0+1) = {expected:.4g}, and 2 ln(1/delta) > {2.0 * -math.log(math.ulp(0.0)):.4g}) cannot "
+                "be shown to hold; in this regime it can fall below the true privacy loss. Use an upper family "
+                "(clones) or pass allow_approximate=True to get the approximate value anyway."
+            )
         if 0.0 < value < 1.0:
             lit.require_clt_regime(family, eps0, n, value, allow_approximate)
         return value, details
@@ -520,8 +547,10 @@ def calibrate(
 
     Brent's method on ``log(achieved/target)`` over ``log eps0`` (Brent 1973), then geometric bisection, until
     the certified bracket has ``hi <= lo (1 + CALIBRATION_RTOL)``: the returned ``lo`` was evaluated and
-    satisfies the target, ``hi`` was evaluated and does not (an eps0 the family refuses counts as not
-    satisfying it).
+    satisfies the target, ``hi`` was evaluated and does not. An eps0 the family refuses (RefusedError) or
+    cannot evaluate (ArithmeticError: a numerical failure of the PLD query, see :func:`_pld_epsilon`) counts
+    as NOT satisfying the target, so the answer is always an eps0 whose epsilon was actually certified;
+    ``details["unevaluable_trials"]`` counts the numerical failures.
     ``details``: ``achieved_epsilon`` at the returned eps0, ``first_failing_eps0`` (``hi``), the tolerance and
     the search range; ``range_upper_end_reached`` is True when even the top of the range satisfies the target
     (the answer is then that top, not a larger eps0).
@@ -535,10 +564,15 @@ def calibrate(
         raise ValueError(f"target_epsilon must be a finite real number > 0, got {target!r}")
     delta, n, rounds = _check_delta(delta), _check_n(n), _check_rounds(rounds)
 
+    failures = {"count": 0}
+
     def achieved(e0: float) -> float | None:
         try:
             return epsilon(family, e0, n, delta, rounds, allow_approximate=allow_approximate).value
         except RefusedError:
+            return None
+        except ArithmeticError:  # numerical failure at this trial point: counts as failing the target
+            failures["count"] += 1
             return None
 
     lo, hi = CALIBRATION_RANGE
@@ -598,6 +632,7 @@ def calibrate(
             "first_failing_eps0": hi,
             "rtol": CALIBRATION_RTOL,
             "evaluations": state["evaluations"],
+            "unevaluable_trials": failures["count"],
         },
     )
 
@@ -694,6 +729,8 @@ def _dominating_round(n: int, eps0: float, *, lower: bool) -> tuple[int, float]:
     pair with more clones is a post-processing of the one with fewer: add independent clones split by a fair
     coin), and an eps0-LDP randomizer is also eps0'-LDP for eps0' >= eps0; so the bound of the rounded round
     covers the real one. Lower family (rr-lower): n UP and eps0 DOWN, so the value stays a lower bound.
+    A coordinate whose rounded value would leave the accepted range (eps0 above :data:`EPS0_MAX`, n above
+    :data:`N_MAX`) is kept exact instead (still safe: the exact value is its own dominating point).
     """
     log_r = math.log(HETEROGENEOUS_GRID_RATIO)
     kn = math.log(n) / log_r
@@ -701,9 +738,13 @@ def _dominating_round(n: int, eps0: float, *, lower: bool) -> tuple[int, float]:
     if lower:
         n2 = max(n, math.ceil(HETEROGENEOUS_GRID_RATIO ** math.ceil(kn)))
         e2 = min(eps0, HETEROGENEOUS_GRID_RATIO ** math.floor(ke))
+        if n2 > N_MAX:  # rounding up would leave the accepted range: keep the exact n (no bucketing of n)
+            n2 = n
     else:
         n2 = max(1, min(n, math.floor(HETEROGENEOUS_GRID_RATIO ** math.floor(kn))))
         e2 = max(eps0, HETEROGENEOUS_GRID_RATIO ** math.ceil(ke))
+        if e2 > EPS0_MAX:  # rounding up would pass the cap every bound enforces: keep the exact eps0 group
+            e2 = eps0
     return int(n2), float(e2)
 
 

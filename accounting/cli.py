@@ -12,6 +12,7 @@ it, a readable table. Invalid or refused parameters exit 2 with the reason on st
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import sys
@@ -481,15 +482,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     prog = f"shuffledp {args_list[0]} {args.command}"
+    # Output is buffered and written only on success, so a failure never leaves a partial line on stdout.
+    buffer = io.StringIO()
     try:
-        return int(args.handler(args, out))
+        code = int(args.handler(args, buffer))
     except RefusedError as exc:
         hint = " (on the command line: --allow-approximate)" if "allow_approximate" in str(exc) else ""
         err.write(f"{prog}: refused: {exc}{hint}\n")
     except (ValueError, TypeError, LedgerError) as exc:
         err.write(f"{prog}: error: {exc}\n")
+    except ArithmeticError as exc:  # OverflowError, ZeroDivisionError, FloatingPointError, PLD re-check failures
+        err.write(f"{prog}: error: numerical failure for these parameters ({type(exc).__name__}): {exc}\n")
+    except RuntimeError as exc:  # e.g. a root finder that did not converge
+        err.write(f"{prog}: error: the computation did not complete for these parameters: {exc}\n")
     except OSError as exc:
         err.write(f"{prog}: error: {exc}\n")
+    else:
+        out.write(buffer.getvalue())
+        return code
     return EXIT_USAGE
 
 

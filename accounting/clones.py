@@ -49,6 +49,7 @@ from typing import Literal
 import numpy as np
 from scipy import optimize, special, stats
 
+from accounting import EPS0_MAX, N_MAX, RefusedError
 from accounting import pld as _pld
 from accounting.pld import PrivacyLossDistribution
 
@@ -70,9 +71,11 @@ Variant = Literal["stronger", "focs"]
 VARIANTS: tuple[str, ...] = ("stronger", "focs")
 
 #: Largest local privacy parameter accepted (beyond it e^eps0 loses all precision in the mixture weight).
-MAX_EPS0 = 100.0
+MAX_EPS0 = EPS0_MAX
 #: Largest number of users accepted (windows grow like sqrt(n)).
-MAX_N = 10**9
+MAX_N = N_MAX
+#: Largest Renyi order :func:`clone_renyi` computes; larger orders are refused (RefusedError).
+RENYI_MAX_ORDER = 10_000.0
 #: Log-mass drop that delimits the windows of C and of X in the exact computations (e^-60 ~ 1e-26).
 EXACT_WINDOW_DROP = 60.0
 #: Log-mass drop of the window of C in the Renyi sums (tail terms are bounded and below e^-30 relative).
@@ -322,9 +325,19 @@ def _delta_and_qtail_per_c(
     return dval, qtail
 
 
+def _stable_log_ratio(u: np.ndarray, num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """``log(num/den)`` given ``u = num/den - 1``: ``log1p(u)`` (exact near 0) where ``u > -1/2``, else
+    ``log(num) - log(den)`` of the two positive sums (``1 + u`` cancels there: at eps0 > ~37 and x = 0 it
+    rounded to ``log1p(-1) = -inf`` instead of ``-eps0``)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(u > -0.5, np.log1p(np.maximum(u, -0.5)), np.log(num) - np.log(den))
+
+
 def _log_ratio(x: np.ndarray, m: np.ndarray, w: float) -> np.ndarray:
     """log(P(x|c)/Q(x|c)) = log1p((1-2w)(2x - m) / (w x + (1-w)(m - x))), exact near x = m/2."""
-    return np.log1p((1.0 - 2.0 * w) * (2.0 * x - m) / (w * x + (1.0 - w) * (m - x)))
+    den = w * x + (1.0 - w) * (m - x)
+    num = (1.0 - w) * x + w * (m - x)
+    return _stable_log_ratio((1.0 - 2.0 * w) * (2.0 * x - m) / den, num, den)
 
 
 def _delta_per_c(c: np.ndarray, eps: float, w: float, eps0: float) -> np.ndarray:
@@ -541,10 +554,11 @@ def _log_excess(a: float, cs: np.ndarray, w: float, eps0: float, reverse: bool) 
         valid = (x >= 0.0) & (x <= m)
         xs = np.clip(x, 0.0, m)
         den = w * xs + (1.0 - w) * (m - xs)  # Q(x|c) = Bin(x; m, 1/2) * 2 den / m
+        num = (1.0 - w) * xs + w * (m - xs)
         if reverse:
-            den = (1.0 - w) * xs + w * (m - xs)
+            den, num = num, den
         u = sign * (1.0 - 2.0 * w) * (2.0 * xs - m) / den  # r - 1
-        lr = np.log1p(u)
+        lr = _stable_log_ratio(u, num, den)
         if linear:
             # Bin(x)/Bin(xc): right of the centre multiply (m - x)/(x + 1) (0 once x reaches m),
             # left of it multiply x/(m - x + 1) (0 once x reaches 0)
@@ -593,10 +607,12 @@ def _renyi_one(eps0: float, n: int, a: float, variant: str, reverse: bool) -> fl
         c_hi_win = _binom_window(trials, log_q, log_1mq, RENYI_WINDOW_DROP)
         c = np.arange(int(c_lo_win[0]), int(c_hi_win[-1]) + 1, dtype=np.int64)
         lp = _binom_logpmf(c, trials, log_q, log_1mq)
-        pmf = np.exp(lp - lp.max())
+        rel_lp = lp - lp.max()
+        pmf = np.exp(rel_lp)
         lo_tail = float(stats.binom.cdf(c[0] - 1, trials, q)) if c[0] > 0 else 0.0
         hi_tail = float(stats.binom.sf(c[-1], trials, q)) if c[-1] < trials else 0.0
-        log_pmf = np.log(pmf * ((1.0 - lo_tail - hi_tail) / pmf.sum()))
+        # in log space: exp(rel_lp) may underflow to 0 far from the mode (log 0 warned and gave -inf)
+        log_pmf = rel_lp + math.log((1.0 - lo_tail - hi_tail) / pmf.sum())
         terms = _log_excess(a, c, w, eps0, reverse)
         parts = list(log_pmf + terms)
         # rigorous tail terms (upper bounds, negligible): below -> excess_0, above -> excess_{c_hi}
@@ -625,7 +641,8 @@ def clone_renyi(eps0: float, n: int, order: float, variant: Variant = "stronger"
     rigorously bounded tail terms are below e^-40 relative. Cost grows like ``sqrt(n)`` times the number
     of c in the window, about a second at ``n = 1e6``. The pair is symmetric (``x -> m - x`` swaps P and
     Q given c), so ``D_a(P||Q) = D_a(Q||P)``: the maximum of both directions is computed as one of them
-    (the tests evaluate both and check they agree).
+    (the tests evaluate both and check they agree). Orders above :data:`RENYI_MAX_ORDER` (10000) raise
+    :class:`accounting.RefusedError` saying so.
     """
     eps0 = _check_eps0(eps0)
     n = _check_n(n)
@@ -633,8 +650,14 @@ def clone_renyi(eps0: float, n: int, order: float, variant: Variant = "stronger"
     if isinstance(order, bool) or not isinstance(order, numbers.Real):
         raise TypeError(f"order must be a real number > 1, got {type(order).__name__}")
     a = float(order)
-    if not (math.isfinite(a) and 1.0 < a <= 10_000.0):
-        raise ValueError(f"order must be finite and in (1, 10000], got {a!r}")
+    if not (math.isfinite(a) and 1.0 < a):
+        raise ValueError(f"order must be a finite real number > 1, got {a!r}")
+    if a > RENYI_MAX_ORDER:
+        raise RefusedError(
+            f"the exact clone Renyi divergence is computed for orders 1 < order <= {RENYI_MAX_ORDER:g} "
+            f"(RENYI_MAX_ORDER: its x window widens with order * eps0 and the cost with it); got order={a:g}. "
+            f"For larger orders use D_order <= D_inf <= eps0 = {eps0:g}, or a smaller order"
+        )
     return _renyi_cached(eps0, n, a, variant)
 
 
@@ -710,7 +733,7 @@ def _loss_support(eps0: float, n: int, variant: str, pessimistic: bool):
         den = w * xs + (1.0 - w) * (m - xs)
         with np.errstate(divide="ignore", invalid="ignore", under="ignore"):
             probs = np.where(valid, np.exp(log_bin) * (2.0 * num / m), 0.0)
-            losses = np.where(valid, np.log1p((1.0 - 2.0 * w) * (2.0 * xs - m) / den), 0.0)
+            losses = np.where(valid, _stable_log_ratio((1.0 - 2.0 * w) * (2.0 * xs - m) / den, num, den), 0.0)
         # exact P-masses outside the window: X = A + D, A ~ Bin(c, 1/2), D ~ Bern(1 - w)
         x_lo = np.maximum(xc[:, 0] - half, 0.0)
         x_hi = np.minimum(xc[:, 0] + half, m[:, 0])
@@ -740,6 +763,10 @@ def clone_loss_moments(eps0: float, n: int, variant: Variant = "stronger") -> tu
     n = _check_n(n)
     variant = _check_variant(variant)
     losses, probs, _ = _loss_support(eps0, n, variant, True)
+    # Losses of -inf (P-mass where the log-ratio underflows, only at very large eps0) carry no
+    # hockey-stick mass; the moments (used only to size the grid) are those of the finite part.
+    finite = np.isfinite(losses)
+    losses, probs = losses[finite], probs[finite]
     tot = probs.sum()
     mean = float(np.dot(losses, probs) / tot)
     var = float(np.dot((losses - mean) ** 2, probs) / tot)

@@ -14,6 +14,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+from accounting import EPS0_MAX, N_MAX
+
 __all__ = ["ShuffleRound"]
 
 
@@ -29,16 +31,26 @@ def _as_report_count(value: Any) -> int:
         ) from None
     if count < 1:
         raise ValueError(f"n (number of attested reports) must be an integer >= 1, got {count}")
+    if count > N_MAX:
+        raise ValueError(
+            f"n (number of attested reports) must be <= {N_MAX:,} (N_MAX, the largest n the exact clone "
+            f"analysis accepts), got {count}"
+        )
     return int(count)
 
 
 def _as_local_epsilon(value: Any) -> float:
-    """Return ``value`` as a finite float > 0, or raise ``ValueError``/``TypeError`` saying what is allowed."""
+    """Return ``value`` as a float in (0, EPS0_MAX], or raise ``ValueError``/``TypeError`` saying what is allowed.
+
+    The upper limit is the one every bound enforces (:data:`accounting.EPS0_MAX`): a round the bounds would
+    reject must never enter an accountant, where it would make every later query fail.
+    """
+    allowed = f"a finite real number > 0 and <= {EPS0_MAX:g} (EPS0_MAX, the largest eps0 any bound accepts)"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"eps0 (local randomizer epsilon) must be a finite real number > 0, got {value!r}")
+        raise TypeError(f"eps0 (local randomizer epsilon) must be {allowed}, got {value!r}")
     eps0 = float(value)
-    if not math.isfinite(eps0) or eps0 <= 0.0:
-        raise ValueError(f"eps0 (local randomizer epsilon) must be a finite real number > 0, got {eps0!r}")
+    if not math.isfinite(eps0) or not 0.0 < eps0 <= EPS0_MAX:
+        raise ValueError(f"eps0 (local randomizer epsilon) must be {allowed}, got {eps0!r}")
     return eps0
 
 
@@ -51,12 +63,13 @@ class ShuffleRound:
     ``n = 1`` is allowed and means no amplification at all (the single report is ``eps0``-DP).
 
     Attributes:
-        n: attested number of shuffled reports in the round, an integer >= 1.
-        eps0: the local (pure) differential-privacy parameter of each report's randomizer, finite and > 0.
+        n: attested number of shuffled reports in the round, an integer in [1, N_MAX].
+        eps0: the local (pure) differential-privacy parameter of each report's randomizer, in (0, EPS0_MAX]
+            (EPS0_MAX = 100, the limit of every bound).
 
     Raises:
         TypeError: ``n`` is not an integer or ``eps0`` is not a real number.
-        ValueError: ``n < 1`` or ``eps0`` is not finite and positive.
+        ValueError: ``n`` outside [1, N_MAX] or ``eps0`` outside (0, EPS0_MAX].
     """
 
     n: int

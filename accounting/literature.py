@@ -345,18 +345,44 @@ def rr_lower_epsilon(eps0: float, n: int, delta: float) -> float:
     )
 
 
+def _log_moment(log_p0: np.ndarray, x: np.ndarray) -> float:
+    """``log E_P0[e^x] = log sum_k P0(k) e^{x_k}`` without overflow, underflow or cancellation against 1.
+
+    ``logsumexp(log_p0 + x)`` never overflows (``x`` may exceed 709, ``P0`` may underflow). When that log
+    moment is small (<= ``_LOG_MOMENT_DIRECT``) its absolute error ~1e-16 would swamp a tiny divergence, so it
+    is recomputed as ``log1p(sum_k P0(k) expm1(x_k))`` with every term finite: ``P0 expm1(x)`` where
+    ``x <= 700`` and ``e^{log P0 + x} - P0`` above (each such term is <= e^{lse} there, so no overflow).
+    """
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        lse = float(special.logsumexp(log_p0 + x))
+    if math.isnan(lse):
+        raise ArithmeticError("rr-lower: the Renyi moment sum is NaN (numerical failure); refusing to report it")
+    if lse > _LOG_MOMENT_DIRECT:
+        return lse
+    p0 = np.exp(log_p0)
+    big = x > 700.0
+    with np.errstate(over="ignore", under="ignore"):
+        terms = np.where(big, np.exp(np.where(big, log_p0 + x, 0.0)) - p0, p0 * np.expm1(np.minimum(x, 700.0)))
+    return math.log1p(max(float(np.sum(terms)), 0.0))
+
+
+#: Above this log moment, ``logsumexp`` is used as it is (relative error ~1e-16/0.5); below it, ``log1p``.
+_LOG_MOMENT_DIRECT = 0.5
+
+
 def rr_lower_renyi(eps0: float, n: int, order: float) -> float:
     """Exact Renyi divergence of order ``order`` > 1 of shuffled binary RR, others all 0, max of both directions.
 
-    ``D_a(P1||P0) = log E_P0[L^a] / (a-1)`` and ``D_a(P0||P1) = log E_P0[L^{1-a}] / (a-1)``, computed over the
-    full support as ``log1p(sum_k P0(k) expm1(a loss_k)) / (a-1)`` (no cancellation against 1). Kind: LOWER
-    for general eps0-LDP randomizers (seed 000's Fig. 2-3 lower curve is the weaker Girgis eq. (6)).
+    With ``loss_k = log(P1(k)/P0(k))``: ``D_a(P1||P0) = log sum_k P0(k) e^{a loss_k} / (a-1)`` and
+    ``D_a(P0||P1) = log sum_k P1(k) e^{-a loss_k} / (a-1) = log sum_k P0(k) e^{(1-a) loss_k} / (a-1)``,
+    computed over the full support in log space by :func:`_log_moment` (``a eps0`` may exceed 709 and P0 may
+    underflow; small divergences go through ``log1p`` of a sum of ``expm1`` terms, no cancellation against 1).
+    Kind: LOWER for general eps0-LDP randomizers (seed 000's Fig. 2-3 lower curve is the weaker Girgis eq. (6)).
     """
     rr = rr_shuffle_loss(eps0, n, full_support=True)
-    p0 = np.exp(rr.log_p0)
-    forward = float(np.sum(p0 * np.expm1(order * rr.loss)))
-    backward = float(np.sum(p0 * np.expm1((1.0 - order) * rr.loss)))
-    return max(math.log1p(max(forward, 0.0)), math.log1p(max(backward, 0.0))) / (order - 1.0)
+    forward = _log_moment(rr.log_p0, order * rr.loss)
+    backward = _log_moment(rr.log_p0, (1.0 - order) * rr.loss)
+    return max(forward, backward, 0.0) / (order - 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 For each report size (default 100 KiB and 1 MiB payloads) and each repetition this script
 
 1. seals ``--reports`` envelopes (one per enrolled client) for a fresh round, into a file (not timed);
-2. starts nothing new: one ``shuffler.process.ShufflerProcess`` per size serves all repetitions of that size
-   (mTLS, 127.0.0.1, port 0, journal in a temporary directory on the same disk as ``--workdir``);
+2. submits them to a real ``shuffler.process.ShufflerProcess`` (one per size, serving all repetitions of that
+   size; mTLS, 127.0.0.1, port 0, journal in a temporary directory under ``--workdir``);
 3. times ``ShufflerClient.submit`` (client-streaming, envelopes read from the file one at a time) and
    ``ShufflerClient.fetch`` (server-streaming; the client checks lengths, count and the attested output
    digest, as the ServerApp does) separately;
@@ -15,6 +15,11 @@ For each report size (default 100 KiB and 1 MiB payloads) and each repetition th
 MB/s uses MB = 10^6 bytes of envelope (submit) or inner ciphertext (fetch); "together" is the envelope bytes
 over submit + fetch time. The goal in issue 3 is >= 300 MB/s together on a 2-core machine.
 
+Before the runs it writes ``--disk-probe-mib`` (default 1 GiB) to the journal's filesystem and fdatasyncs it:
+the shuffler journals and fsyncs every batch before acknowledging it, so that rate bounds submit for a batch of
+that size. ``--core-breakdown`` pushes one batch per size through the in-process core (no gRPC) and splits
+add() (open, verify, stage) from finish() (output digest, fsync, sign, journal).
+
 ``--baseline`` also measures plain gRPC client-streaming of the same envelopes to a do-nothing servicer in a
 child process over the same mTLS credentials (the transport ceiling on this machine).
 ``--strace`` attaches ``strace -c -f`` to the shuffler during one extra submit+fetch (syscall time, e.g. fsync);
@@ -23,7 +28,7 @@ child process over the same mTLS credentials (the transport ceiling on this mach
 Usage::
 
     python benchmarks/bench_shuffler.py                      # 1,000 x 100 KiB and 1,000 x 1 MiB, 2 repeats
-    python benchmarks/bench_shuffler.py --reports 200 --sizes 1MiB --repeat 1 --baseline
+    python benchmarks/bench_shuffler.py --reports 200 --sizes 1MiB --repeat 1 --baseline --core-breakdown --perf
 """
 
 from __future__ import annotations
@@ -354,6 +359,23 @@ def core_breakdown(keys: Keys, cfg: Path, envs: EnvelopeFile, round_id: int, dig
             f"batch {sealed.batch_id.hex()[:8]} sealed")
 
 
+def disk_write_probe(directory: Path, total: int, block: int = 2**20) -> float:
+    """MB/s of writing ``total`` fresh bytes to a new file in ``directory`` and fdatasync-ing it (like
+    ``dd conv=fdatasync``): the ceiling for any submit that makes the whole batch durable before acknowledging."""
+    path = directory / "disk-probe.bin"
+    buf = os.urandom(block)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(total // block):
+            os.write(fd, buf)
+        os.fdatasync(fd)
+        return total / MB / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
 def fmt_bytes(b: float) -> str:
     return f"{b / 2**20:,.0f} MiB"
 
@@ -366,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where keys, envelopes and the journal go (default: a tempdir)")
     ap.add_argument("--baseline", action="store_true", help="also time plain gRPC streaming to a sink")
     ap.add_argument("--strace", action="store_true", help="strace -c the shuffler during one extra run per size")
+    ap.add_argument("--disk-probe-mib", type=int, default=1024,
+                    help="MiB for the fdatasync'ed disk write probe (0: skip); small probes can fit in a host cache")
     ap.add_argument("--core-breakdown", action="store_true",
                     help="also push one batch per size through the in-process core (no gRPC): add() vs finish()")
     ap.add_argument("--perf", action="store_true", help="perf record the shuffler during one extra run per size")
@@ -386,10 +410,15 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     max_env = max(sizes) + ENVELOPE_OVERHEAD
     max_msg = max_env + 1024
+    extra: list[str] = []
     keys = make_keys(work / "keys", ns.reports, max_env)
+    if ns.disk_probe_mib > 0:
+        speed = disk_write_probe(work, total=ns.disk_probe_mib * 2**20)
+        extra.append(f"disk ceiling: {ns.disk_probe_mib} MiB written + fdatasync in the journal's filesystem: "
+                     f"{speed:,.0f} MB/s (a submit that makes the batch durable before acknowledging cannot beat "
+                     "this for batches of that size)")
     digest = model_digest([b"bench-model"])
     rows: list[Run] = []
-    extra: list[str] = []
     round_id = 0
     try:
         for size in sizes:

@@ -63,7 +63,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "target-delta": 1e-6,
     "budget-epsilon": 10.0,
     "accounting-family": "clones",
-    "comparison-families": "",
+    "comparison-families": "rr-lower,no-shuffle",
     "shuffler-address": "auto",
     "shuffler-root-cert": "",
     "shuffler-client-cert": "",

@@ -44,7 +44,7 @@ from accounting.accountant import ShuffleAccountant
 from accounting.events import ShuffleRound
 from accounting.ledger import Ledger
 from clients import messages as M
-from clients.report import ReportError, decode_report
+from clients.report import decode_report
 from server.config import ServerConfig
 from server.optim import ReportAccumulator, ServerOptimizer, num_parameters
 from server.state import Checkpoint, CheckpointError, CheckpointStore
@@ -56,7 +56,6 @@ __all__ = [
     "RoundOutcome",
     "RoundEngine",
     "ResumeError",
-    "BudgetStop",
     "extract_envelopes",
     "sample_nodes",
     "RESUME_KEYS",
@@ -89,10 +88,6 @@ class GridLike(Protocol):
     def send_and_receive(self, messages: Iterable[Any], *, timeout: float | None = None) -> Iterable[Any]: ...
 
 
-class AttestationLike(Protocol):
-    n_accepted: int
-
-
 class ShufflerLike(Protocol):
     """The part of ``shuffler.client.ShufflerClient`` the round logic uses."""
 
@@ -109,10 +104,6 @@ InnerOpener = Callable[[bytes, int], bytes]
 
 class ResumeError(RuntimeError):
     """The checkpoint, the ledger and the configuration do not agree; resuming would lose or double-count."""
-
-
-class BudgetStop(RuntimeError):
-    """The next round would exceed the privacy budget (raised only internally, reported as a stop)."""
 
 
 class ShufflerRefusal(RuntimeError):

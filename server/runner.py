@@ -272,13 +272,70 @@ def _alive(pid: int) -> bool:
     return state[state.rfind(")") + 2 :].split()[0] != "Z"
 
 
+def _progress_line(row: Mapping[str, Any]) -> str:
+    return (
+        f"[shuffledp] round {row['round']}: {row['n_reports']} reports (attested), accuracy "
+        f"{_fmt(row.get('accuracy'))}, loss {_fmt(row.get('loss'))}, epsilon so far {_fmt(row.get('epsilon'))} "
+        f"(delta {_fmt(row.get('delta'))})"
+    )
+
+
+def _fmt(value: Any) -> str:
+    return "n/a" if value is None else f"{float(value):.4g}"
+
+
+class _ProgressWatcher:
+    """Prints one line per finished round as soon as ``report.json`` records it.
+
+    Flower's log stream (``flwr run --stream``) lags behind the ServerApp, sometimes by many rounds, so the
+    per-round lines come from the run's own report instead (the streamed copies are not repeated).
+    """
+
+    def __init__(self, report: Path) -> None:
+        import threading
+
+        self.report = report
+        self.seen: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="shuffledp-progress", daemon=True)
+
+    def __enter__(self) -> _ProgressWatcher:
+        self.poll()  # rounds already done (resume) are not announced again
+        self._thread.start()
+        return self
+
+    def poll(self, *, announce: bool = False) -> None:
+        try:
+            doc = json.loads(self.report.read_text())
+        except (OSError, json.JSONDecodeError):
+            return
+        events = [(int(r["round"]), _progress_line(r)) for r in doc.get("rounds", [])]
+        events += [(int(s["round"]), f"[shuffledp] round {s['round']}: skipped - {s['reason']}")
+                   for s in doc.get("skipped", [])]
+        for number, line in sorted(events):
+            if number not in self.seen:
+                self.seen.add(number)
+                if announce:
+                    sys.stdout.write(line + "\n")
+                    sys.stdout.flush()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            self.poll(announce=True)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self.poll(announce=True)
+
+
 def _relay(proc: subprocess.Popen[str], log_file: Path) -> None:
     if proc.stdout is None:
         raise RunnerError("the flwr process has no output pipe")
     with open(log_file, "a", encoding="utf-8") as log:
         for line in proc.stdout:
             log.write(line)
-            if any(noise in line for noise in _NOISE):
+            if any(noise in line for noise in _NOISE) or line.startswith("[shuffledp] round "):
                 continue
             sys.stdout.write(line)
             sys.stdout.flush()
@@ -301,8 +358,9 @@ def _launch(project: Path, out_dir: Path, spec: Mapping[str, Any], *, flwr_home:
             stdin=subprocess.DEVNULL,
         )
         try:
-            _relay(proc, out_dir / "flower.log")
-            return proc.wait()
+            with _ProgressWatcher(out_dir / "report.json"):
+                _relay(proc, out_dir / "flower.log")
+                return proc.wait()
         except BaseException:
             proc.terminate()
             try:

@@ -262,3 +262,34 @@ def test_ledger_records_the_accountant_each_round(tmp_path: Path) -> None:
     assert rows[0]["epsilons"]["ccg-gdp"]["reason"]
     assert rows[1]["epsilons"]["clones"]["value"] > rows[0]["epsilons"]["clones"]["value"]
     assert rows[1]["epsilons"]["rr-lower"]["value"] <= rows[1]["epsilons"]["clones"]["value"] * (1 + ROUNDOFF)
+
+
+# ------------------------------------------------------------------ eps0 above EPS0_MAX never enters (fix 3)
+
+
+def test_shuffle_round_rejects_eps0_above_the_limit_of_every_bound() -> None:
+    from accounting import EPS0_MAX
+
+    assert ShuffleRound(100, EPS0_MAX).eps0 == EPS0_MAX
+    with pytest.raises(ValueError, match=r"<= 100 \(EPS0_MAX"):
+        ShuffleRound(100, 150.0)
+    with pytest.raises(ValueError, match="EPS0_MAX"):
+        ShuffleRound.from_dict({"n": 100, "eps0": 100.5})
+    with pytest.raises(ValueError, match="<= 1,000,000,000 \\(N_MAX"):
+        ShuffleRound(10**9 + 1, 1.0)
+
+
+def test_compose_validates_before_changing_the_history() -> None:
+    acc = ShuffleAccountant(1e-6)
+    acc.compose(ShuffleRound(1000, 2.0))
+    before = acc.epsilon().value
+    bad = ShuffleRound(100, 1.0)
+    object.__setattr__(bad, "eps0", 150.0)  # a frozen round altered behind its back
+    with pytest.raises(ValueError, match="EPS0_MAX"):
+        acc.compose(bad)
+    with pytest.raises(ValueError, match="EPS0_MAX"):
+        acc.would_exceed(bad, 10.0)
+    assert acc.rounds == (ShuffleRound(1000, 2.0),)
+    assert acc.state_dict()["rounds"] == [{"n": 1000, "eps0": 2.0}]
+    assert acc.epsilon().value == before
+    assert not acc.would_exceed(ShuffleRound(1000, 2.0), 100.0)

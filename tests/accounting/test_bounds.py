@@ -404,3 +404,120 @@ def test_eps0_above_the_supported_maximum_is_rejected_with_the_limit() -> None:
     with pytest.raises(ValueError, match="<= 100"):
         bounds.epsilon("no-shuffle", 150.0, 1000, 1e-6)
     assert bounds.epsilon("girgis", 100.0, 1000, 1e-6, rounds=3).value <= 300.0
+
+
+# ------------------------------------------------------------------ PLD re-check: exact, stepped up (fix 2)
+
+
+def test_pld_epsilon_at_huge_composed_losses_is_stepped_up_to_an_exact_certificate() -> None:
+    # eps0 = 20, T = 1000: composed losses ~2e4; the closed-form query lands ~1e-6 relative below the crossing.
+    from accounting import clones, pld
+
+    eps0, n, delta, rounds = 20.0, 100, 1e-6, 1000
+    interval = clones.suggested_interval(eps0, n, rounds, "stronger")
+    one = clones.clone_pld(eps0, n, "stronger", value_discretization_interval=interval, pessimistic=True)
+    composed = pld.compose([(one, rounds)])
+    eps = bounds._pld_epsilon(composed, delta)
+    assert math.isfinite(eps)
+    assert pld.delta_for_epsilon(composed, eps) <= delta  # exactly, no tolerance
+    assert eps <= pld.epsilon_for_delta(composed, delta) * (1.0 + bounds.PLD_STEP_UP_RTOL)
+    b = bounds.epsilon("clones", eps0, n, delta, rounds)  # raised ArithmeticError before
+    assert b.kind == "upper" and b.value <= rounds * eps0
+
+
+class _FakePLD:
+    """A stand-in PLD module: epsilon_for_delta returns ``e0``; delta(eps) is ``above`` up to ``e_ok``."""
+
+    def __init__(self, e0: float, e_ok: float, delta: float, above: float) -> None:
+        self.e0, self.e_ok, self.delta, self.above = e0, e_ok, delta, above
+
+    def epsilon_for_delta(self, composed: object, delta: float) -> float:
+        return self.e0
+
+    def delta_for_epsilon(self, composed: object, eps: float) -> float:
+        return self.above if eps < self.e_ok else self.delta * (1.0 - 1e-12)
+
+
+def test_pld_epsilon_never_accepts_a_delta_slightly_above_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    # delta(e0) = delta (1 + 5e-7): the old 1e-6 relative slack accepted e0 itself.
+    delta, e0 = 1e-6, 3.0
+    e_ok = e0 + 40 * math.ulp(e0)
+    fake = _FakePLD(e0, e_ok, delta, delta * (1.0 + 5e-7))
+    monkeypatch.setattr(bounds, "_pld", lambda: fake)
+    eps = bounds._pld_epsilon(object(), delta)
+    assert eps >= e_ok and fake.delta_for_epsilon(None, eps) <= delta
+    assert eps <= e0 * (1.0 + bounds.PLD_STEP_UP_RTOL)
+
+
+def test_pld_epsilon_raises_when_stepping_up_does_not_reach_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    delta, e0 = 1e-6, 3.0
+    fake = _FakePLD(e0, e0 * 1.01, delta, delta * 1.5)  # needs 1% more: beyond PLD_STEP_UP_RTOL
+    monkeypatch.setattr(bounds, "_pld", lambda: fake)
+    with pytest.raises(ArithmeticError, match="numerical failure"):
+        bounds._pld_epsilon(object(), delta)
+
+
+def test_calibrate_counts_a_numerical_failure_as_failing_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = bounds.epsilon
+
+    def flaky(family: str, eps0: float, *args: object, **kwargs: object) -> Bound:
+        if eps0 > 2.0:
+            raise ArithmeticError("simulated PLD re-check failure")
+        return real(family, eps0, *args, **kwargs)
+
+    monkeypatch.setattr(bounds, "epsilon", flaky)
+    b = bounds.calibrate("no-shuffle", 50.0, 1e-6, 100, 1)  # the true answer (range end 20) is unevaluable
+    assert b.value <= 2.0 and b.details["unevaluable_trials"] >= 1
+    assert real("no-shuffle", b.value, 100, 1e-6, 1).value <= 50.0
+
+
+# ------------------------------------------------------------------ bucketing near EPS0_MAX (fix 3)
+
+
+def test_dominating_round_never_rounds_eps0_past_the_cap() -> None:
+    from accounting import EPS0_MAX
+
+    for eps0 in (EPS0_MAX, 99.9, 99.99):
+        n2, e2 = bounds._dominating_round(1000, eps0, lower=False)
+        assert eps0 <= e2 <= EPS0_MAX and n2 <= 1000
+    assert bounds._dominating_round(1000, 50.0, lower=False)[1] > 50.0  # still bucketed below the cap
+
+
+def test_heterogeneous_rounds_at_eps0_max_are_bucketed_without_leaving_the_range() -> None:
+    rounds = [ShuffleRound(n, 100.0) for n in range(995, 1001)]  # 6 groups > HETEROGENEOUS_EXACT_GROUPS
+    b = bounds.epsilon_for_rounds("clones", rounds, 1e-6)  # ValueError (eps0 100.3 > 100) before
+    assert b.details["bucketed"]["groups_before"] == 6
+    assert b.value <= 6 * 100.0
+
+
+def test_clones_composed_at_large_eps0_has_finite_losses() -> None:
+    # x = 0 at eps0 > ~37: log1p((1-2w)(2x-m)/den) rounded to log1p(-1) = -inf and the PLD refused it.
+    from accounting import clones
+
+    for eps0 in (40.0, 100.0):
+        losses, probs, _ = clones._loss_support(eps0, 1000, "stronger", True)
+        assert np.all(np.isfinite(losses)) and losses.min() == pytest.approx(-eps0, rel=1e-12)
+        b = bounds.epsilon("clones", eps0, 1000, 1e-6, 6)
+        assert b.details["uncapped"] >= b.value and b.value <= 6 * eps0
+
+
+# ------------------------------------------------------------------ fix 4: refusal before underflow, Renyi order limit
+
+
+@pytest.mark.parametrize("family", ["ccg-gdp", "ccg-rdp", "canonical-gdp"])
+def test_clt_delta_that_underflows_to_zero_is_refused(family: str) -> None:
+    # delta(5) underflows to 0; the refusal rule used to be skipped and 0.0 returned as an approximate delta.
+    with pytest.raises(RefusedError, match="underflows to 0"):
+        bounds.delta(family, 1.0, 10_000, 5.0)
+    b = bounds.delta(family, 1.0, 10_000, 5.0, allow_approximate=True)
+    assert b.value == 0.0 and b.kind == "approximate"
+
+
+def test_clone_renyi_refuses_orders_above_its_limit_with_the_limit_in_the_message() -> None:
+    from accounting import clones
+
+    with pytest.raises(RefusedError, match=r"order <= 10000 \(RENYI_MAX_ORDER"):
+        bounds.renyi("clones", 1.0, 1000, 20_000.0)
+    with pytest.raises(ValueError, match="> 1"):
+        clones.clone_renyi(1.0, 1000, 1.0)
+    assert math.isfinite(bounds.renyi("clones", 1.0, 1000, clones.RENYI_MAX_ORDER).value)

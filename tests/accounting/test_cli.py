@@ -252,3 +252,43 @@ def test_account_imports_no_torch_flwr_grpc_or_matplotlib() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     assert math.isfinite(json.loads(proc.stdout)["results"][0]["value"])
+
+
+def test_calibrate_at_huge_composed_losses_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    # eps0 up to 20 over 1000 rounds: the PLD re-check raised ArithmeticError and the CLI exited 1 (fix 2).
+    args = ("account", "calibrate", "--target-epsilon", "5", "--delta", "1e-6", "--n", "100", "--rounds", "1000")
+    obj = ok_json_in_process(capsys, *args)
+    assert obj["quantity"] == "eps0" and 0.0 < obj["value"] < 20.0
+
+
+@pytest.mark.parametrize("exc", [ArithmeticError("PLD re-check failed"), RuntimeError("did not converge"),
+                                 OverflowError("math range error")])
+def test_numerical_failures_exit_2_with_the_reason(
+    exc: Exception, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def boom(*args: object, **kwargs: object) -> None:
+        raise exc
+
+    monkeypatch.setattr(bounds, "epsilon", boom)
+    code = main(["account", "epsilon", "--eps0", "1", "--n", "100", "--delta", "1e-6", "--json"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert str(exc) in captured.err and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("renyi", "--eps0", "4", "--n", "100000", "--order", "300"),  # pmf underflow -> log(0) warning
+        ("renyi", "--eps0", "60", "--n", "2", "--order", "300"),  # log1p(-1) at large eps0
+        ("delta", "--eps0", "60", "--n", "2", "--epsilon", "0.5"),
+        ("renyi", "--eps0", "6", "--n", "10000", "--order", "256", "--bound", "rr-lower"),  # NaN before (fix 1)
+    ],
+)
+def test_extreme_parameters_leak_no_runtime_warning(args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        obj = ok_json_in_process(capsys, "account", *args)
+    assert math.isfinite(obj["value"])

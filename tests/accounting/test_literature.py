@@ -365,3 +365,50 @@ def test_canonical_gdp_for_kary_randomizers() -> None:
     assert e10 < e2
     with pytest.raises(TypeError, match="chi2"):
         lit.canonical_gdp_epsilon(LaplaceRandomizer(1.0, 1.0), 100_000, 1e-6)
+
+
+@pytest.mark.parametrize("eps0, n, order", [(4.0, 10, 256.0), (6.0, 10_000, 256.0), (3.0, 50, 1000.0)])
+def test_rr_lower_renyi_high_order_is_finite_and_below_clones(eps0: float, n: int, order: float) -> None:
+    # order * eps0 > 709: expm1(order * loss) overflowed and p0 underflow gave 0 * inf = NaN (fix 1).
+    assert order * eps0 > 709
+    import warnings
+
+    from accounting import bounds
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lower = bounds.renyi("rr-lower", eps0, n, order).value
+    upper = bounds.renyi("clones", eps0, n, order).value
+    assert math.isfinite(lower) and 0.0 < lower <= eps0 * order / (order - 1.0)
+    assert lower <= upper * (1.0 + 1e-12)  # equal up to rounding where both reach the largest loss
+
+
+def test_rr_lower_renyi_high_order_matches_direct_convolution_in_log_space() -> None:
+    eps0, n = 4.0, 60
+    p0, p1 = _rr_direct(eps0, n)
+    pos = (p0 > 0) & (p1 > 0)
+    l0, l1 = np.log(p0[pos]), np.log(p1[pos])
+    for lam in (200.0, 256.0, 2000.0):
+        fwd = special.logsumexp(lam * l1 + (1 - lam) * l0) / (lam - 1)
+        bwd = special.logsumexp(lam * l0 + (1 - lam) * l1) / (lam - 1)
+        assert lit.rr_lower_renyi(eps0, n, lam) == pytest.approx(max(fwd, bwd), rel=1e-9)
+
+
+def test_rr_lower_renyi_small_divergence_keeps_relative_accuracy() -> None:
+    # Tiny divergence: the log1p(sum expm1) path; compare with 50-digit arithmetic.
+    import mpmath
+
+    eps0, n, lam = 0.1, 2_000, 1.5
+    with mpmath.workdps(50):
+        q = mpmath.mpf(1) / (mpmath.e ** mpmath.mpf(eps0) + 1)
+        fwd = mpmath.mpf(0)
+        bwd = mpmath.mpf(0)
+        for k in range(n + 1):
+            # P0: Bin(n-1, q) + Bern(q); P1: Bin(n-1, q) + Bern(1-q)
+            b = lambda j: mpmath.binomial(n - 1, j) * q**j * (1 - q) ** (n - 1 - j) if 0 <= j <= n - 1 else 0
+            a0 = b(k) * (1 - q) + b(k - 1) * q
+            a1 = b(k) * q + b(k - 1) * (1 - q)
+            fwd += a1**lam * a0 ** (1 - lam)
+            bwd += a0**lam * a1 ** (1 - lam)
+        exact = float(max(mpmath.log(fwd), mpmath.log(bwd)) / (lam - 1))
+    assert lit.rr_lower_renyi(eps0, n, lam) == pytest.approx(exact, rel=1e-8)

@@ -24,7 +24,7 @@ def test_defaults_parse() -> None:
     assert cfg.num_server_rounds == DEFAULTS["num-server-rounds"]
     assert cfg.auto_shuffler
     assert cfg.server_optimizer == "sgd"
-    assert cfg.comparison_families == ()
+    assert cfg.comparison_families == ("rr-lower", "no-shuffle")
 
 
 def test_overrides_and_inf_budget() -> None:

@@ -142,3 +142,24 @@ def test_killed_run_resumes_with_each_round_in_the_ledger_exactly_once(tmp_path:
     assert [o.round for o in result.history] == sorted({o.round for o in result.history})
     ckpt_rounds = [o.round for o in result.history if o.status in ("applied", "lost")]
     assert ckpt_rounds == charged
+
+
+def test_run_job_uses_a_configured_remote_shuffler_over_mtls(
+    tmp_path: Path, keys: Any, kit: Any, shuffler_service: Any
+) -> None:
+    """shuffler-address = host:port: no process is started; the job connects with the mTLS files."""
+    cfg = kit.make_config(tmp_path, keys, **{"num-server-rounds": 1, "shuffler-address": shuffler_service.address,
+                                             "shuffler-root-cert": str(keys.d.ca_cert),
+                                             "shuffler-client-cert": str(keys.d.serverapp_cert),
+                                             "shuffler-client-key": str(keys.d.serverapp_tls_key)})
+    grid = kit.FakeGrid.build([kit.honest_factory(keys)] * kit.N)
+    result = run_job(cfg, grid, node_wait=0.0, evaluator=kit.digits_evaluator, initial_arrays=kit.model_arrays(),
+                     plot=False, progress=lambda line: None)
+    assert [o.status for o in result.history] == ["applied"]
+    assert not (result.paths.out_dir / "shuffler.log").exists()  # no local shuffler was started
+    assert "accepted=12" in shuffler_service.log_tail()
+    wrong = kit.make_config(tmp_path, keys, **{"run-name": "t2", "shuffler-address": shuffler_service.address,
+                                               "shuffler-client-key": str(tmp_path / "missing.key")})
+    with pytest.raises(ConfigError, match="mTLS files for the shuffler connection are missing"):
+        run_job(wrong, grid, node_wait=0.0, evaluator=kit.digits_evaluator, initial_arrays=kit.model_arrays(),
+                plot=False, progress=lambda line: None)

@@ -84,6 +84,8 @@ class Drop:
     envelopes: list[bytes]
     drops: dict[str, int]
     payloads: list[bytes]
+    envelope_length: int | None = None  # announced in the header (then odd lengths are counted drops)
+    after: Callable[[], None] | None = None  # an extra check once the batch is released
 
 
 @dataclass
@@ -102,6 +104,7 @@ class Refusal:
 class Ctx:
     svc: Svc
     r: int  # this case's round id
+    last_client: Any = None
 
     @property
     def kit(self) -> Any:
@@ -130,12 +133,15 @@ class Ctx:
         )
 
     def submit(self, envelopes: list[bytes], **kw: Any) -> Any:
+        extra = {"envelope_length": kw["envelope_length"]} if kw.get("envelope_length") else {}
         with self.svc.client() as c:
+            self.last_client = c
             return c.submit(
                 round_id=kw.get("round_id", self.r),
                 key_epoch=kw.get("key_epoch", self.kit.key_epoch),
                 model_digest=kw.get("model_digest", self.kit.digest),
                 envelopes=envelopes,
+                **extra,
             )
 
     def raw_submit(self, messages: list[bytes], *, max_bytes: int = 8 << 20) -> Any:
@@ -358,6 +364,44 @@ def kitchen_sink(ctx: Ctx) -> Drop:
     }, payloads)
 
 
+# ------------------------------------------------------------------ with the round's envelope length announced
+def _announced(ctx: Ctx, hostile: list[bytes], drops: dict[str, int]) -> Drop:
+    d = _drop(ctx, hostile, drops)
+    d.envelope_length = len(d.envelopes[0])
+    return d
+
+
+@case
+def announced_length_drops_a_valid_envelope_of_another_length(ctx: Ctx) -> Drop:
+    # enrolled, correctly sealed and signed, but longer: unannounced this refuses the batch (mixed_lengths)
+    return _announced(ctx, [ctx.seal(4, size=80)], {"wrong_length": 1})
+
+
+@case
+def announced_length_drops_truncated_and_padded(ctx: Ctx) -> Drop:
+    e = ctx.seal(4)
+    return _announced(ctx, [e[:-1], e + b"\0", b""], {"wrong_length": 3})
+
+
+@case
+def announced_length_oversized_is_still_oversized(ctx: Ctx) -> Drop:
+    big = ctx.seal(4, size=MAX_ENVELOPE + 1 - ENVELOPE_OVERHEAD)
+    return _announced(ctx, [big], {"oversized": 1})
+
+
+@case
+def envelope_too_large_for_the_channel_becomes_a_counted_drop(ctx: Ctx) -> Drop:
+    # the ShufflerClient does not let one huge envelope abort the stream: it sends an empty placeholder
+    huge = secrets.token_bytes(MAX_ENVELOPE + 4096)
+    d = _drop(ctx, [huge], {"malformed": 1})
+
+    def check() -> None:
+        assert ctx.last_client.skipped_oversized == 1
+
+    d.after = check
+    return d
+
+
 # ------------------------------------------------------------------------------------- whole-request refusals
 @case
 def oversized_beyond_message_limit(ctx: Ctx) -> Refusal:
@@ -401,6 +445,30 @@ def batch_below_k_one_client_many_reports(ctx: Ctx) -> Refusal:
     sybil = [ctx.seal(5, payload=ctx.kit.payload(500 + j)) for j in range(5)]
     envs, payloads = ctx.honest()
     return Refusal(lambda: ctx.submit(sybil), grpc.StatusCode.FAILED_PRECONDITION, "below_threshold", envs, payloads)
+
+
+@case
+def announced_length_below_the_envelope_overhead(ctx: Ctx) -> Refusal:
+    envs, payloads = ctx.honest()
+    msgs = [header_msg(ctx.kit, 4, round_id=ctx.r, envelope_length=ENVELOPE_OVERHEAD - 1)]
+    msgs += [envelope_msg(e) for e in envs]
+    return Refusal(lambda: ctx.raw_submit(msgs), grpc.StatusCode.INVALID_ARGUMENT, "envelope_length", envs, payloads)
+
+
+@case
+def announced_length_above_max_envelope_bytes(ctx: Ctx) -> Refusal:
+    envs, payloads = ctx.honest()
+    msgs = [header_msg(ctx.kit, 4, round_id=ctx.r, envelope_length=MAX_ENVELOPE + 1)]
+    msgs += [envelope_msg(e) for e in envs]
+    return Refusal(lambda: ctx.raw_submit(msgs), grpc.StatusCode.INVALID_ARGUMENT, "envelope_length", envs, payloads)
+
+
+@case
+def announced_length_that_no_envelope_has(ctx: Ctx) -> Refusal:
+    # every envelope is then a wrong_length drop: below k, nothing released, nothing consumed
+    envs, payloads = ctx.honest()
+    return Refusal(lambda: ctx.submit(envs, envelope_length=len(envs[0]) + 1), grpc.StatusCode.FAILED_PRECONDITION,
+                   "below_threshold", envs, payloads)
 
 
 @case
@@ -635,7 +703,7 @@ def test_catalogue(svc: Svc, name: str) -> None:
     outcome = CASES[name](ctx)
     before = _stats(svc)
     if isinstance(outcome, Drop):
-        att = ctx.submit(outcome.envelopes)
+        att = ctx.submit(outcome.envelopes, envelope_length=outcome.envelope_length)
         expected = {reason: outcome.drops.get(reason, 0) for reason in DROP_REASONS}
         assert set(outcome.drops) <= set(DROP_REASONS)
         assert dict(att.dropped) == expected
@@ -646,6 +714,8 @@ def test_catalogue(svc: Svc, name: str) -> None:
         for reason in DROP_REASONS:
             assert after["dropped"][reason] - before["dropped"][reason] == expected[reason], reason
         assert after["reports_accepted"] - before["reports_accepted"] == len(outcome.payloads)
+        if outcome.after is not None:
+            outcome.after()
     else:
         with pytest.raises((ShufflerError, grpc.RpcError)) as info:
             outcome.action()

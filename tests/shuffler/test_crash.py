@@ -374,10 +374,9 @@ def test_output_damaged_on_disk_is_never_served_as_good(kit, running) -> None:
         out.write_bytes(data[:-1])
         with pytest.raises(ShufflerError) as info:
             c.fetch_all(att)
-        # docs/shuffler.md promises INTERNAL for unexpected errors; the service currently lets the exception out
-        # of the response iterator, which gRPC reports as UNKNOWN (see the report). Either way: an error.
-        assert info.value.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS)
-        assert data.hex()[:64] not in info.value.details
+        # INTERNAL, as documented for unexpected errors, with a generic message: no file name, id or data
+        assert info.value.code == grpc.StatusCode.INTERNAL, info.value.details
+        assert data.hex()[:64] not in info.value.details and att.batch_id.hex() not in info.value.details
         out.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
         with pytest.raises(AttestationError, match="output digest"):
             c.fetch_all(att)
