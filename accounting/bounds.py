@@ -214,7 +214,7 @@ PLD_STEP_UP_RTOL = 1e-9
 PLD_STEP_UP_MAX_STEPS = 64
 
 
-def _pld_epsilon(composed: Any, delta: float) -> float:
+def _pld_epsilon(composed: Any, delta: float, *, lower: bool = False) -> float:
     """``epsilon_for_delta`` of a composed PLD, re-checked with ``delta_for_epsilon`` before it is used.
 
     The returned eps always satisfies ``delta_for_epsilon(composed, eps) <= delta`` exactly (no tolerance in
@@ -223,6 +223,10 @@ def _pld_epsilon(composed: Any, delta: float) -> float:
     ``PLD_STEP_UP_MAX_STEPS`` times and by at most ``PLD_STEP_UP_RTOL`` relative in total; a larger gap is
     a numerical failure and raises ArithmeticError. An infinite epsilon is returned only when more than
     ``delta`` of the mass sits at infinite loss.
+
+    ``lower=True`` (an OPTIMISTIC PLD whose epsilon is reported as a lower bound): no stepping up, which would
+    move the value in the unsafe direction for a lower bound. If ``delta(eps) > delta`` the eps lies below the
+    PLD's own crossing, which is itself at most the true epsilon, so it is returned as it is.
     """
     pld = _pld()
     value = float(pld.epsilon_for_delta(composed, delta))
@@ -234,6 +238,8 @@ def _pld_epsilon(composed: Any, delta: float) -> float:
             f"PLD epsilon query returned {value} at delta={delta} although only {infinite_mass!r} of the mass "
             "has infinite loss: numerical failure of the PLD query; refusing to report it"
         )
+    if lower:
+        return value
     first = value
     check = float(pld.delta_for_epsilon(composed, value))
     limit = first + PLD_STEP_UP_RTOL * max(abs(first), 1.0)
@@ -355,7 +361,7 @@ def _family_epsilon(
             return lit.rr_lower_epsilon(eps0, n, delta), {"method": "exact"}
         pld = _pld()
         composed = pld.compose([(_rr_lower_pld(eps0, n, rounds), rounds)])
-        return _pld_epsilon(composed, delta), {"method": "pld", "discretisation": "optimistic"}
+        return _pld_epsilon(composed, delta, lower=True), {"method": "pld", "discretisation": "optimistic"}
     if family == "no-shuffle":
         return lit.no_shuffle_epsilon(eps0, rounds, delta), {"method": "exact (Kairouz-Oh-Viswanath)"}
     raise AssertionError(family)  # pragma: no cover - families are validated before
@@ -517,7 +523,8 @@ def renyi(family: str, eps0: float, n: int, order: float, rounds: int = 1) -> Bo
     """Renyi divergence of order ``order`` > 1 after ``rounds`` rounds: ``rounds * D_order`` (Mironov 2017).
 
     Families with a Renyi curve: :data:`RENYI_FAMILIES`. ``clones``/``clones-focs``: exact Renyi divergence
-    of the clone pair, max of both directions (upper). ``girgis``/``girgis-lower``: seed 000 eqs. (5)/(6),
+    of the clone pair, max of both directions (upper), for orders up to ``clones.RENYI_MAX_ORDER`` (10000;
+    larger orders raise RefusedError). ``girgis``/``girgis-lower``: seed 000 eqs. (5)/(6),
     integer orders >= 2. ``ccg-rdp``: seed 000 Cor. 2, orders >= 2 (approximate). ``rr-lower``: exact for
     shuffled binary randomized response (lower). Others raise :class:`RefusedError`.
     """
@@ -788,7 +795,7 @@ def _heterogeneous_epsilon(
     if family == "rr-lower":
         interval = min(_rr_interval(eps0, n, total) for n, eps0, _ in items)
         plds = [(_rr_lower_pld(eps0, n, total, interval), c) for n, eps0, c in items]
-        return _pld_epsilon(pld.compose(plds), delta), {
+        return _pld_epsilon(pld.compose(plds), delta, lower=True), {
             "method": "pld",
             "discretisation": "optimistic",
             "interval": interval,

@@ -521,3 +521,18 @@ def test_clone_renyi_refuses_orders_above_its_limit_with_the_limit_in_the_messag
     with pytest.raises(ValueError, match="> 1"):
         clones.clone_renyi(1.0, 1000, 1.0)
     assert math.isfinite(bounds.renyi("clones", 1.0, 1000, clones.RENYI_MAX_ORDER).value)
+
+
+def test_pld_epsilon_of_a_lower_bound_is_never_stepped_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # For an optimistic (lower-bound) PLD, delta(eps) > delta means eps is below the crossing: safe as it is.
+    delta, e0 = 1e-6, 3.0
+    fake = _FakePLD(e0, e0 + 40 * math.ulp(e0), delta, delta * (1.0 + 5e-7))
+    monkeypatch.setattr(bounds, "_pld", lambda: fake)
+    assert bounds._pld_epsilon(object(), delta, lower=True) == e0
+
+
+def test_rr_lower_at_huge_composed_losses_stays_below_the_upper_families() -> None:
+    lower = bounds.epsilon("rr-lower", 20.0, 100, 1e-6, 1000)  # ArithmeticError before (fix 2)
+    assert lower.kind == "lower"
+    assert lower.value <= bounds.epsilon("clones", 20.0, 100, 1e-6, 1000).value
+    assert lower.value <= lit.no_shuffle_epsilon(20.0, 1000, 1e-6)
