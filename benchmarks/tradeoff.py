@@ -10,8 +10,8 @@ step with the mean; the test accuracy is the central evaluation the ServerApp do
 upper bound of the default family (``clones``) at delta = 1e-6 for n = N reports per round
 (``accounting.accountant.ShuffleAccountant``). "no noise" clips but adds no noise: it is not private at all.
 
-Run: ``python benchmarks/tradeoff.py [--rounds 20] [--clients 1437] [--eps0 1 2 4 8]``; prints one table.
-It takes a few minutes (N x rounds x settings client reports, about 3 ms each here).
+Run: ``python benchmarks/tradeoff.py [--rounds R] [--clients 1437] [--eps0 1 2 4 8] [--repeats 3]``; prints
+one table. It takes a few minutes (N x rounds x settings x repeats client reports, 1-3 ms each here).
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=float(DEFAULTS["server-lr"]))
     parser.add_argument("--clip", type=float, default=float(DEFAULTS["clip-l1"]))
     parser.add_argument("--delta", type=float, default=float(DEFAULTS["target-delta"]))
+    parser.add_argument("--repeats", type=int, default=3, help="independent runs per setting (fresh noise)")
     args = parser.parse_args(argv)
     import torch
 
@@ -82,20 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for eps0 in [*args.eps0, None]:
         t0 = time.perf_counter()
-        row = run_setting(eps0, rounds=args.rounds, clients=args.clients, lr=args.lr, clip=args.clip,
-                          delta=args.delta)
-        row["seconds"] = time.perf_counter() - t0
-        rows.append(row)
+        runs = [run_setting(eps0, rounds=args.rounds, clients=args.clients, lr=args.lr, clip=args.clip,
+                            delta=args.delta) for _ in range(args.repeats)]
+        finals = [r["accuracy"] for r in runs]
+        rows.append({"eps0": eps0, "mean": sum(finals) / len(finals), "low": min(finals), "high": max(finals),
+                     "epsilon": runs[0]["epsilon"], "seconds": time.perf_counter() - t0})
         label = "no noise" if eps0 is None else f"eps0={eps0:g}"
-        print(f"... {label}: accuracy {row['accuracy']:.4f} ({row['seconds']:.0f} s)", flush=True)
+        print(f"... {label}: accuracy {[round(a, 4) for a in finals]} ({rows[-1]['seconds']:.0f} s)", flush=True)
     print()
     print(f"Main job trade-off: digits, logreg, {args.clients} clients (one sample each), {args.rounds} rounds, "
-          f"C={args.clip:g}, SGD lr={args.lr:g}; epsilon = clones upper bound at delta={args.delta:g}")
-    print("eps0 | test accuracy (last round) | best round | epsilon after all rounds")
+          f"C={args.clip:g}, SGD lr={args.lr:g}; epsilon = clones upper bound at delta={args.delta:g}; "
+          f"{args.repeats} runs per setting")
+    print("eps0 | test accuracy after the last round: mean [min, max] | epsilon after all rounds")
     for row in rows:
         label = "none (not private)" if row["eps0"] is None else f"{row['eps0']:g}"
         eps = "inf (no privacy)" if math.isinf(row["epsilon"]) else f"{row['epsilon']:.3f}"
-        print(f"{label} | {row['accuracy']:.4f} | {row['best']:.4f} | {eps}")
+        print(f"{label} | {row['mean']:.3f} [{row['low']:.3f}, {row['high']:.3f}] | {eps}")
     return 0
 
 

@@ -8,11 +8,15 @@ Keys: the simulated ClientApps read ``keys-dir`` from the same run config, so th
 agree on one key directory. ``shuffledp run`` creates fresh keys for each run in ``outputs/<run>/keys`` and
 passes absolute paths for ``keys-dir`` and ``output-dir``, because the simulated apps run in the working
 directory of the SuperLink process, not in the project. Plain ``flwr run .`` works the same way once a key
-directory exists::
+directory exists (absolute paths; and without Flower's per-run ``uv sync``, which needs the network)::
 
+    export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED=0
     shuffledp keys init --out "$PWD/keys" --clients 1437 --k 1000
     flwr run . --run-config "keys-dir='$PWD/keys' output-dir='$PWD/outputs'" \
         --federation-config "num-supernodes=1437 client-resources-num-cpus=1" --stream
+
+Without ``keys-dir`` the ServerApp stops at once with a message saying this. (Flower's managed local SuperLink
+keeps running after ``flwr run``; ``shuffledp run`` starts and stops a private one instead.)
 
 (In simulation every client key lives in that one directory: a simulation-only trust shortcut. In a deployment
 each device holds only its own key, named by its node config.)

@@ -39,7 +39,7 @@ PARTITIONS = ("iid", "dirichlet")
 
 #: The defaults, identical to ``[tool.flwr.app.config]`` in pyproject.toml (a test checks they agree).
 DEFAULTS: dict[str, bool | int | float | str] = {
-    "num-server-rounds": 20,
+    "num-server-rounds": 10,
     "fraction": 1.0,
     "min-reports": 1000,
     "reply-timeout": 900.0,

@@ -3,13 +3,17 @@
 :func:`run_job` is what ``server.app``'s ``@app.main()`` calls; tests call it directly with a fake Grid.
 
 Outputs in ``<output-dir>/<run-name>/``: ``ledger.sqlite`` (the privacy ledger), ``state.sqlite`` (the
-checkpoint), ``report.json``, ``accuracy_epsilon.png`` and, with ``shuffler-address = "auto"``,
-``shuffler.log``.
+checkpoint), ``report.json``, ``accuracy_epsilon.png``, ``attestations.jsonl`` (one line per charged round:
+the shuffler's signed statement and signature, so anyone holding ``public/shuffler_signing.pub`` can re-check
+every count the ledger was charged with; the ledger is written first, so a crash at that instant can lose one
+line, never add one) and, with ``shuffler-address = "auto"``, ``shuffler.log``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ log = logging.getLogger("shuffledp.server")
 LEDGER_FILE = "ledger.sqlite"
 STATE_FILE = "state.sqlite"
 SHUFFLER_LOG = "shuffler.log"
+ATTESTATIONS_FILE = "attestations.jsonl"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,10 @@ class RunPaths:
     @property
     def shuffler_log(self) -> Path:
         return self.out_dir / SHUFFLER_LOG
+
+    @property
+    def attestations(self) -> Path:
+        return self.out_dir / ATTESTATIONS_FILE
 
 
 def resolve_paths(cfg: ServerConfig, *, run_id: int = 0, base: Path | None = None) -> RunPaths:
@@ -271,6 +280,13 @@ def run_job(
         with ShufflerConnection(cfg, paths) as shuffler:
             holder: list[RoundEngine] = []
 
+            def on_attestation(round_id: int, attestation: Any) -> None:
+                line = json.dumps({"round": round_id, **attestation.to_dict()}, sort_keys=True)
+                with open(paths.attestations, "a", encoding="utf-8") as handle:
+                    handle.write(line + "\n")
+                    handle.flush()
+                    os.fsync(handle.fileno())
+
             def on_round(outcome: RoundOutcome) -> None:
                 say(format_progress(outcome))
                 write_outputs(holder[0], paths, plot=False)  # a partial report survives a killed run
@@ -286,6 +302,7 @@ def run_job(
                 store=store,
                 node_wait=node_wait,
                 on_round=on_round,
+                on_attestation=on_attestation,
             )
             holder.append(engine)
             first = engine.restore()

@@ -214,6 +214,7 @@ class RoundEngine:
         store: the run's checkpoint store.
         node_wait: seconds to wait for at least ``min-reports`` nodes to connect before a round.
         on_round: called with each finished :class:`RoundOutcome` (progress display).
+        on_attestation: called with (round id, attestation) for every batch, right after it is charged.
     """
 
     def __init__(
@@ -229,6 +230,7 @@ class RoundEngine:
         store: CheckpointStore,
         node_wait: float = 0.0,
         on_round: Callable[[RoundOutcome], None] | None = None,
+        on_attestation: Callable[[int, Any], None] | None = None,
     ) -> None:
         self.cfg = config
         self.grid = grid
@@ -239,6 +241,7 @@ class RoundEngine:
         self.store = store
         self.node_wait = float(node_wait)
         self.on_round = on_round
+        self.on_attestation = on_attestation
         self._settled = False
         self._rng = secrets.SystemRandom()
         self.arrays: list[np.ndarray] = [np.array(a, copy=True) for a in initial_arrays]
@@ -522,6 +525,8 @@ class RoundEngine:
         # Charge first, then fetch: a crash while reports are open can never leave the release unrecorded.
         self.accountant.compose(event)
         self.ledger.record(self.accountant, round=round_id, mechanism=self.mechanism)
+        if self.on_attestation is not None:
+            self.on_attestation(round_id, attestation)
         out.epsilon = self._epsilon_value()
         t3 = time.perf_counter()
         out.seconds["account"] = t3 - t2

@@ -13,6 +13,11 @@
 
 ``shuffledp resume RUN`` (a run name under the output directory, or the run's folder) relaunches the same run:
 the ServerApp continues from the run's checkpoint and ledger (see :meth:`server.rounds.RoundEngine.restore`).
+
+Ctrl-C or SIGTERM stops the SuperLink and everything it started (by pid) and prints the resume command; the
+run's state is whatever was checkpointed. ``SHUFFLEDP_FLWR_HOME`` overrides the ``FLWR_HOME`` used (tests use a
+temporary one). Flower's streamed logs lag behind the ServerApp, so the per-round progress lines are printed
+from the run's ``report.json`` as soon as each round is recorded.
 """
 
 from __future__ import annotations

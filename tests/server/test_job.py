@@ -51,6 +51,15 @@ def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
     assert (out / "accuracy_epsilon.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Ledger(out / "ledger.sqlite", create=False) as ledger:
         assert [r["round"] for r in ledger.rows()] == [1, 2, 3]
+    from shuffler.attestation import Attestation
+    from shuffler.keys import load_public_key
+
+    verify_key = load_public_key(keys.d.shuffler_signing_pub, "ed25519")
+    attested = [json.loads(line) for line in (out / "attestations.jsonl").read_text().splitlines()]
+    assert [a["round"] for a in attested] == [1, 2, 3]
+    for entry, row in zip(attested, report["rounds"]):
+        att = Attestation.from_dict(entry, verify_key)  # the signature re-verifies
+        assert att.round_id == row["round"] and att.n_accepted == row["n_reports"]
     assert sum("[shuffledp] round" in line for line in lines) == 3
     assert any(str(out) in line for line in lines)
     assert result.epsilon == eps[-1]
