@@ -39,10 +39,12 @@ from server.config import DEFAULTS  # noqa: E402
 from server.optim import ReportAccumulator, ServerOptimizer  # noqa: E402
 
 
-def run_setting(eps0: float | None, *, rounds: int, clients: int, lr: float, clip: float, delta: float) -> dict:
+def run_setting(
+    eps0: float | None, *, rounds: int, clients: int, lr: float, clip: float, delta: float, pca: int | None
+) -> dict:
     """One main job at ``eps0`` (None: clipped, no noise). Returns accuracy/loss per round and final epsilon."""
-    ds = load_data("digits")
-    data = [load_partition(i, clients) for i in range(clients)]
+    ds = load_data("digits", pca_components=pca)
+    data = [load_partition(i, clients, pca_components=pca) for i in range(clients)]
     arrays = initial_arrays("logreg", ds.n_features, ds.n_classes)
     dim = sum(a.size for a in arrays)
     opt = ServerOptimizer("sgd", lr)
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clip", type=float, default=float(DEFAULTS["clip-l1"]))
     parser.add_argument("--delta", type=float, default=float(DEFAULTS["target-delta"]))
     parser.add_argument("--repeats", type=int, default=3, help="independent runs per setting (fresh noise)")
+    parser.add_argument("--pca", type=int, default=int(DEFAULTS["pca-components"]),
+                        help="PCA components fitted on the held-out split (0: raw 64 pixels)")
     args = parser.parse_args(argv)
     import torch
 
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     for eps0 in [*args.eps0, None]:
         t0 = time.perf_counter()
         runs = [run_setting(eps0, rounds=args.rounds, clients=args.clients, lr=args.lr, clip=args.clip,
-                            delta=args.delta) for _ in range(args.repeats)]
+                            delta=args.delta, pca=args.pca or None) for _ in range(args.repeats)]
         finals = [r["accuracy"] for r in runs]
         rows.append({"eps0": eps0, "mean": sum(finals) / len(finals), "low": min(finals), "high": max(finals),
                      "epsilon": runs[0]["epsilon"], "seconds": time.perf_counter() - t0})
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"... {label}: accuracy {[round(a, 4) for a in finals]} ({rows[-1]['seconds']:.0f} s)", flush=True)
     print()
     print(f"Main job trade-off: digits, logreg, {args.clients} clients (one sample each), {args.rounds} rounds, "
-          f"C={args.clip:g}, SGD lr={args.lr:g}; epsilon = clones upper bound at delta={args.delta:g}; "
+          f"PCA={args.pca or 'none'}, C={args.clip:g}, SGD lr={args.lr:g}; epsilon = clones upper bound at delta={args.delta:g}; "
           f"{args.repeats} runs per setting")
     print("eps0 | test accuracy after the last round: mean [min, max] | epsilon after all rounds")
     for row in rows:

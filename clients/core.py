@@ -169,9 +169,9 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
 
 def data_settings_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """Keyword arguments for :func:`clients.data.load_partition` from the run config (all optional):
-    ``dataset`` ("digits"), ``data-dir``, ``pca-components`` (60; 0 = none), ``partition`` ("iid" |
+    ``dataset`` ("digits"), ``data-dir``, ``pca-components`` (10; 0 = none), ``partition`` ("iid" |
     "dirichlet"), ``dirichlet-alpha`` (0.5), ``partition-seed`` (0)."""
-    pca = int(run_config.get("pca-components", 60))
+    pca = int(run_config.get("pca-components", 10))
     return {
         "dataset": str(run_config.get("dataset", "digits")),
         "data_dir": str(run_config["data-dir"]) if run_config.get("data-dir") else None,

@@ -68,16 +68,36 @@ class Dataset:
         return int(self.x_train.shape[1])
 
 
-def _standardise(x_train: np.ndarray, x_test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    mean = x_train.mean(axis=0)
-    std = x_train.std(axis=0)
-    std = np.where(std > 0, std, 1.0)  # constant pixels (digits' corners) stay 0 after centring
+def _preprocess(
+    x_train: np.ndarray, x_test: np.ndarray, pca_components: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Optional PCA, then standardisation, both FITTED ON THE HELD-OUT SPLIT ONLY.
+
+    The held-out split is the server's own evaluation data. Fitting the PCA basis or the feature scaling on the
+    pooled training data would give the server a central view of the clients' data that no accountant charges
+    for, so the clients' rows are only transformed, never used to fit. (Seed 000's Table 2 applies PCA to MNIST
+    without saying where it was fitted.)
+    """
+    if pca_components is not None:
+        from sklearn.decomposition import PCA
+
+        limit = min(x_test.shape)
+        if not 1 <= pca_components <= limit:
+            raise ValueError(f"pca_components must be in [1, {limit}], got {pca_components}")
+        pca = PCA(n_components=pca_components, svd_solver="full").fit(x_test)
+        x_train, x_test = pca.transform(x_train), pca.transform(x_test)
+    mean = x_test.mean(axis=0)
+    std = x_test.std(axis=0)
+    std = np.where(std > 0, std, 1.0)  # constant features (digits' corners) stay 0 after centring
     return ((x_train - mean) / std).astype(np.float32), ((x_test - mean) / std).astype(np.float32)
 
 
-@functools.lru_cache(maxsize=4)
-def load_digits_dataset(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
-    """scikit-learn's digits, standardised, fixed stratified split (1,437 / 360 with the defaults)."""
+@functools.lru_cache(maxsize=8)
+def load_digits_dataset(test_fraction: float = 0.2, seed: int = 0, pca_components: int | None = None) -> Dataset:
+    """scikit-learn's digits, fixed stratified split (1,437 / 360 with the defaults), optional PCA, standardised.
+
+    PCA and scaling are fitted on the held-out split only (see :func:`_preprocess`).
+    """
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -87,7 +107,7 @@ def load_digits_dataset(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     x = bunch.data.astype(np.float64)
     y = bunch.target.astype(np.int64)
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
-    x_tr, x_te = _standardise(x_tr, x_te)
+    x_tr, x_te = _preprocess(x_tr, x_te, pca_components)
     return Dataset("digits", x_tr, y_tr, x_te, y_te, 10)
 
 
@@ -149,14 +169,7 @@ def _load_mnist_cached(root: str, pca_components: int | None) -> Dataset:
     y_te = parts["y_test"].astype(np.int64)
     if len(x_tr) != len(y_tr) or len(x_te) != len(y_te):
         raise ValueError(f"MNIST images and labels differ in count in {raw_dir}")
-    if pca_components is not None:
-        from sklearn.decomposition import PCA
-
-        if not 1 <= pca_components <= min(x_tr.shape):
-            raise ValueError(f"pca_components must be in [1, {min(x_tr.shape)}], got {pca_components}")
-        pca = PCA(n_components=pca_components, svd_solver="full").fit(x_tr)
-        x_tr, x_te = pca.transform(x_tr), pca.transform(x_te)
-    x_tr, x_te = _standardise(x_tr, x_te)
+    x_tr, x_te = _preprocess(x_tr, x_te, pca_components)
     n_classes = int(max(y_tr.max(), y_te.max())) + 1
     return Dataset("mnist", x_tr, y_tr, x_te, y_te, max(n_classes, 10))
 
@@ -166,10 +179,10 @@ def load_mnist(root: str | os.PathLike[str], *, pca_components: int | None = 60)
     return _load_mnist_cached(str(Path(root).resolve()), pca_components)
 
 
-def load_data(name: str = "digits", *, data_dir: str | None = None, pca_components: int | None = 60) -> Dataset:
+def load_data(name: str = "digits", *, data_dir: str | None = None, pca_components: int | None = None) -> Dataset:
     """``"digits"`` (default, bundled) or ``"mnist"`` (needs ``data_dir``)."""
     if name == "digits":
-        return load_digits_dataset()
+        return load_digits_dataset(pca_components=pca_components)
     if name == "mnist":
         if not data_dir:
             raise ValueError("dataset 'mnist' needs data_dir (a folder with MNIST/raw/*-ubyte[.gz])")
@@ -253,7 +266,7 @@ def load_partition(
     *,
     dataset: str = "digits",
     data_dir: str | None = None,
-    pca_components: int | None = 60,
+    pca_components: int | None = None,
     scheme: str = "iid",
     alpha: float = 0.5,
     seed: int = 0,

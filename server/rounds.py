@@ -91,7 +91,9 @@ class GridLike(Protocol):
 class ShufflerLike(Protocol):
     """The part of ``shuffler.client.ShufflerClient`` the round logic uses."""
 
-    def submit(self, *, round_id: int, key_epoch: int, model_digest: bytes, envelopes: Iterable[bytes]) -> Any: ...
+    def submit(
+        self, *, round_id: int, key_epoch: int, model_digest: bytes, envelopes: Iterable[bytes], envelope_length: int
+    ) -> Any: ...
 
     def fetch(self, attestation: Any) -> Iterator[bytes]: ...
 
@@ -250,6 +252,12 @@ class RoundEngine:
         self.shapes = [tuple(a.shape) for a in self.arrays]
         self.dim = num_parameters(self.shapes)
         self.mechanism = _mechanism_label(config, self.dim)
+        # Every honest envelope of a round has this length (fixed-length reports); announcing it lets the shuffler
+        # drop an envelope of any other length as a counted `wrong_length` instead of refusing the whole batch.
+        from clients.report import report_length
+        from shuffler.envelope import ENVELOPE_OVERHEAD
+
+        self.envelope_length = report_length(self.dim) + ENVELOPE_OVERHEAD
         # Honest clients randomize on the default grid for the pinned (eps0, C); a report on any other grid is
         # rejected (a rescaled report would be an outsized contribution).
         from clients.randomizer import DiscreteLaplaceRandomizer
@@ -492,7 +500,8 @@ class RoundEngine:
 
         try:
             attestation = self.shuffler.submit(
-                round_id=round_id, key_epoch=cfg.key_epoch, model_digest=digest, envelopes=iter(envelopes)
+                round_id=round_id, key_epoch=cfg.key_epoch, model_digest=digest, envelopes=iter(envelopes),
+                envelope_length=self.envelope_length,
             )
         except Exception as exc:  # noqa: BLE001 - classified below
             if not _is_refusal(exc):

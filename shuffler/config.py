@@ -9,6 +9,7 @@ not silently fall back to a default)::
     max_envelope_bytes = 67108864      # larger envelopes are dropped; gRPC message limits derive from it
     max_batch_reports = 100000         # optional; at most 1000000
     submit_idle_timeout = 60           # optional; seconds a Submit stream may stall between messages
+    staging_memory_limit = 4294967296  # optional; bytes; a batch up to this size is staged in memory
     hpke_key = "shuffler/hpke.key"     # X25519, 0600
     signing_key = "shuffler/signing.key"  # Ed25519, 0600
     enrolment = "enrolment.json"
@@ -31,6 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+#: Mirrors shuffler.core.DEFAULT_STAGING_MEMORY_LIMIT / MAX_STAGING_MEMORY_LIMIT (not imported: config must
+#: load without the crypto dependencies of the core).
+DEFAULT_STAGING_MEMORY_LIMIT = 4 * 1024**3
+MAX_STAGING_MEMORY_LIMIT = 1 << 40
+
 __all__ = ["ServiceConfig", "TLSConfig", "load_config", "ConfigError"]
 
 _TOP = {
@@ -45,6 +51,7 @@ _TOP = {
     "journal_dir",
     "insecure",
     "submit_idle_timeout",
+    "staging_memory_limit",
     "tls",
 }
 _TLS = {"ca", "cert", "key", "client_common_names"}
@@ -77,6 +84,9 @@ class ServiceConfig:
     insecure: bool
     tls: TLSConfig | None
     submit_idle_timeout: float = 60.0  # seconds a Submit stream may wait for its next message
+    #: a batch of at most this many bytes (expected_count x inner length) is staged in memory and written to
+    #: disk once at seal; a larger one is staged in a zero-filled file (see docs/shuffler.md); 0 = always disk
+    staging_memory_limit: int = DEFAULT_STAGING_MEMORY_LIMIT
 
 
 def _seconds(doc: dict[str, Any], key: str, default: float, where: Path) -> float:
@@ -168,6 +178,13 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
             {"max_batch_reports": doc.get("max_batch_reports", 100_000)}, "max_batch_reports", 1, 10**6, path
         ),
         submit_idle_timeout=_seconds(doc, "submit_idle_timeout", 60.0, path),
+        staging_memory_limit=_int(
+            {"staging_memory_limit": doc.get("staging_memory_limit", DEFAULT_STAGING_MEMORY_LIMIT)},
+            "staging_memory_limit",
+            0,
+            MAX_STAGING_MEMORY_LIMIT,
+            path,
+        ),
         hpke_key=_path(doc, "hpke_key", base, path),
         signing_key=_path(doc, "signing_key", base, path),
         enrolment=_path(doc, "enrolment", base, path),

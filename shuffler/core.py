@@ -2,9 +2,10 @@
 
 One batch per (key epoch, round): ``ShufflerCore.begin(header)`` draws a CSPRNG permutation and returns a
 :class:`BatchBuilder`; each ``add(envelope)`` opens and verifies one envelope and writes its inner ciphertext
-to its permuted slot in a staging file (memory stays O(envelope), not O(batch)); ``finish()`` checks the
-batch, fsyncs the permuted output, signs the attestation, appends the commit record to the journal (fsync) and
-only then returns.
+to its permuted slot, in memory if the batch (expected_count x inner length) is at most
+``staging_memory_limit`` bytes, else in a zero-filled staging file (memory O(envelope)); ``finish()`` checks
+the batch, writes (memory path) and fsyncs the permuted output, signs the attestation, appends the commit
+record to the journal (fsync) and only then returns.
 
 Duties (see docs/shuffler.md): verify signature, enrolment and binding, and count every drop by reason; at most
 one report per enrolled client per round; replay cache on the outer HPKE ``enc`` and on the report id, per key
@@ -22,6 +23,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import mmap
 import os
 import secrets
 import struct
@@ -39,7 +41,7 @@ from shuffler import envelope as env
 from shuffler.attestation import DROP_REASONS, Attestation, OutputDigest, sign_statement
 from shuffler.journal import Journal, JournalFailed, JournalWriteError, fsync_dir
 
-__all__ = ["CoreConfig", "Header", "Refused", "SealedBatch", "ShufflerCore", "BatchBuilder"]
+__all__ = ["CoreConfig", "Header", "Refused", "SealedBatch", "ShufflerCore", "BatchBuilder", "stages_in_memory"]
 
 log = logging.getLogger("shuffler.core")
 
@@ -61,6 +63,15 @@ MAX_BATCH_REPORTS_CAP = 1_000_000
 JOURNAL_HEADROOM_BYTES = 64 * 1024 * 1024
 JOURNAL_HEADROOM_PER_REPORT = 256
 _ZERO_CHUNK = 1 << 20
+#: Default ``staging_memory_limit``: a batch of at most this many bytes (expected_count x inner length) is
+#: staged in memory and written to disk once, at seal time; a larger batch is staged in a zero-filled file.
+DEFAULT_STAGING_MEMORY_LIMIT = 4 * 1024**3
+#: Upper bound accepted for ``staging_memory_limit`` (1 TiB).
+MAX_STAGING_MEMORY_LIMIT = 1 << 40
+#: Bytes per write() when the in-memory batch is written out at seal time.
+_WRITE_CHUNK = 64 << 20
+#: Alignment of O_DIRECT writes (offset, length, memory): the memory buffer is rounded up to a multiple of it.
+_DIRECT_ALIGN = 4096
 #: errnos that mean "no space": a rolled-back commit with one of these is reported as disk_full
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
@@ -88,8 +99,18 @@ class CoreConfig:
     journal_dir: Path
     max_envelope_bytes: int
     max_batch_reports: int = 100_000
+    staging_memory_limit: int = DEFAULT_STAGING_MEMORY_LIMIT
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.staging_memory_limit, bool)
+            or not isinstance(self.staging_memory_limit, int)
+            or not 0 <= self.staging_memory_limit <= MAX_STAGING_MEMORY_LIMIT
+        ):
+            raise ValueError(
+                f"staging_memory_limit must be an int in [0, {MAX_STAGING_MEMORY_LIMIT}], "
+                f"got {self.staging_memory_limit!r}"
+            )
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be an int >= 1, got {self.k!r}")
         if not isinstance(self.key_epoch, int) or not 0 <= self.key_epoch < 2**32:
@@ -174,6 +195,60 @@ def _request_digest(header: Header, envelope_hashes: list[bytes]) -> bytes:
     for eh in sorted(envelope_hashes):
         h.update(eh)
     return h.digest()
+
+
+def _round_up(size: int) -> int:
+    return -(-size // _DIRECT_ALIGN) * _DIRECT_ALIGN
+
+
+def _write_out(fd: int, path: Path, mv: memoryview, total: int) -> None:
+    """Write ``mv[:total]`` to the start of the (reserved, still empty) output file, front to back.
+
+    Uses ``O_DIRECT`` where the filesystem supports it: the batch goes from the buffer to the device without a
+    second copy in the page cache (and without allocating one: on a VM that is most of the cost of a buffered
+    write). The write is rounded up to the alignment; the rounding tail is zeroed first (it would otherwise
+    hold stale slot bytes) and cut off by the caller's ``ftruncate``. Where ``O_DIRECT`` is refused (tmpfs,
+    some network filesystems: EINVAL) the same bytes are written through the page cache. Durability comes from
+    the caller's ``fsync`` on ``fd`` in both cases.
+    """
+    aligned = _round_up(total)
+    direct_fd = -1
+    if hasattr(os, "O_DIRECT") and aligned <= len(mv) and not os.environ.get("EXP_NODIRECT"):
+        try:
+            direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        except OSError:
+            direct_fd = -1
+    pos = 0
+    if direct_fd >= 0:
+        try:
+            mv[total:aligned] = bytes(aligned - total)
+            while pos < aligned:
+                try:
+                    written = os.pwrite(direct_fd, mv[pos : min(aligned, pos + _WRITE_CHUNK)], pos)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or pos:
+                        raise
+                    break  # the filesystem rejects direct writes: write through the page cache instead
+                if written <= 0 or (written % _DIRECT_ALIGN and pos + written < aligned):
+                    raise OSError(errno.EIO, "direct output write made no progress or was misaligned")
+                pos += written
+        finally:
+            os.close(direct_fd)
+        if pos >= aligned:
+            return
+    while pos < total:
+        written = os.pwrite(fd, mv[pos : min(total, pos + _WRITE_CHUNK)], pos)
+        if written <= 0:
+            raise OSError(errno.EIO, "output write made no progress")
+        pos += written
+
+
+def stages_in_memory(expected_count: int, inner_length: int, staging_memory_limit: int) -> bool:
+    """The staging path of a batch, a function of public sizes only: memory iff ``expected_count *
+    inner_length <= staging_memory_limit`` (``inner_length = envelope_length - 166`` when the header announces
+    ``envelope_length``, else the length of the first accepted inner ciphertext). Never depends on load: a
+    batch that cannot get its memory is refused (``staging_memory``), it does not fall back to disk."""
+    return expected_count * inner_length <= staging_memory_limit
 
 
 class ShufflerCore:
@@ -297,11 +372,13 @@ class ShufflerCore:
             )
 
     def _commit(self, builder: "BatchBuilder") -> SealedBatch:
-        """Finalise the permuted output, sign, journal. Called with the staging file complete and checks passed.
+        """Finalise the permuted output, sign, journal. Called with the staging complete and checks passed.
 
-        The staging file already holds the accepted inner ciphertexts at their permuted slots (see
-        :class:`BatchBuilder`); if some envelopes were dropped, the holes are squeezed out here, keeping the
-        slot order. The output is fsynced and renamed into ``batches/`` before the commit record is appended.
+        The staging buffer (memory path) or staging file (disk path) already holds the accepted inner
+        ciphertexts at their permuted slots (see :class:`BatchBuilder`); if some envelopes were dropped, the
+        holes are squeezed out here, keeping the slot order. On the memory path the output file is then written
+        once, in output order; on the disk path the staging file becomes the output. Either way the output is
+        fsynced and renamed into ``batches/`` before the commit record is appended.
         """
         header = builder.header
         batch_id = secrets.token_bytes(16)
@@ -316,16 +393,30 @@ class ShufflerCore:
             raise RuntimeError("no staging file")
         occupied = sorted(builder.used_slots())  # output order = slot order
         builder.forget_permutation()
-        # Squeeze out the holes in place: the i-th occupied slot moves to position i <= slot, so a chunk is
-        # always read before anything is written over it. No second copy of the batch is needed on disk.
-        for i, slot in enumerate(occupied):
-            chunk = os.pread(fd, inner_length, slot * inner_length)
-            if len(chunk) != inner_length:
-                raise RuntimeError("staging file is shorter than expected")
-            digest.update(chunk)
-            if slot != i:
-                os.pwrite(fd, chunk, i * inner_length)
-        del occupied
+        buf = builder.staging_buffer
+        if buf is not None:
+            # Memory path: squeeze the holes out in the buffer (the i-th occupied slot moves to position
+            # i <= slot, so a slot is read before anything is written over it), then write the output once, in
+            # offset order, into the file that was reserved (posix_fallocate) when the first report arrived.
+            with memoryview(buf) as mv:
+                for i, slot in enumerate(occupied):
+                    if slot != i:
+                        mv[i * inner_length : (i + 1) * inner_length] = mv[slot * inner_length : (slot + 1) * inner_length]
+                    digest.update(mv[i * inner_length : (i + 1) * inner_length])
+                del occupied
+                _write_out(fd, source, mv, n * inner_length)
+            builder.release_buffer()  # the batch now exists only in the output file
+        else:
+            # Disk path: squeeze out the holes in place in the staging file, same order argument as above. No
+            # second copy of the batch is needed on disk.
+            for i, slot in enumerate(occupied):
+                chunk = os.pread(fd, inner_length, slot * inner_length)
+                if len(chunk) != inner_length:
+                    raise RuntimeError("staging file is shorter than expected")
+                digest.update(chunk)
+                if slot != i:
+                    os.pwrite(fd, chunk, i * inner_length)
+            del occupied
         os.ftruncate(fd, n * inner_length)
         os.fchmod(fd, 0o400)  # a sealed batch never changes
         os.fsync(fd)  # data, size and mode durable before the rename
@@ -449,9 +540,14 @@ class BatchBuilder:
     out at seal time, and the relative order of ``perm[0..m-1]`` is itself a uniform permutation of the m
     accepted reports. The permutation exists only in memory and is dropped at seal time.
 
-    Before the first write the staging file is allocated and zero-filled in offset order and synced once, so
-    the blocks that later receive reports were laid out before any report arrived; there is no periodic sync
-    during the batch, only the one before the commit.
+    Where the slots live is a deterministic function of the batch size, ``expected_count * inner_length``
+    (:func:`stages_in_memory`): up to ``staging_memory_limit`` bytes, in one anonymous ``mmap`` buffer (memory
+    path), and the output file is written once, in output order, at seal time; above it, in a staging file
+    that is allocated, zero-filled in offset order and synced once before the first report is written, so the
+    blocks that later receive reports were laid out before any report arrived (disk path). On both paths
+    free space for the whole batch (plus the journal reserve) is checked and reserved with
+    ``posix_fallocate`` when the first report is accepted; there is no sync during the batch, only the one
+    before the commit.
     """
 
     def __init__(self, core: ShufflerCore, header: Header, *, replay_only: bool) -> None:
@@ -470,8 +566,14 @@ class BatchBuilder:
         self._done = False
         self.staging_fd = -1
         self.staging_path: Path | None = None
+        #: the memory path's slot buffer (None on the disk path, before the first accepted report, after seal)
+        self.staging_buffer: mmap.mmap | None = None
+        #: True/False once the first report was accepted and the path was chosen; None before
+        self.in_memory: bool | None = None
         self._perm: array | None = None
         if not replay_only:
+            # Created empty at the header on both paths (it is the output-to-be); it holds no report data until
+            # the first one is accepted (disk path) or until seal (memory path). Removed at start if orphaned.
             self.staging_path = core.journal.staging_dir / f"{secrets.token_hex(16)}.stage"
             self.staging_fd = os.open(self.staging_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         self._opener = env.OuterOpener(
@@ -501,13 +603,59 @@ class BatchBuilder:
     def wait_writeback(self) -> None:
         """Kept for compatibility: there is no background writeback any more."""
 
-    def _preallocate(self) -> None:
-        """Check free space, allocate and zero-fill the whole staging file before the first report is written.
+    def release_buffer(self) -> None:
+        """Free the memory path's staging buffer (idempotent)."""
+        buf, self.staging_buffer = self.staging_buffer, None
+        if buf is not None:
+            buf.close()  # munmap: the pages go back to the system now, not at garbage collection
+
+    def _start_staging(self) -> None:
+        """Choose the staging path for this batch, then allocate: called once, at the first accepted report.
+
+        Raises :class:`Refused` (resource_exhausted: ``staging_memory`` or ``disk_full``); the batch is then
+        counted as refused and everything it allocated is released.
+        """
+        size = self.header.expected_count * self.inner_length
+        try:
+            self.in_memory = stages_in_memory(
+                self.header.expected_count, self.inner_length, self.core.config.staging_memory_limit
+            )
+            if self.in_memory:
+                try:
+                    # anonymous, private, zero pages until written; never backed by a file
+                    buf = mmap.mmap(-1, _round_up(size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                except (OSError, MemoryError, OverflowError) as exc:
+                    raise Refused(
+                        "resource_exhausted",
+                        "staging_memory",
+                        f"cannot allocate {size} bytes of staging memory for a batch of "
+                        f"{self.header.expected_count} reports ({type(exc).__name__}); retry later",
+                    ) from None
+                self.staging_buffer = buf
+                if os.environ.get("EXP_HUGE"):
+                    buf.madvise(mmap.MADV_HUGEPAGE)
+                if hasattr(mmap, "MADV_DONTDUMP"):
+                    try:
+                        buf.madvise(mmap.MADV_DONTDUMP)  # keep reports and slot layout out of core dumps
+                    except OSError:
+                        pass
+            self._preallocate(zero_fill=not self.in_memory)
+        except Refused as exc:
+            with self.core._lock:
+                self.core.counters["batches_refused"] += 1
+            log.info("batch refused: %s", exc.reason)
+            self.abort()
+            raise
+
+    def _preallocate(self, *, zero_fill: bool = True) -> None:
+        """Check free space and reserve the whole file (the staging file, or on the memory path the output
+        file); on the disk path also zero-fill it. Before the first report is written.
 
         The free-space check keeps a reserve for the journal, so that concurrent batches cannot fill the disk
         and make a commit record fail. Zero-filling in offset order (with one sync) fixes the physical layout
         before any report arrives; without it the filesystem could allocate or convert blocks in arrival order,
-        and the layout would record the permutation.
+        and the layout would record the permutation. The memory path writes nothing before seal (the output is
+        then written once, in output order), so it only reserves the space.
         """
         size = self.header.expected_count * self.inner_length
         need = size + JOURNAL_HEADROOM_BYTES + JOURNAL_HEADROOM_PER_REPORT * self.header.expected_count
@@ -530,6 +678,8 @@ class BatchBuilder:
                     f"cannot allocate {size} bytes for a batch of {self.header.expected_count} reports: "
                     f"{exc.strerror}",
                 ) from None
+        if not zero_fill:
+            return
         zeros = bytes(min(_ZERO_CHUNK, size))
         pos = 0
         try:
@@ -596,11 +746,15 @@ class BatchBuilder:
         self._lengths.add(len(inner))
         if self.inner_length < 0:
             self.inner_length = len(inner)
-            self._preallocate()
+            self._start_staging()  # chooses memory or disk staging; raises Refused (already aborted)
             self._perm = self.draw_permutation(self.header.expected_count)  # allocated lazily
         if len(inner) == self.inner_length and self._perm is not None:
             # slots are fixed-size: the j-th accepted report goes to slot perm[j], at perm[j] * inner_length
-            os.pwrite(self.staging_fd, inner, self._perm[self.n_accepted] * self.inner_length)
+            off = self._perm[self.n_accepted] * self.inner_length
+            if self.staging_buffer is not None:
+                self.staging_buffer[off : off + self.inner_length] = inner
+            else:
+                os.pwrite(self.staging_fd, inner, off)
         self.n_accepted += 1
 
     def finish(self) -> SealedBatch:
@@ -655,9 +809,10 @@ class BatchBuilder:
             self.abort()
 
     def abort(self) -> None:
-        """Discard the staging file (idempotent)."""
+        """Discard the staging buffer and the staging file (idempotent)."""
         self._done = True
         self._perm = None
+        self.release_buffer()
         if self.staging_fd >= 0:
             os.close(self.staging_fd)
             self.staging_fd = -1

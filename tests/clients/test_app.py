@@ -53,7 +53,7 @@ def _msg(arrays, cfg: dict | TrainConfig, *, group: str | None = None) -> Messag
 
 
 def _ctx(keys, **run_overrides) -> Context:
-    run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root)}
+    run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root), "pca-components": 0}  # model uses 64 pixels
     run.update(run_overrides)
     return Context(run_id=1, node_id=7, node_config={"partition-id": PID, "num-partitions": N_PART},
                    state=RecordDict(), run_config=run)
@@ -136,7 +136,7 @@ def test_bad_requests_are_error_replies(keys, model) -> None:
         r = train_shuffled(msg, ctx)
         assert r.has_error() and r.error.code == ERR_BAD_REQUEST, r.error
     no_keys = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 3},
-                      state=RecordDict(), run_config={"eps0": EPS0, "clip-l1": CLIP})
+                      state=RecordDict(), run_config={"eps0": EPS0, "clip-l1": CLIP, "pca-components": 0})
     r = train_shuffled(_msg(model, good), no_keys)
     assert r.has_error() and r.error.code == ERR_CLIENT_SETUP and "keys-dir" in r.error.reason
 
@@ -152,7 +152,7 @@ def test_deployment_node_config_pins_override_run_config(keys, model) -> None:
         "num-partitions": N_PART,
     }
     ctx = Context(run_id=1, node_id=7, node_config=node, state=RecordDict(),
-                  run_config={"eps0": 2.0, "clip-l1": 1.0})  # simulation values are ignored in deployment
+                  run_config={"eps0": 2.0, "clip-l1": 1.0, "pca-components": 0})  # simulation values are ignored in deployment
     r = train_shuffled(_msg(model, _cfg(1)), ctx)
     assert r.has_error() and r.error.code == ERR_PINNED_MISMATCH
     r = train_shuffled(_msg(model, _cfg(1, eps0=4.0, clip_l1=0.5)), ctx)
@@ -183,7 +183,7 @@ def test_pinned_settings_resolution_errors(keys) -> None:
     from clients.core import ClientSetupError, data_settings_from_run_config, pinned_from_configs
 
     node = {"partition-id": 0, "num-partitions": N_PART}
-    run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root)}
+    run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root), "pca-components": 0}  # model uses 64 pixels
     p = pinned_from_configs(node, run)
     assert (p.eps0, p.clip_l1, p.partition_id, p.log2_grid) == (EPS0, CLIP, 0, None)
     assert p.client_key == shuffler_keys.load_private_key(keys.client_key(0))
@@ -207,6 +207,6 @@ def test_pinned_settings_resolution_errors(keys) -> None:
            "partition-id": 0, "num-partitions": 1}
     with pytest.raises(ClientSetupError, match="cannot load"):
         pinned_from_configs(dep, {})
-    assert data_settings_from_run_config({}) == {"dataset": "digits", "data_dir": None, "pca_components": 60,
+    assert data_settings_from_run_config({}) == {"dataset": "digits", "data_dir": None, "pca_components": 10,
                                                  "scheme": "iid", "alpha": 0.5, "seed": 0}
     assert data_settings_from_run_config({"pca-components": 0})["pca_components"] is None

@@ -25,9 +25,11 @@ def test_digits_default_split_and_standardisation() -> None:
     assert ds.name == "digits" and ds.n_classes == 10 and ds.n_features == 64
     assert ds.x_train.shape == (1437, 64) and ds.x_test.shape == (360, 64)
     assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int64
-    # standardised on the training split: mean 0, std 1 (or 0 for constant pixels)
-    assert np.allclose(ds.x_train.mean(axis=0), 0, atol=1e-5)
-    std = ds.x_train.std(axis=0)
+    # standardised with statistics of the HELD-OUT split only (the clients' rows are never used to fit):
+    # mean 0, std 1 (or 0 for constant pixels) there, and the training rows are not re-centred on themselves
+    assert np.allclose(ds.x_test.mean(axis=0), 0, atol=1e-5)
+    assert not np.allclose(ds.x_train.mean(axis=0), 0, atol=1e-3)
+    std = ds.x_test.std(axis=0)
     assert np.all((np.abs(std - 1) < 1e-4) | (std < 1e-6))
     # fixed split: the same on every call, stratified (every class in both splits)
     again = load_digits_dataset()
@@ -140,9 +142,9 @@ def _write_tiny_mnist(root, n_train: int = 80, n_test: int = 20, compress: bool 
 
 
 def test_mnist_from_tiny_idx_folder_with_pca(tmp_path) -> None:
-    _write_tiny_mnist(tmp_path)
+    _write_tiny_mnist(tmp_path, n_test=70)  # PCA is fitted on the held-out split: it needs >= 60 rows
     ds = load_mnist(tmp_path, pca_components=60)
-    assert ds.name == "mnist" and ds.x_train.shape == (80, 60) and ds.x_test.shape == (20, 60)
+    assert ds.name == "mnist" and ds.x_train.shape == (80, 60) and ds.x_test.shape == (70, 60)
     assert np.array_equal(ds.y_train, np.arange(80) % 10)
     raw = load_mnist(tmp_path, pca_components=None)
     assert raw.x_train.shape == (80, 784)
@@ -158,6 +160,8 @@ def test_mnist_uncompressed_and_missing(tmp_path) -> None:
         load_mnist(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="pca_components"):
         load_mnist(tmp_path / "plain", pca_components=5000)
+    with pytest.raises(ValueError, match=r"pca_components must be in \[1, 20\]"):
+        load_mnist(tmp_path / "plain", pca_components=21)  # 20 held-out rows bound the PCA fit
 
 
 def test_gzip_detection_by_magic(tmp_path) -> None:

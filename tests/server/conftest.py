@@ -103,6 +103,7 @@ def make_config(tmp_path: Path, keys: Keys, **overrides: Any) -> ServerConfig:
         "eps0": 8.0,
         "clip-l1": 1.0,
         "server-lr": 0.5,
+        "pca-components": 0,  # the fake clients below train on the raw 64 pixels
         "keys-dir": str(keys.d.root),
         "output-dir": str(tmp_path / "outputs"),
         "run-name": "t",

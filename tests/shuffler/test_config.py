@@ -65,3 +65,19 @@ def test_max_batch_reports_is_capped_and_the_idle_timeout_is_validated(tmp_path:
     assert _load(tmp_path, "submit_idle_timeout = 2.5\n" + BASE + TLS).submit_idle_timeout == 2.5
     with pytest.raises(ConfigError, match="submit_idle_timeout must be a number of seconds"):
         _load(tmp_path, "submit_idle_timeout = 0\n" + BASE + TLS)
+
+
+def test_staging_memory_limit_default_and_validation(tmp_path: Path) -> None:
+    from shuffler import core
+
+    c = _load(tmp_path, BASE + TLS)
+    assert c.staging_memory_limit == 4 * 1024**3 == core.DEFAULT_STAGING_MEMORY_LIMIT
+    assert (core.DEFAULT_STAGING_MEMORY_LIMIT, core.MAX_STAGING_MEMORY_LIMIT) == (
+        __import__("shuffler.config").config.DEFAULT_STAGING_MEMORY_LIMIT,
+        __import__("shuffler.config").config.MAX_STAGING_MEMORY_LIMIT,
+    )
+    assert _load(tmp_path, "staging_memory_limit = 0\n" + BASE + TLS).staging_memory_limit == 0  # always disk
+    assert _load(tmp_path, "staging_memory_limit = 1048576\n" + BASE + TLS).staging_memory_limit == 1 << 20
+    for bad in ("-1", "1.5", "true", '"4GiB"', str((1 << 40) + 1)):
+        with pytest.raises(ConfigError, match=r"staging_memory_limit must be an integer in \[0, 1099511627776\]"):
+            _load(tmp_path, f"staging_memory_limit = {bad}\n" + BASE + TLS)

@@ -13,6 +13,14 @@ from shuffler.core import Refused, ShufflerCore
 from shuffler.envelope import model_digest, open_inner
 
 
+@pytest.fixture
+def disk_core(kit, tmp_path: Path):
+    """A core whose every batch takes the disk staging path (staging_memory_limit = 0)."""
+    c = ShufflerCore(kit.core_config(tmp_path / "disk-journal", staging_memory_limit=0))
+    yield c
+    c.close()
+
+
 def _run(core: ShufflerCore, kit, envelopes: list[bytes], *, round_id: int = 1, **hdr: object):
     b = core.begin(kit.header(len(envelopes), round_id=round_id, **hdr))
     for e in envelopes:
@@ -265,8 +273,8 @@ def test_logs_never_name_clients_or_reports(core: ShufflerCore, kit, caplog: pyt
     assert all(x.hex()[:16] not in text for x in core.read_batch(sealed.batch_id))
 
 
-def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(core: ShufflerCore, kit, monkeypatch) -> None:
-    """The staging file is zero-filled in offset order (and synced once) before any report is written to it;
+def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(disk_core: ShufflerCore, kit, monkeypatch) -> None:
+    """Disk path: the staging file is zero-filled in offset order (and synced once) before any report is written to it;
     there is no sync while reports arrive; with dropped envelopes the holes are squeezed out in place."""
     import shuffler.core as coremod
 
@@ -285,7 +293,7 @@ def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(core: Shuf
     monkeypatch.setattr(coremod.os, "fdatasync", fdatasync)
     envs = [kit.seal(i) for i in range(6)]
     mixed = envs[:3] + [b"junk", envs[3][:-1]] + envs[3:]
-    b = core.begin(kit.header(len(mixed)))
+    b = disk_core.begin(kit.header(len(mixed)))
     for e in mixed:
         b.add(e)
     L = b.inner_length
@@ -299,10 +307,10 @@ def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(core: Shuf
     att = _verify(kit, sealed)
     assert att.n_accepted == 6 and att.n_received == 8
     assert sealed.output.stat().st_size == 6 * att.inner_length
-    assert sorted(_payloads(core, kit, sealed)) == sorted(kit.payload(i) for i in range(6))
-    assert list(core.journal.staging_dir.iterdir()) == []
-    sealed2 = _run(core, kit, [kit.seal(i, round_id=2) for i in range(6)], round_id=2)  # no holes
-    assert sorted(_payloads(core, kit, sealed2, round_id=2)) == sorted(kit.payload(i) for i in range(6))
+    assert sorted(_payloads(disk_core, kit, sealed)) == sorted(kit.payload(i) for i in range(6))
+    assert list(disk_core.journal.staging_dir.iterdir()) == []
+    sealed2 = _run(disk_core, kit, [kit.seal(i, round_id=2) for i in range(6)], round_id=2)  # no holes
+    assert sorted(_payloads(disk_core, kit, sealed2, round_id=2)) == sorted(kit.payload(i) for i in range(6))
 
 
 def test_staging_is_preallocated_and_a_full_disk_refuses_early(core: ShufflerCore, kit, monkeypatch) -> None:
@@ -520,3 +528,242 @@ def test_sealed_output_mode_is_synced_before_the_rename(core: ShufflerCore, kit,
     assert "chmod" not in events
     i = events.index("replace")
     assert "fchmod" in events[:i] and events.index("fsync", events.index("fchmod")) < i
+
+
+# ------------------------------------------------------------------------------------- memory staging path
+def _spy_disk_writes(monkeypatch) -> list[tuple[int, int]]:
+    """Record (offset, length) of every pwrite the core issues."""
+    import shuffler.core as coremod
+
+    writes: list[tuple[int, int]] = []
+    real = coremod.os.pwrite
+
+    def pwrite(fd: int, data, offset: int) -> int:
+        writes.append((offset, len(data)))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(coremod.os, "pwrite", pwrite)
+    return writes
+
+
+def test_memory_path_writes_the_output_once_in_output_order(core: ShufflerCore, kit, monkeypatch) -> None:
+    """Memory path (default limit): nothing reaches the disk while reports arrive (the output-to-be stays
+    empty, space is only reserved); at seal the holes are squeezed out in memory and the output is written
+    once, in offset order, then fsynced, made read-only and renamed. Same output semantics as the disk path:
+    the multiset of payloads, the attested digest, the sealed size."""
+    import os
+    import stat
+
+    import shuffler.core as coremod
+
+    writes = _spy_disk_writes(monkeypatch)
+    syncs: list[str] = []
+    real_fdatasync = coremod.os.fdatasync
+    monkeypatch.setattr(coremod.os, "fdatasync", lambda fd: (syncs.append("fdatasync"), real_fdatasync(fd))[1])
+    envs = [kit.seal(i) for i in range(6)]
+    mixed = envs[:3] + [b"junk", envs[3][:-1]] + envs[3:]  # two holes to squeeze out
+    b = core.begin(kit.header(len(mixed)))
+    for e in mixed:
+        b.add(e)
+    L = b.inner_length
+    assert b.in_memory is True and b.staging_buffer is not None
+    assert len(mixed) * L <= len(b.staging_buffer) < len(mixed) * L + 4096  # rounded up for O_DIRECT
+    assert writes == [] and syncs == []  # no report bytes (and no zero-fill) on disk before seal
+    (stage,) = list(core.journal.staging_dir.iterdir())
+    assert stage.stat().st_size == len(mixed) * L and stage.stat().st_blocks * 512 >= len(mixed) * L  # reserved
+    assert not any(stage.read_bytes())  # ... but holds no data (unwritten extents read as zeros)
+    buf = b.staging_buffer
+    sealed = b.finish()
+    assert buf.closed and b.staging_buffer is None  # memory released at seal
+    # one sequential write of the squeezed output (with O_DIRECT rounded up to 4 KiB, then truncated)
+    assert len(writes) == 1 and writes[0][0] == 0 and 6 * L <= writes[0][1] < 6 * L + 4096
+    att = _verify(kit, sealed)
+    assert (att.n_received, att.n_accepted, att.inner_length) == (8, 6, L)
+    assert att.dropped["malformed"] == 1 and att.dropped["undecryptable"] == 1
+    out = list(core.read_batch(sealed.batch_id))
+    d = OutputDigest()
+    for x in out:
+        d.update(x)
+    assert d.digest() == att.output_digest
+    assert sorted(_payloads(core, kit, sealed)) == sorted(kit.payload(i) for i in range(6))
+    st = os.stat(sealed.output)
+    assert st.st_size == 6 * L and stat.S_IMODE(st.st_mode) == 0o400
+    assert list(core.journal.staging_dir.iterdir()) == []
+    # identical resubmission, replay cache and binding behave exactly as on the disk path
+    again = _run(core, kit, list(reversed(mixed)))
+    assert (again.batch_id, again.statement) == (sealed.batch_id, sealed.statement)
+    with pytest.raises(Refused) as info:
+        _run(core, kit, envs[:5])
+    assert info.value.reason == "binding_used"
+
+
+def test_memory_and_disk_paths_seal_the_same_batch_semantics(core: ShufflerCore, disk_core: ShufflerCore, kit) -> None:
+    envs = [kit.seal(i) for i in range(5)] + [kit.seal(0)]  # one duplicate signer dropped
+    a, b = _run(core, kit, envs), _run(disk_core, kit, envs)
+    va, vb = _verify(kit, a), _verify(kit, b)
+    for f in ("n_received", "n_accepted", "inner_length", "dropped", "round_id", "k"):
+        assert getattr(va, f) == getattr(vb, f), f
+    assert sorted(core.read_batch(a.batch_id)) == sorted(disk_core.read_batch(b.batch_id))  # same multiset
+
+
+def test_the_announced_size_selects_the_staging_path(kit, tmp_path: Path) -> None:
+    from shuffler.core import stages_in_memory
+
+    env_len = len(kit.seal(0))
+    L = env_len - 166  # inner length = envelope_length - 166, known from the header when it is announced
+    for limit, expect_memory in ((6 * L, True), (6 * L - 1, False), (0, False)):
+        c = ShufflerCore(kit.core_config(tmp_path / f"j{limit}", staging_memory_limit=limit))
+        try:
+            assert stages_in_memory(6, L, limit) is expect_memory
+            b = c.begin(kit.header(6, envelope_length=env_len))
+            assert b.in_memory is None and b.staging_buffer is None  # nothing chosen or allocated at the header
+            for i in range(6):
+                b.add(kit.seal(i))
+            assert b.inner_length == L and b.in_memory is expect_memory
+            assert (b.staging_buffer is not None) is expect_memory
+            sealed = b.finish()
+            assert sorted(_payloads(c, kit, sealed)) == sorted(kit.payload(i) for i in range(6))
+        finally:
+            c.close()
+    with pytest.raises(ValueError, match="staging_memory_limit must be an int in"):
+        kit.core_config(tmp_path / "x", staging_memory_limit=-1)
+    with pytest.raises(ValueError, match="staging_memory_limit must be an int in"):
+        kit.core_config(tmp_path / "x", staging_memory_limit=True)
+
+
+def test_refused_batches_release_their_staging_memory(core: ShufflerCore, kit, monkeypatch) -> None:
+    import errno
+
+    import shuffler.core as coremod
+
+    # refused at seal (below threshold): the buffer is unmapped, nothing is left on disk
+    b = core.begin(kit.header(kit.k))
+    b.add(kit.seal(0))
+    buf = b.staging_buffer
+    assert buf is not None and not buf.closed
+    for _ in range(kit.k - 1):
+        b.add(b"junk")
+    with pytest.raises(Refused) as info:
+        b.finish()
+    assert info.value.reason == "below_threshold" and buf.closed and b.staging_buffer is None
+    # refused mid-stream (count mismatch) and on a full disk after the buffer was allocated
+    b = core.begin(kit.header(kit.k, round_id=2))
+    for i in range(kit.k):
+        b.add(kit.seal(i, round_id=2))
+    buf = b.staging_buffer
+    with pytest.raises(Refused):
+        b.add(kit.seal(kit.k, round_id=2))
+    assert buf.closed
+    monkeypatch.setattr(coremod.os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    allocated: list = []
+    real_mmap = coremod.mmap.mmap
+    monkeypatch.setattr(coremod.mmap, "mmap", lambda *a, **k: (allocated.append(real_mmap(*a, **k)), allocated[-1])[1])
+    b = core.begin(kit.header(kit.k, round_id=3))
+    with pytest.raises(Refused) as info:
+        b.add(kit.seal(0, round_id=3))
+    assert (info.value.code, info.value.reason) == ("resource_exhausted", "disk_full")
+    assert len(allocated) == 1 and allocated[0].closed
+    # an allocation failure is a clear refusal, never a silent fall-back to the disk path
+    calls: list = []
+    monkeypatch.setattr(coremod.os, "posix_fallocate", lambda *a: calls.append(a))
+
+    def no_memory(*a, **k):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(coremod.mmap, "mmap", no_memory)
+    before = core.stats()["batches_refused"]
+    b = core.begin(kit.header(kit.k, round_id=4))
+    with pytest.raises(Refused) as info:
+        b.add(kit.seal(0, round_id=4))
+    assert (info.value.code, info.value.reason) == ("resource_exhausted", "staging_memory")
+    assert str(kit.k) in str(info.value) and calls == []  # no disk staging was started
+    assert core.stats()["batches_refused"] == before + 1
+    assert list(core.journal.staging_dir.iterdir()) == [] and list(core.journal.batches_dir.iterdir()) == []
+    # nothing was consumed: the same round seals once memory is available again
+    monkeypatch.undo()
+    assert _verify(kit, _run(core, kit, [kit.seal(i, round_id=4) for i in range(kit.k)], round_id=4)).n_accepted == kit.k
+
+
+def test_memory_path_output_order_is_uniform(kit, tmp_path: Path, monkeypatch) -> None:
+    """Output position of the j-th accepted arrival on the memory path, without and with a dropped envelope
+    (a hole squeezed out in memory), against the scaled Pearson statistic of tests/shuffler/test_permutation.py
+    ((n-1)/n X^2 ~ chi2((n-1)^2) for a sum of permutation matrices); alpha 1e-3 per table."""
+    from scipy import stats
+
+    import shuffler.core as coremod
+    import shuffler.journal as journalmod
+    from shuffler.envelope import open_outer
+
+    for mod in (coremod, journalmod):  # durability is the crash tests' subject; keep this fast
+        monkeypatch.setattr(mod.os, "fsync", lambda fd: None)
+    monkeypatch.setattr(coremod, "fsync_dir", lambda p: None)
+    n, n_cores, rounds = 4, 20, 20
+    cores = [ShufflerCore(kit.core_config(tmp_path / f"u{i}")) for i in range(n_cores)]
+    tables = {hole: [[0] * n for _ in range(n)] for hole in (False, True)}
+    try:
+        for hole in (False, True):
+            for r in range(1, rounds + 1):
+                good = [kit.seal(i, round_id=r) for i in range(n)]
+                inners = [
+                    bytes(open_outer(e, shuffler_private_key=kit.shuffler_sk, key_epoch=kit.key_epoch, round_id=r,
+                                     model_digest=kit.digest).inner)
+                    for e in good
+                ]
+                envs = good[:2] + [b"junk"] + good[2:] if hole else good
+                for c in cores:
+                    b = c.begin(kit.header(len(envs), round_id=r))
+                    for e in envs:
+                        b.add(e)
+                    assert b.in_memory
+                    sealed = b.finish()
+                    out = list(c.read_batch(sealed.batch_id))
+                    for j, x in enumerate(inners):
+                        tables[hole][j][out.index(x)] += 1
+            for c in cores:  # fresh cores for the second table (bindings and replay caches are per core)
+                c.close()
+            cores = [ShufflerCore(kit.core_config(tmp_path / f"u{i}-{hole}")) for i in range(n_cores)]
+    finally:
+        for c in cores:
+            c.close()
+    for hole, t in tables.items():
+        expected = rounds * n_cores / n
+        x2 = sum((t[i][j] - expected) ** 2 / expected for i in range(n) for j in range(n)) * (n - 1) / n
+        p = float(stats.chi2.sf(x2, (n - 1) ** 2))
+        assert p > 1e-3, f"memory path, hole={hole}: scaled X^2 = {x2:.1f}, p = {p:.2e}, table {t}"
+
+
+def test_memory_path_output_without_o_direct(core: ShufflerCore, kit, monkeypatch) -> None:
+    """Where the filesystem refuses O_DIRECT writes (tmpfs: EINVAL), the same bytes go through the page cache."""
+    import errno
+
+    import shuffler.core as coremod
+
+    real = coremod.os.pwrite
+    direct_fds: list[int] = []
+    refused: list[int] = []
+    real_open = coremod.os.open
+
+    def open_(path, flags, *a):
+        fd = real_open(path, flags, *a)
+        if flags & getattr(coremod.os, "O_DIRECT", 0):
+            direct_fds.append(fd)
+        return fd
+
+    def pwrite(fd: int, data, offset: int) -> int:
+        if fd in direct_fds:
+            direct_fds.remove(fd)
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(coremod.os, "open", open_)
+    monkeypatch.setattr(coremod.os, "pwrite", pwrite)
+    envs = [kit.seal(i) for i in range(5)]
+    sealed = _run(core, kit, envs[:2] + [b"junk"] + envs[2:])
+    att = _verify(kit, sealed)
+    d = OutputDigest()
+    for x in core.read_batch(sealed.batch_id):
+        d.update(x)
+    assert d.digest() == att.output_digest and sealed.output.stat().st_size == 5 * att.inner_length
+    assert sorted(_payloads(core, kit, sealed)) == sorted(kit.payload(i) for i in range(5))
+    assert len(refused) == (1 if hasattr(coremod.os, "O_DIRECT") else 0)  # the direct write was tried once
