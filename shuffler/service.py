@@ -282,6 +282,7 @@ def core_from_config(config: ServiceConfig) -> ShufflerCore:
             journal_dir=config.journal_dir,
             max_envelope_bytes=config.max_envelope_bytes,
             max_batch_reports=config.max_batch_reports,
+            staging_memory_limit=config.staging_memory_limit,
         )
     )
 

@@ -767,3 +767,4 @@ def test_memory_path_output_without_o_direct(core: ShufflerCore, kit, monkeypatc
     assert d.digest() == att.output_digest and sealed.output.stat().st_size == 5 * att.inner_length
     assert sorted(_payloads(core, kit, sealed)) == sorted(kit.payload(i) for i in range(5))
     assert len(refused) == (1 if hasattr(coremod.os, "O_DIRECT") else 0)  # the direct write was tried once
+

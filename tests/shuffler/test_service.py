@@ -375,3 +375,20 @@ def test_announced_length_releases_the_honest_reports_and_oversized_are_skipped(
         assert c.skipped_oversized == 1 and att.envelope_length == len(envs[0])
         got = [open_inner(x, server_private_key=kit.server_sk, key_epoch=0, round_id=1) for x in c.fetch_all(att)]
     assert sorted(got) == sorted(kit.payload(i, 64) for i in range(4))
+
+
+def test_config_staging_memory_limit_reaches_the_core(kit, tmp_path) -> None:
+    """`staging_memory_limit` in the service config is what the core uses to choose memory or disk staging."""
+    from shuffler.config import load_config
+    from shuffler.service import core_from_config
+
+    from .conftest import write_config
+
+    for limit in (0, 12345):
+        path = write_config(kit, tmp_path / f"s{limit}.toml", journal=str(tmp_path / f"j{limit}"))
+        text = path.read_text()
+        # top-level key: insert before the first table header
+        head, sep, tail = text.partition("[tls]")
+        path.write_text(f"{head}staging_memory_limit = {limit}\n{sep}{tail}")
+        core = core_from_config(load_config(path))
+        assert core.config.staging_memory_limit == limit

@@ -1,0 +1,179 @@
+"""Round wall time of the real Flower simulation: the shuffled product vs. a labelled no-shuffle baseline.
+
+Issue 4's benchmark point: "round wall time at 100 and 1,000 clients with the shuffler vs. a labelled
+no-shuffle baseline (plain noisy reports averaged, not private against the server) — overhead goal <= 10% at
+1,000".
+
+* shuffled: the product exactly as ``shuffledp run --clients N --rounds R`` runs it (``server.runner.main``:
+  fresh keys, private SuperLink, ``flwr run`` of this repository, local shuffler process), with
+  ``budget-epsilon=inf`` so that a small N is not stopped by the budget (accounting still runs every round).
+* baseline: ``benchmarks/noshuffle_app`` (NOT PRIVATE AGAINST THE SERVER), launched with the same helpers
+  (``server.runner._launch``: same SuperLink, env vars, ``flwr run`` command and federation config
+  ``num-supernodes=N client-resources-num-cpus=1``) and the same run config. Its clients do the same work
+  (partition, model, clip, exact discrete Laplace, encoding) and reply with the plain encoded report.
+
+Round wall time = the sum of the server's own per-round phase timings (``RoundOutcome.seconds`` from the run's
+``state.sqlite`` checkpoint history for the product, ``baseline_rounds.json`` for the baseline): from the start
+of node selection to the end of central evaluation, same boundaries in both. Not included in either: the
+product's per-round checkpoint / report writes after evaluation. Round 1 is excluded (Ray actor start-up and
+the first-round 3 s node settle dominate it; its times are printed). Seal runs inside the clients (part of
+``collect``); its cost is estimated by a microbenchmark: N x t_seal / 2 actors.
+
+Configurations are interleaved A B A B ... (``--repeats``) so that background load hits both equally.
+
+Run: ``python benchmarks/bench_round_overhead.py [--clients 100 1000] [--rounds 3] [--repeats 2]``.
+Run outputs go to ``outputs/bench-round-overhead-<UTC>/`` (``--out``); every SuperLink/Ray process started is
+stopped by the runner's helpers after each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE_APP = Path(__file__).resolve().parent / "noshuffle_app"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from server import runner  # noqa: E402
+
+COMMON = {"budget-epsilon": float("inf")}  # both systems; a small N must not be stopped by the budget
+
+
+def run_shuffled(n: int, rounds: int, out: Path, name: str, log: Path) -> list[dict[str, Any]]:
+    """``shuffledp run --clients n --rounds rounds`` in-process; per-round outcomes from its checkpoint."""
+    from server.state import SqliteCheckpointStore
+
+    os.environ["SHUFFLEDP_FLWR_HOME"] = str(out / f".flwr-{name}")
+    argv = ["run", "--clients", str(n), "--rounds", str(rounds), "--run-name", name, "--output-dir", str(out)]
+    argv += ["--run-config", " ".join(f"{k}={runner._toml_value(v)}" for k, v in COMMON.items())]
+    with open(log, "w") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+        code = runner.main(argv)
+    if code != 0:
+        raise RuntimeError(f"shuffledp run failed (exit {code}); see {log} and {out / name}")
+    store = SqliteCheckpointStore(out / name / "state.sqlite")
+    try:
+        ckpt = store.load()
+    finally:
+        store.close()
+    rows = [h for h in ckpt.history if h["status"] == "applied"]
+    if len(rows) != rounds or any(h["n_reports"] != n for h in rows):
+        raise RuntimeError(f"shuffled run {name}: not every round applied all {n} reports: {ckpt.history}")
+    return rows
+
+
+def run_baseline(n: int, rounds: int, out: Path, name: str, log: Path) -> list[dict[str, Any]]:
+    """The no-shuffle baseline app (NOT PRIVATE AGAINST THE SERVER) through the runner's launch helpers."""
+    from server.config import DEFAULTS
+
+    out_dir = out / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run_config = {"num-server-rounds": rounds, "min-reports": min(int(DEFAULTS["min-reports"]), n),
+                  "output-dir": str(out), "run-name": name, **COMMON}
+    spec = {"clients": n, "run_config": run_config, "project": str(BASELINE_APP)}
+    with open(log, "w") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+        code = runner._launch(BASELINE_APP, out_dir, spec, flwr_home=out / f".flwr-{name}")
+    doc = json.loads((out_dir / "baseline_rounds.json").read_text())
+    if code != 0 or not doc.get("finished"):
+        raise RuntimeError(f"baseline run failed (flwr exit {code}); see {log}")
+    rows = doc["rounds"]
+    if any(r["n_reports"] != n for r in rows):
+        raise RuntimeError(f"baseline run {name}: a round lacked reports: {rows}")
+    return rows
+
+
+def seal_seconds(repeat: int = 300) -> float:
+    """Seconds per ``shuffler.envelope.seal`` of one d=650 report (two HPKE layers + Ed25519), this process."""
+    import numpy as np
+
+    from clients.core import PinnedSettings, make_payload
+    from clients.data import load_partition
+    from clients.messages import TrainConfig, arrays_digest
+    from clients.models import initial_arrays
+    from shuffler import keys as kf
+    from shuffler.envelope import seal
+
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = kf.init_key_directory(Path(tmp) / "k", 2, k=2)
+        spk = kf.load_public_key(keys.server_hpke_pub, "x25519")
+        shpk = kf.load_public_key(keys.shuffler_hpke_pub, "x25519")
+        ck = kf.load_private_key(keys.client_key(0), "ed25519")
+    pinned = PinnedSettings(eps0=4.0, clip_l1=1.0, client_key=ck, server_public_key=spk, shuffler_public_key=shpk)
+    arrays = initial_arrays("logreg", 10, 10)
+    cfg = TrainConfig(round=1, key_epoch=0, eps0=4.0, clip_l1=1.0)
+    payload = make_payload(arrays, cfg, pinned, load_partition(0, 100, pca_components=10))
+    digest = arrays_digest([np.asarray(a) for a in arrays])
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        seal(payload, server_public_key=spk, shuffler_public_key=shpk, signing_key=ck, key_epoch=0, round_id=1,
+             model_digest=digest)
+    return (time.perf_counter() - t0) / repeat
+
+
+def _med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
+    p.add_argument("--rounds", type=int, default=3, help="rounds per run; round 1 (warm-up) is not counted")
+    p.add_argument("--repeats", type=int, default=2, help="runs per configuration, interleaved A B A B")
+    p.add_argument("--out", type=Path, default=None, help="parent of the runs' outputs")
+    args = p.parse_args(argv)
+    if args.rounds < 2:
+        p.error("--rounds must be >= 2 (round 1 is warm-up)")
+    out = (args.out or ROOT / "outputs" / datetime.now(timezone.utc).strftime("bench-round-overhead-%Y%m%d-%H%M%S"))
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t_seal = seal_seconds()
+    results: dict[int, dict[str, Any]] = {}
+    for n in args.clients:
+        res = results.setdefault(n, {"shuffled": [], "baseline": [], "first": {"shuffled": [], "baseline": []}})
+        for rep in range(args.repeats):
+            for system, fn in (("shuffled", run_shuffled), ("baseline", run_baseline)):
+                name = f"{system}-n{n}-r{rep}"
+                t0 = time.monotonic()
+                rows = fn(n, args.rounds, out, name, out / f"{name}.log")
+                totals = [sum(r["seconds"].values()) for r in rows]
+                res["first"][system].append(totals[0])
+                res[system].extend(r["seconds"] for r in rows[1:])
+                print(f"... {name}: rounds {', '.join(f'{t:.2f}' for t in totals)} s "
+                      f"(whole launch {time.monotonic() - t0:.0f} s)", flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+
+    print(f"\nRound wall time, seconds: median over rounds 2..{args.rounds} of {args.repeats} runs per system "
+          f"(logreg on digits, d=650, eps0=4, C=1; 2 Ray actors, 1 CPU each). Baseline = no-shuffle, NOT PRIVATE "
+          f"AGAINST THE SERVER. Round 1 excluded (Ray start-up).")
+    print(f"{'N':>5} | {'shuffled':>8} | {'baseline':>8} | {'overhead':>8} | {'collect s/b':>13} | {'submit':>6} | "
+          f"{'account':>7} | {'fetch+open+dec':>14} | {'decode(b)':>9} | {'seal est':>8} | {'round 1 s/b':>13}")
+    for n, res in results.items():
+        shuf = [sum(s.values()) for s in res["shuffled"]]
+        base = [sum(s.values()) for s in res["baseline"]]
+        ph = {k: _med([s.get(k, 0.0) for s in res["shuffled"]]) for k in ("collect", "shuffle", "account",
+                                                                            "open_apply")}
+        bph = {k: _med([s.get(k, 0.0) for s in res["baseline"]]) for k in ("collect", "aggregate")}
+        ms, mb = _med(shuf), _med(base)
+        print(f"{n:>5} | {ms:>8.2f} | {mb:>8.2f} | {(ms / mb - 1) * 100:>7.1f}% | "
+              f"{ph['collect']:>6.2f}/{bph['collect']:<6.2f} | {ph['shuffle']:>6.3f} | {ph['account']:>7.3f} | "
+              f"{ph['open_apply']:>14.3f} | {bph['aggregate']:>9.3f} | {n * t_seal / 2:>8.3f} | "
+              f"{_med(res['first']['shuffled']):>6.1f}/{_med(res['first']['baseline']):<6.1f}")
+        print(f"      per-round totals shuffled {[round(x, 2) for x in shuf]}, baseline {[round(x, 2) for x in base]}")
+    print(f"seal microbenchmark: {t_seal * 1e3:.3f} ms per report; 'seal est' = N x t_seal / 2 actors (inside "
+          f"collect). submit = shuffler submit + attestation check; fetch+open+dec = streamed fetch, HPKE open, "
+          f"decode, accumulate. Outputs: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""NO-SHUFFLE BASELINE ServerApp — NOT PRIVATE AGAINST THE SERVER. Benchmark use only.
+
+Used by ``benchmarks/bench_round_overhead.py``. Per round it does what the product's RoundEngine
+(``server/rounds.py``) does minus everything that exists for the shuffle model: wait for / list the connected
+nodes (same ``min-reports`` wait and first-round settle), send the same model + round config to all of them,
+collect the replies with the same timeout, read the PLAIN encoded noisy reports (it sees which node sent
+which: local DP only, no amplification, nothing hidden from the server), decode and average them
+(``clients.report.decode_report`` + ``server.optim.ReportAccumulator``), one step of the same server optimizer
+and the same central evaluation. No shuffler, no HPKE, no attestation, no accountant/ledger, no checkpoint.
+
+Per-round ``seconds`` use the same boundaries as ``RoundOutcome.seconds`` of the product, so that the sum
+over phases is the same "round wall time" in both: ``select`` (node wait + sampling; the product's ``budget``),
+``collect`` (send and receive, extract bytes), ``aggregate`` (decode + accumulate; the product's
+``open_apply`` minus fetch/open), ``evaluate`` (optimizer step + central evaluation, as in the product).
+They are written to ``<output-dir>/<run-name>/baseline_rounds.json`` after every round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, Context, Message, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from clients import messages as M
+from clients.randomizer import DiscreteLaplaceRandomizer
+from clients.report import decode_report
+from server.config import parse_run_config
+from server.evaluation import CentralEvaluator
+from server.optim import ReportAccumulator, ServerOptimizer, num_parameters
+from server.rounds import sample_nodes
+
+__all__ = ["app", "ROUNDS_FILE"]
+
+ROUNDS_FILE = "baseline_rounds.json"
+MESSAGE_TYPE = "train.plain"
+REPORT_KEY = "report"
+NODE_WAIT = 120.0  # as server.job.run_job's default node_wait
+
+log = logging.getLogger("shuffledp.noshuffle")
+app = ServerApp()
+
+
+def _connected_nodes(grid: Grid, min_reports: int, settle: float) -> list[int]:
+    """Same policy as RoundEngine._connected_nodes: wait for min-reports nodes, stable for ``settle`` s."""
+    deadline = time.monotonic() + NODE_WAIT
+    last, since = -1, time.monotonic()
+    while True:
+        nodes = sorted(set(int(n) for n in grid.get_node_ids()))
+        now = time.monotonic()
+        if len(nodes) != last:
+            last, since = len(nodes), now
+        if (len(nodes) >= min_reports and now - since >= settle) or now >= deadline:
+            return nodes
+        time.sleep(min(0.5, max(0.0, deadline - now)))
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """NOT PRIVATE AGAINST THE SERVER: plain noisy reports averaged; per-round timings to baseline_rounds.json."""
+    cfg = parse_run_config(context.run_config)
+    out_dir = cfg.resolved_path(cfg.output_dir) / (cfg.run_name or f"run-{context.run_id}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    central = CentralEvaluator(cfg)
+    arrays = [np.asarray(a) for a in central.initial_arrays()]
+    dim = num_parameters([tuple(a.shape) for a in arrays])
+    log2_grid = DiscreteLaplaceRandomizer(cfg.eps0, cfg.clip_l1).log2_grid
+    optimizer = ServerOptimizer(cfg.server_optimizer, cfg.server_lr, momentum=cfg.server_momentum)
+    rows: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {"system": "no-shuffle baseline (NOT PRIVATE AGAINST THE SERVER)", "rounds": rows,
+                           "finished": False}
+    for rnd in range(1, cfg.num_server_rounds + 1):
+        seconds: dict[str, float] = {}
+        t0 = time.perf_counter()
+        nodes = _connected_nodes(grid, cfg.min_reports, settle=3.0 if rnd == 1 else 0.0)
+        sampled = sample_nodes(nodes, cfg.fraction)
+        t1 = time.perf_counter()
+        seconds["select"] = t1 - t0
+        train_cfg = M.TrainConfig(round=rnd, key_epoch=cfg.key_epoch, eps0=cfg.eps0, clip_l1=cfg.clip_l1,
+                                  report=cfg.report, local_epochs=cfg.local_epochs, local_lr=cfg.local_lr,
+                                  batch_size=cfg.batch_size).to_config_record()
+        record = ArrayRecord(arrays)
+        messages = [
+            Message(RecordDict({M.ARRAYS_KEY: record, M.CONFIG_KEY: train_cfg}), dst_node_id=int(n),
+                    message_type=MESSAGE_TYPE, group_id=str(rnd))
+            for n in sampled
+        ]
+        replies = grid.send_and_receive(messages, timeout=cfg.reply_timeout)
+        reports: list[bytes] = []
+        errors = 0
+        for reply in replies:
+            try:
+                if reply.has_error():
+                    errors += 1
+                    continue
+                reports.append(M.envelope_from_record(reply.content[REPORT_KEY]))
+            except Exception:  # noqa: BLE001 - a malformed reply is dropped, as in the product
+                errors += 1
+        del replies, messages
+        t2 = time.perf_counter()
+        seconds["collect"] = t2 - t1
+        acc = ReportAccumulator(dim)
+        bad = 0
+        for payload in reports:
+            try:
+                acc.add(decode_report(payload, expected_dim=dim, expected_log2_grid=log2_grid))
+            except Exception:  # noqa: BLE001
+                bad += 1
+        t3 = time.perf_counter()
+        seconds["aggregate"] = t3 - t2
+        if acc.count:
+            mean = acc.mean()
+            arrays = optimizer.step(arrays, mean if cfg.report == "gradient" else -mean)
+        loss, accuracy = (float(v) for v in central.evaluate(arrays))
+        seconds["evaluate"] = time.perf_counter() - t3
+        rows.append({"round": rnd, "n_sampled": len(sampled), "n_reports": acc.count, "n_errors": errors,
+                     "n_bad": bad, "accuracy": accuracy, "loss": loss, "seconds": seconds})
+        print(f"[noshuffle baseline] round {rnd}: {acc.count} plain reports, accuracy {accuracy:.4f}, "
+              f"round {sum(seconds.values()):.2f} s", flush=True)
+        (out_dir / ROUNDS_FILE).write_text(json.dumps(doc, indent=1) + "\n")
+    doc["finished"] = True
+    (out_dir / ROUNDS_FILE).write_text(json.dumps(doc, indent=1) + "\n")
