@@ -9,7 +9,7 @@ not silently fall back to a default)::
     max_envelope_bytes = 67108864      # larger envelopes are dropped; gRPC message limits derive from it
     max_batch_reports = 100000         # optional; at most 1000000
     submit_idle_timeout = 60           # optional; seconds a Submit stream may stall between messages
-    staging_memory_limit = 4294967296  # optional; bytes; a batch up to this size is staged in memory
+    staging_memory_limit = 268435456   # optional; bytes; a batch up to this size is staged in memory
     hpke_key = "shuffler/hpke.key"     # X25519, 0600
     signing_key = "shuffler/signing.key"  # Ed25519, 0600
     enrolment = "enrolment.json"
@@ -34,7 +34,7 @@ from typing import Any
 
 #: Mirrors shuffler.core.DEFAULT_STAGING_MEMORY_LIMIT / MAX_STAGING_MEMORY_LIMIT (not imported: config must
 #: load without the crypto dependencies of the core).
-DEFAULT_STAGING_MEMORY_LIMIT = 4 * 1024**3
+DEFAULT_STAGING_MEMORY_LIMIT = 256 * 1024**2
 MAX_STAGING_MEMORY_LIMIT = 1 << 40
 
 __all__ = ["ServiceConfig", "TLSConfig", "load_config", "ConfigError"]

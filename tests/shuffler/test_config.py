@@ -71,7 +71,7 @@ def test_staging_memory_limit_default_and_validation(tmp_path: Path) -> None:
     from shuffler import core
 
     c = _load(tmp_path, BASE + TLS)
-    assert c.staging_memory_limit == 4 * 1024**3 == core.DEFAULT_STAGING_MEMORY_LIMIT
+    assert c.staging_memory_limit == 256 * 1024**2 == core.DEFAULT_STAGING_MEMORY_LIMIT  # config mirrors core
     assert (core.DEFAULT_STAGING_MEMORY_LIMIT, core.MAX_STAGING_MEMORY_LIMIT) == (
         __import__("shuffler.config").config.DEFAULT_STAGING_MEMORY_LIMIT,
         __import__("shuffler.config").config.MAX_STAGING_MEMORY_LIMIT,
