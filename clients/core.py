@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,15 +113,27 @@ def _int(cfg: Mapping[str, Any], key: str, where: str) -> int:
     return int(v)
 
 
-def _load_keys(client_key: Path, server_pub: Path, shuffler_pub: Path) -> tuple[bytes, bytes, bytes]:
+@functools.lru_cache(maxsize=4096)
+def _load_key_file(path: str, kind: str, private: bool, identity: tuple[int, int, int, int]) -> bytes:
+    """One key file, cached by its identity (inode, size, mtime, mode): a rotated key or loosened permissions
+    change the identity, so the file is read (and its permissions checked) again."""
     from shuffler.keys import load_private_key, load_public_key
 
+    del identity  # part of the cache key only
+    return load_private_key(path, kind) if private else load_public_key(path, kind)
+
+
+def _load_keys(client_key: Path, server_pub: Path, shuffler_pub: Path) -> tuple[bytes, bytes, bytes]:
+    """The client's signing key and the pinned public keys; each file is read once per identity, not on every
+    request (a simulated round re-reads them for every node otherwise)."""
     try:
-        return (
-            load_private_key(client_key, "ed25519"),
-            load_public_key(server_pub, "x25519"),
-            load_public_key(shuffler_pub, "x25519"),
-        )
+        loaded = []
+        for path, kind, private in ((client_key, "ed25519", True), (server_pub, "x25519", False),
+                                    (shuffler_pub, "x25519", False)):
+            st = os.stat(path)
+            loaded.append(_load_key_file(str(path), kind, private,
+                                         (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)))
+        return loaded[0], loaded[1], loaded[2]
     except (OSError, ValueError) as exc:
         raise ClientSetupError(f"cannot load the client's keys: {exc}") from exc
 

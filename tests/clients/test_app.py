@@ -210,3 +210,40 @@ def test_pinned_settings_resolution_errors(keys) -> None:
     assert data_settings_from_run_config({}) == {"dataset": "digits", "data_dir": None, "pca_components": 10,
                                                  "scheme": "iid", "alpha": 0.5, "seed": 0}
     assert data_settings_from_run_config({"pca-components": 0})["pca_components"] is None
+
+
+def test_key_files_are_read_once_per_identity_and_again_after_a_change(tmp_path, monkeypatch) -> None:
+    """Keys are cached by file identity: a second request does not re-read them, a rotated key file is picked
+    up, and loosened permissions on the private key are refused (the 0600 check is not bypassed by the cache)."""
+    import os
+
+    import shuffler.keys as shuffler_keys
+    from clients.core import ClientSetupError, _load_key_file, _load_keys
+
+    _load_key_file.cache_clear()
+    calls = {"n": 0}
+    real = shuffler_keys.load_private_key
+
+    def counting(path, kind):
+        calls["n"] += 1
+        return real(path, kind)
+
+    monkeypatch.setattr(shuffler_keys, "load_private_key", counting)
+    own = shuffler_keys.init_key_directory(tmp_path / "keys", 1)  # this test rotates and chmods its own keys
+    ck = own.client_key(0)
+    args = (ck, own.server_hpke_pub, own.shuffler_hpke_pub)
+    first = _load_keys(*args)
+    assert _load_keys(*args) == first and calls["n"] == 1
+
+    # rotation: a new key file at the same path (new inode and mtime) is read again
+    new_key = os.urandom(32)
+    fresh = ck.with_name(ck.name + ".new")
+    shuffler_keys.save_private_key(fresh, new_key, "ed25519")
+    os.replace(fresh, ck)
+    rotated = _load_keys(*args)
+    assert calls["n"] == 2 and rotated[0] == new_key != first[0]
+
+    # loosened permissions change the identity: the file is re-checked and refused
+    os.chmod(ck, 0o644)
+    with pytest.raises(ClientSetupError, match="cannot load"):
+        _load_keys(*args)
