@@ -44,6 +44,7 @@ _OUTPUT_DOMAIN = b"shuffledp/batch-output/v1"
 
 #: Why an envelope was dropped (counted, never attributed).
 DROP_REASONS: tuple[str, ...] = (
+    "empty",  # a zero-length placeholder: the submitter had no report for this slot (no reply, or too large)
     "malformed",  # too short or structurally invalid
     "oversized",  # longer than max_envelope_bytes
     "wrong_version",  # envelope format version not spoken here

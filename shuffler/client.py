@@ -10,7 +10,9 @@ has finished (or use :meth:`ShufflerClient.fetch_all`).
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import grpc
 
@@ -22,10 +24,14 @@ from shuffler.attestation import Attestation, AttestationError, OutputDigest
 from shuffler.config import is_loopback
 from shuffler.service import FRAMING_SLACK, grpc_options
 
-__all__ = ["ShufflerClient", "ShufflerError", "Attestation", "AttestationError"]
+__all__ = ["ShufflerClient", "SubmitStream", "ShufflerError", "Attestation", "AttestationError"]
 
 _SUBMIT = "/shuffledp.shuffler.v1.Shuffler/Submit"
 _FETCH = "/shuffledp.shuffler.v1.Shuffler/Fetch"
+_KEEPALIVE = pb.SubmitRequest(keepalive=pb.Keepalive()).SerializeToString()
+_END = object()  # ends the request stream
+#: envelopes buffered between the sender and gRPC's request thread (back-pressure: send() waits beyond this)
+_QUEUE_ITEMS = 32
 
 
 class ShufflerError(RuntimeError):
@@ -120,69 +126,46 @@ class ShufflerClient:
 
         The header announces the number of envelopes: ``count`` if given (then ``envelopes`` may be any
         iterable, e.g. a generator reading from disk, and must yield exactly ``count`` items), else
-        ``len(envelopes)`` (a non-sized iterable is materialised first). Envelopes are streamed one per message.
+        ``len(envelopes)`` (a non-sized iterable is materialised first). Envelopes are streamed one per message
+        (through :meth:`open_submit`).
 
         ``envelope_length`` (recommended) announces the length every envelope of the round has: an envelope of
         another length is then dropped and counted (``wrong_length``) and the honest rest of the batch is
         released; without it, accepted reports of different lengths refuse the whole batch (``mixed_lengths``).
 
         An envelope too large for the channel's message limit would make gRPC abort the whole stream, so it is
-        not sent: an empty placeholder takes its place (the shuffler counts it as a ``malformed`` drop, or
-        ``wrong_length`` with ``envelope_length``, so the announced count still holds) and
-        :attr:`skipped_oversized` is incremented.
+        not sent: an empty placeholder takes its place (the shuffler counts it as an ``empty`` drop, so the
+        announced count still holds) and :attr:`skipped_oversized` is incremented.
         """
-        env.binding(key_epoch, round_id, model_digest)  # validates types and ranges
         if count is None:
             items: Iterable[bytes] = envelopes if hasattr(envelopes, "__len__") else list(envelopes)
             count = len(items)  # type: ignore[arg-type]
         else:
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise ValueError(f"count must be a non-negative int, got {count!r}")
             items = envelopes
-        if count >= 2**32:
-            raise ValueError("too many envelopes for one batch")
-        if envelope_length is not None and (
-            isinstance(envelope_length, bool) or not isinstance(envelope_length, int) or envelope_length < 1
-        ):
-            raise ValueError(f"envelope_length must be a positive int, got {envelope_length!r}")
-        sent = 0
-        header = pb.SubmitRequest(
-            header=pb.SubmitHeader(
-                protocol_version=env.ENVELOPE_VERSION,
-                key_epoch=key_epoch,
-                round_id=round_id,
-                model_digest=bytes(model_digest),
-                expected_count=count,
-                envelope_length=envelope_length or 0,
-            )
-        ).SerializeToString()
-
-        def requests() -> Iterator[bytes]:
-            nonlocal sent
-            yield header
+        with self.open_submit(round_id=round_id, key_epoch=key_epoch, model_digest=model_digest, count=count,
+                              envelope_length=envelope_length) as stream:
             for e in items:
-                sent += 1
-                if len(e) > self._send_limit:
-                    self.skipped_oversized += 1
-                    e = b""  # a counted drop at the shuffler instead of an aborted stream
-                yield wire.encode_bytes_field(2, e)  # == SubmitRequest(envelope=e).SerializeToString()
+                stream.send(e)
+            return stream.close()
 
-        try:
-            resp = self._submit_raw(requests(), timeout=self._timeout)
-        except grpc.RpcError as exc:
-            raise ShufflerError(exc.code(), exc.details() or "") from None
-        att = Attestation.verify(resp.statement, resp.signature, self._verify_key)
-        if att.batch_id != bytes(resp.batch_id):
-            raise AttestationError("attestation batch id differs from the response's batch id")
-        if (att.round_id, att.key_epoch, att.model_digest) != (round_id, key_epoch, bytes(model_digest)):
-            raise AttestationError("attestation binding (round, key epoch, model digest) differs from the submission")
-        if att.n_received != sent or sent != count:
-            raise AttestationError(f"attestation says {att.n_received} envelopes received; {sent} were sent")
-        if att.envelope_length != (envelope_length or 0):
-            raise AttestationError(f"attestation envelope_length {att.envelope_length}; {envelope_length} was sent")
-        if att.protocol_version != env.ENVELOPE_VERSION:
-            raise AttestationError(f"attestation protocol version {att.protocol_version}")
-        return att
+    def open_submit(
+        self,
+        *,
+        round_id: int,
+        key_epoch: int,
+        model_digest: bytes,
+        count: int,
+        envelope_length: int | None = None,
+        timeout: float | None = None,
+    ) -> "SubmitStream":
+        """Start a Submit whose envelopes are sent as they become available (see :class:`SubmitStream`).
+
+        ``count`` is announced in the header: send exactly that many envelopes (an empty ``b""`` is a counted
+        placeholder for a report you do not have). ``timeout`` bounds the whole stream (default: the client's
+        timeout); a server that streams while it collects replies passes its reply timeout plus a margin.
+        """
+        return SubmitStream(self, round_id=round_id, key_epoch=key_epoch, model_digest=model_digest, count=count,
+                            envelope_length=envelope_length, timeout=self._timeout if timeout is None else timeout)
 
     def fetch(self, attestation: Attestation) -> Iterator[bytes]:
         """Stream the batch's inner ciphertexts; verifies lengths, count and output digest (raises at the end)."""
@@ -225,3 +208,143 @@ class ShufflerClient:
             "reports_accepted": s.reports_accepted,
             "dropped": dict(s.dropped),
         }
+
+
+class SubmitStream:
+    """One Submit in progress: the header is sent at once, envelopes with :meth:`send` as they become available,
+    :meth:`keepalive` while there is nothing to send (the shuffler cancels a stream idle for
+    ``submit_idle_timeout`` seconds), and :meth:`close` ends the stream and returns the verified attestation.
+    :meth:`cancel` abandons it: the shuffler then discards everything received, seals nothing and the round's
+    binding stays unused. Use it as a context manager (an exception inside cancels the stream).
+
+    Not thread-safe: one sender. If the shuffler ends the call early (a refusal such as ``count_mismatch``, or
+    ``submit_idle``), the next :meth:`send`, :meth:`keepalive` or :meth:`close` raises :class:`ShufflerError`.
+    """
+
+    def __init__(self, client: ShufflerClient, *, round_id: int, key_epoch: int, model_digest: bytes, count: int,
+                 envelope_length: int | None, timeout: float | None) -> None:
+        env.binding(key_epoch, round_id, model_digest)  # validates types and ranges
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be a non-negative int, got {count!r}")
+        if count >= 2**32:
+            raise ValueError("too many envelopes for one batch")
+        if envelope_length is not None and (
+            isinstance(envelope_length, bool) or not isinstance(envelope_length, int) or envelope_length < 1
+        ):
+            raise ValueError(f"envelope_length must be a positive int, got {envelope_length!r}")
+        self._client = client
+        self._binding = (round_id, key_epoch, bytes(model_digest))
+        self._count = count
+        self._envelope_length = envelope_length or 0
+        self.sent = 0
+        self._done = False
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=_QUEUE_ITEMS)
+        header = pb.SubmitRequest(
+            header=pb.SubmitHeader(
+                protocol_version=env.ENVELOPE_VERSION,
+                key_epoch=key_epoch,
+                round_id=round_id,
+                model_digest=bytes(model_digest),
+                expected_count=count,
+                envelope_length=self._envelope_length,
+            )
+        ).SerializeToString()
+
+        def requests() -> Iterator[bytes]:
+            yield header
+            while True:
+                item = self._queue.get()
+                if item is _END:
+                    return
+                yield item
+
+        self._future = client._submit_raw.future(requests(), timeout=timeout)
+
+    def __enter__(self) -> "SubmitStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._done:
+            self.cancel()
+
+    @property
+    def failed(self) -> bool:
+        """True if the call already ended before :meth:`close` (the shuffler refused or cancelled it)."""
+        return not self._done and self._future.done()
+
+    def _raise_if_failed(self) -> None:
+        if self._done:
+            raise RuntimeError("this submit stream is closed or cancelled")
+        if self._future.done():
+            self._finish_queue()
+            self._result()  # raises ShufflerError
+            raise ShufflerError(grpc.StatusCode.UNKNOWN, "the shuffler ended the stream before close()")
+
+    def _put(self, item: bytes) -> None:
+        while True:  # never block forever on a full queue if the call has ended
+            self._raise_if_failed()
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def send(self, envelope: bytes) -> None:
+        """Queue one envelope (``b""``: a counted placeholder). Too large for the channel: a placeholder is sent
+        instead and ``client.skipped_oversized`` grows."""
+        if len(envelope) > self._client._send_limit:
+            self._client.skipped_oversized += 1
+            envelope = b""  # a counted drop at the shuffler instead of an aborted stream
+        self._put(wire.encode_bytes_field(2, envelope))  # == SubmitRequest(envelope=e).SerializeToString()
+        self.sent += 1
+
+    def keepalive(self) -> None:
+        """Reset the shuffler's idle timer without sending an envelope."""
+        self._put(_KEEPALIVE)
+
+    def _finish_queue(self) -> None:
+        try:
+            self._queue.put_nowait(_END)
+        except queue.Full:  # the request thread is gone (call ended) or will drain; unblock it best-effort
+            try:
+                self._queue.get_nowait()
+                self._queue.put_nowait(_END)
+            except (queue.Empty, queue.Full):
+                pass
+
+    def _result(self) -> Any:
+        try:
+            return self._future.result()
+        except grpc.RpcError as exc:
+            raise ShufflerError(exc.code(), exc.details() or "") from None
+        except grpc.FutureCancelledError:
+            raise ShufflerError(grpc.StatusCode.CANCELLED, "the submit stream was cancelled") from None
+
+    def close(self) -> Attestation:
+        """End the stream; returns the attestation, verified and checked against what was sent."""
+        self._raise_if_failed()
+        self._put(_END)
+        self._done = True
+        resp = self._result()
+        att = Attestation.verify(resp.statement, resp.signature, self._client._verify_key)
+        if att.batch_id != bytes(resp.batch_id):
+            raise AttestationError("attestation batch id differs from the response's batch id")
+        if (att.round_id, att.key_epoch, att.model_digest) != self._binding:
+            raise AttestationError("attestation binding (round, key epoch, model digest) differs from the submission")
+        if att.n_received != self.sent or self.sent != self._count:
+            raise AttestationError(f"attestation says {att.n_received} envelopes received; {self.sent} were sent")
+        if att.envelope_length != self._envelope_length:
+            raise AttestationError(
+                f"attestation envelope_length {att.envelope_length}; {self._envelope_length or None} was sent"
+            )
+        if att.protocol_version != env.ENVELOPE_VERSION:
+            raise AttestationError(f"attestation protocol version {att.protocol_version}")
+        return att
+
+    def cancel(self) -> None:
+        """Abandon the stream (idempotent): the shuffler seals nothing and the binding stays unused."""
+        if self._done:
+            return
+        self._done = True
+        self._future.cancel()
+        self._finish_queue()

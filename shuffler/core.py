@@ -714,6 +714,9 @@ class BatchBuilder:
         self._envelope_hashes.append(envelope_fingerprint(envelope))
         if self.replay_only:
             return
+        if len(envelope) == 0:  # the submitter's placeholder for a report it does not have (keeps the count)
+            self.drops["empty"] += 1
+            return
         if len(envelope) > cfg.max_envelope_bytes:
             self.drops["oversized"] += 1
             return

@@ -214,9 +214,13 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
                 )
             )
             for req in request_iterator:
-                if req.WhichOneof("item") != "envelope":
-                    raise Refused("invalid_argument", "not_envelope", "only envelopes may follow the header")
-                builder.add(req.envelope)  # bytes or a memoryview into the received message
+                item = req.WhichOneof("item")
+                if item == "envelope":
+                    builder.add(req.envelope)  # bytes or a memoryview into the received message
+                elif item != "keepalive":  # a keepalive only resets the idle timer (done by _watched)
+                    raise Refused(
+                        "invalid_argument", "not_envelope", "only envelopes and keepalives may follow the header"
+                    )
             sealed = builder.finish()
             return pb.SubmitResponse(batch_id=sealed.batch_id, statement=sealed.statement, signature=sealed.signature)
         except Refused as exc:

@@ -204,7 +204,8 @@ def truncated_by_one_byte(ctx: Ctx) -> Drop:
 
 @case
 def empty_envelope_message(ctx: Ctx) -> Drop:
-    return _drop(ctx, [b""], {"malformed": 1})
+    # a zero-length envelope is the submitter's placeholder for a missing report: counted as its own reason
+    return _drop(ctx, [b""], {"empty": 1})
 
 
 @case
@@ -359,7 +360,7 @@ def kitchen_sink(ctx: Ctx) -> Drop:
         ctx.seal(1, payload=ctx.kit.payload(77)),  # after client 1's honest one: duplicate
     ]
     return Drop(envs[:2] + hostile + envs[2:] + [envs[0]], {
-        "malformed": 1, "undecryptable": 1, "wrong_version": 1, "wrong_epoch": 1, "unknown_signer": 1,
+        "empty": 1, "undecryptable": 1, "wrong_version": 1, "wrong_epoch": 1, "unknown_signer": 1,
         "replay": 2, "duplicate_signer": 1,
     }, payloads)
 
@@ -380,7 +381,7 @@ def announced_length_drops_a_valid_envelope_of_another_length(ctx: Ctx) -> Drop:
 @case
 def announced_length_drops_truncated_and_padded(ctx: Ctx) -> Drop:
     e = ctx.seal(4)
-    return _announced(ctx, [e[:-1], e + b"\0", b""], {"wrong_length": 3})
+    return _announced(ctx, [e[:-1], e + b"\0", b""], {"wrong_length": 2, "empty": 1})
 
 
 @case
@@ -393,7 +394,7 @@ def announced_length_oversized_is_still_oversized(ctx: Ctx) -> Drop:
 def envelope_too_large_for_the_channel_becomes_a_counted_drop(ctx: Ctx) -> Drop:
     # the ShufflerClient does not let one huge envelope abort the stream: it sends an empty placeholder
     huge = secrets.token_bytes(MAX_ENVELOPE + 4096)
-    d = _drop(ctx, [huge], {"malformed": 1})
+    d = _drop(ctx, [huge], {"empty": 1})
 
     def check() -> None:
         assert ctx.last_client.skipped_oversized == 1
@@ -540,6 +541,14 @@ def garbage_protobuf_on_fetch(ctx: Ctx) -> Refusal:
 def envelopes_before_header(ctx: Ctx) -> Refusal:
     envs, payloads = ctx.honest()
     msgs = [envelope_msg(e) for e in envs] + [header_msg(ctx.kit, 4, round_id=ctx.r)]
+    return Refusal(lambda: ctx.raw_submit(msgs), grpc.StatusCode.INVALID_ARGUMENT, "no_header", envs, payloads)
+
+
+@case
+def keepalive_before_header(ctx: Ctx) -> Refusal:
+    envs, payloads = ctx.honest()
+    keepalive = pb.SubmitRequest(keepalive=pb.Keepalive()).SerializeToString()
+    msgs = [keepalive, header_msg(ctx.kit, 4, round_id=ctx.r)] + [envelope_msg(e) for e in envs]
     return Refusal(lambda: ctx.raw_submit(msgs), grpc.StatusCode.INVALID_ARGUMENT, "no_header", envs, payloads)
 
 

@@ -63,7 +63,7 @@ def test_failed_verification_is_dropped_and_counted_by_reason(core: ShufflerCore
     flipped = bytearray(kit.seal(4))
     flipped[60] ^= 1
     bad = [
-        b"",  # malformed
+        b"",  # empty (a placeholder)
         honest[0][:100],  # malformed (truncated below the overhead)
         honest[0][:-3],  # undecryptable (truncated)
         bytes(flipped),  # undecryptable (bit flip)
@@ -78,7 +78,8 @@ def test_failed_verification_is_dropped_and_counted_by_reason(core: ShufflerCore
     att = _verify(kit, sealed)
     assert att.n_accepted == 4 and att.n_received == 4 + len(bad)
     assert att.dropped == {
-        "malformed": 2,
+        "empty": 1,
+        "malformed": 1,
         "undecryptable": 4,
         "wrong_epoch": 1,
         "wrong_version": 1,
