@@ -6,13 +6,16 @@ One round ``r`` (:meth:`RoundEngine.run_round`):
 2. check the budget *before sending*: stop if even the best case (every sampled node reports) would take the
    default family above ``budget-epsilon``;
 3. durably mark ``r`` as started (a round id is never reused, see :mod:`server.state`);
-4. send ``train.shuffled`` (model + round config) and collect replies until ``reply-timeout``; keep ONLY the
-   envelope bytes of replies without errors and drop every reply (with its metadata: node id, timestamps)
-   at once; a malformed reply is counted and dropped;
-5. fewer than ``k`` envelopes: skip the round, charge nothing, send nothing to the shuffler;
-6. submit the envelopes to the shuffler bound to (key epoch, round id, digest of the model the server sent);
-   the shuffler drops envelopes that do not open under that binding (a tagged client that received another
-   model) and signs the count it accepted; the client library verifies the attestation;
+4. send ``train.shuffled`` (model + round config) and open a Submit stream to the shuffler, bound to (key epoch,
+   round id, digest of the model the server sent) and announcing one slot per message sent; collect replies
+   until ``reply-timeout`` and forward each one's envelope bytes the moment it arrives, dropping the reply
+   (with its metadata: node id, timestamps) at once. An error reply, a malformed or duplicate reply, and a
+   node that never replied each fill their slot with an empty placeholder (the shuffler counts it as
+   ``empty``). The shuffler's verification work thus overlaps the collection;
+5. fewer than ``k`` envelopes: cancel the stream (the shuffler seals nothing and the binding stays unused),
+   skip the round, charge nothing;
+6. close the stream: the shuffler drops envelopes that do not open under the binding (a tagged client that
+   received another model) and signs the count it accepted; the client library verifies the attestation;
 7. attested count below ``k`` or a budget overrun at the attested count: do not fetch (nothing is released to
    the server), skip or stop;
 8. charge the accountant with the attested count and append the ledger row — BEFORE fetching, so a crash
@@ -30,6 +33,7 @@ history); the run continues with a fresh round id.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import secrets
@@ -56,7 +60,7 @@ __all__ = [
     "RoundOutcome",
     "RoundEngine",
     "ResumeError",
-    "extract_envelopes",
+    "envelope_of",
     "sample_nodes",
     "RESUME_KEYS",
 ]
@@ -80,19 +84,32 @@ RESUME_KEYS = (
 )
 
 
+#: Seconds between polls for replies on a grid that does not say (Flower's simulation grid has pull_interval).
+PULL_INTERVAL_SECONDS = 1.0
+#: Send a Keepalive on the Submit stream after this long without an envelope (the shuffler's default idle
+#: timeout is 60 s).
+KEEPALIVE_SECONDS = 5.0
+#: The Submit stream's deadline is reply-timeout plus this margin (time for the shuffler to seal the batch).
+SUBMIT_MARGIN_SECONDS = 600.0
+
+
 class GridLike(Protocol):
     """The part of ``flwr.serverapp.Grid`` the round logic uses."""
 
     def get_node_ids(self) -> Iterable[int]: ...
 
-    def send_and_receive(self, messages: Iterable[Any], *, timeout: float | None = None) -> Iterable[Any]: ...
+    def push_messages(self, messages: Iterable[Any]) -> Iterable[str]: ...
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Any]: ...
 
 
 class ShufflerLike(Protocol):
-    """The part of ``shuffler.client.ShufflerClient`` the round logic uses."""
+    """The part of ``shuffler.client.ShufflerClient`` the round logic uses (``open_submit`` returns a
+    ``shuffler.client.SubmitStream``: ``send``, ``keepalive``, ``close`` -> attestation, ``cancel``)."""
 
-    def submit(
-        self, *, round_id: int, key_epoch: int, model_digest: bytes, envelopes: Iterable[bytes], envelope_length: int
+    def open_submit(
+        self, *, round_id: int, key_epoch: int, model_digest: bytes, count: int, envelope_length: int,
+        timeout: float | None = None,
     ) -> Any: ...
 
     def fetch(self, attestation: Any) -> Iterator[bytes]: ...
@@ -164,38 +181,22 @@ def sample_nodes(node_ids: Sequence[int], fraction: float, rng: secrets.SystemRa
     return (rng or secrets.SystemRandom()).sample(nodes, count)
 
 
-def extract_envelopes(replies: Iterable[Any], *, max_bytes: int) -> tuple[list[bytes], dict[str, int]]:
-    """Keep only the envelope bytes of well-formed, error-free replies; count the rest.
-
-    The replies (and with them every piece of Flower metadata: source node id, timestamps, message ids) are
-    not retained: the returned list holds bytes only, de-duplicated and sorted by value so that not even the
-    arrival order survives this function.
-
-    Returns:
-        (envelopes, counts) with counts ``replies``, ``errors`` (error replies, e.g. a client refusing the
-        request), ``malformed`` (no or ill-formed ``content["envelope"]``, oversized), ``duplicates``.
-    """
-    counts = {"replies": 0, "errors": 0, "malformed": 0, "duplicates": 0}
-    unique: set[bytes] = set()
-    for reply in replies:
-        counts["replies"] += 1
-        try:
-            if reply.has_error():
-                counts["errors"] += 1
-                continue
-            content = reply.content
-            if set(content.keys()) != {M.ENVELOPE_KEY}:
-                raise ValueError(f"reply content must hold exactly {M.ENVELOPE_KEY!r}, got {sorted(content.keys())}")
-            envelope = M.envelope_from_record(content[M.ENVELOPE_KEY])
-            if len(envelope) > max_bytes:
-                raise ValueError(f"envelope of {len(envelope)} bytes exceeds the limit of {max_bytes}")
-        except Exception:  # noqa: BLE001 - any defect in one reply only drops that reply
-            counts["malformed"] += 1
-            continue
-        if envelope in unique:
-            counts["duplicates"] += 1
-        unique.add(envelope)
-    return sorted(unique), counts
+def envelope_of(reply: Any, *, max_bytes: int) -> tuple[bytes | None, str]:
+    """The envelope bytes of one reply, or ``None`` and why not: ``("error")`` for an error reply (e.g. a client
+    refusing the request), ``("malformed")`` for no or an ill-formed ``content["envelope"]`` or an oversized
+    one. Nothing else of the reply (node id, timestamps, message ids) is returned."""
+    try:
+        if reply.has_error():
+            return None, "error"
+        content = reply.content
+        if set(content.keys()) != {M.ENVELOPE_KEY}:
+            return None, "malformed"
+        envelope = M.envelope_from_record(content[M.ENVELOPE_KEY])
+    except Exception:  # noqa: BLE001 - any defect in one reply only drops that reply
+        return None, "malformed"
+    if len(envelope) > max_bytes:
+        return None, "malformed"
+    return envelope, "ok"
 
 
 def _mechanism_label(cfg: ServerConfig, dim: int) -> str:
@@ -421,6 +422,76 @@ class RoundEngine:
                 return nodes
             time.sleep(min(0.5, max(0.0, deadline - now)))
 
+    def _collect_into_stream(self, messages: list[Any], round_id: int, digest: bytes, out: RoundOutcome) -> Any | None:
+        """Send the round's messages and stream each reply's envelope to the shuffler as it arrives.
+
+        The Submit stream announces one slot per message pushed. A reply's envelope is forwarded at once and the
+        reply dropped; an error reply, a malformed one and a duplicate (the same bytes twice) fill their slot with
+        an empty placeholder, and so does every node without a reply at ``reply-timeout``. While nothing arrives
+        the stream is kept alive (the shuffler cancels idle submissions). Returns the stream with every slot sent,
+        ready to close, or ``None`` after cancelling it when fewer than ``min-reports`` envelopes arrived (the
+        shuffler then seals nothing and the round's binding stays unused). Fills ``out``'s reply counters.
+
+        The shuffler receives the envelopes in arrival order; it verifies each signer anyway, so the order tells it
+        nothing it does not know. The server keeps only a SHA-256 of each envelope (for de-duplication).
+        """
+        cfg = self.cfg
+        ids = [str(i) for i in self.grid.push_messages(messages)]
+        del messages
+        outstanding = set(ids)
+        stream = self.shuffler.open_submit(
+            round_id=round_id, key_epoch=cfg.key_epoch, model_digest=digest, count=len(ids),
+            envelope_length=self.envelope_length, timeout=cfg.reply_timeout + SUBMIT_MARGIN_SECONDS,
+        )
+        counts = {"error": 0, "malformed": 0, "duplicate": 0}
+        seen: set[bytes] = set()
+        n_replies = 0
+        try:
+            deadline = time.monotonic() + cfg.reply_timeout
+            # Flower's in-memory (simulation) grid polls every `pull_interval` (0.1 s) in send_and_receive; a
+            # deployment's SuperLink is polled less often.
+            interval = float(getattr(self.grid, "pull_interval", PULL_INTERVAL_SECONDS))
+            last_sent = time.monotonic()
+            while outstanding:
+                for reply in self.grid.pull_messages(set(outstanding)):
+                    slot = str(reply.metadata.reply_to_message_id)
+                    if slot not in outstanding:  # not one of ours, or a second reply for a slot: ignore
+                        continue
+                    outstanding.discard(slot)
+                    n_replies += 1
+                    envelope, kind = envelope_of(reply, max_bytes=cfg.max_message_bytes)
+                    del reply  # the reply and its metadata are gone from here on
+                    if envelope is not None:
+                        fingerprint = hashlib.sha256(envelope).digest()
+                        if fingerprint in seen:
+                            envelope, kind = None, "duplicate"
+                        seen.add(fingerprint)
+                    if envelope is None:
+                        counts[kind] += 1
+                        stream.send(b"")
+                    else:
+                        stream.send(envelope)
+                    last_sent = time.monotonic()
+                if not outstanding or time.monotonic() >= deadline:
+                    break
+                if time.monotonic() - last_sent >= KEEPALIVE_SECONDS:
+                    stream.keepalive()
+                    last_sent = time.monotonic()
+                time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            for _ in outstanding:  # no reply before the timeout
+                stream.send(b"")
+        except BaseException:
+            stream.cancel()
+            raise
+        out.n_replies = n_replies
+        out.n_error_replies = counts["error"]
+        out.n_malformed_replies = counts["malformed"] + counts["duplicate"]
+        out.n_envelopes = n_replies - sum(counts.values())
+        if out.n_envelopes < cfg.min_reports:
+            stream.cancel()
+            return None
+        return stream
+
     def _finish(self, outcome: RoundOutcome, *, save: bool = True) -> RoundOutcome:
         self.history.append(outcome)
         self.last_round = outcome.round
@@ -481,34 +552,30 @@ class RoundEngine:
         sent_arrays = [np.array(a, copy=True) for a in self.arrays]
         digest = M.arrays_digest(sent_arrays)
         messages = self._build_messages(sampled, round_id)
-        replies = self.grid.send_and_receive(messages, timeout=cfg.reply_timeout)
-        del messages
-        envelopes, counts = extract_envelopes(replies, max_bytes=cfg.max_message_bytes)
-        del replies  # every reply (and its metadata) is gone from here on
-        out.n_replies = counts["replies"]
-        out.n_error_replies = counts["errors"]
-        out.n_malformed_replies = counts["malformed"] + counts["duplicates"]
-        out.n_envelopes = len(envelopes)
+        try:
+            stream = self._collect_into_stream(messages, round_id, digest, out)
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if not _is_refusal(exc):
+                raise
+            out.reason = f"the shuffler refused the batch while it was being collected: {exc}"
+            return self._finish(out)
         t1 = time.perf_counter()
         out.seconds["collect"] = t1 - t_budget
-        if len(envelopes) < cfg.min_reports:
+        if stream is None:
             out.reason = (
-                f"{len(envelopes)} envelopes arrived ({counts['errors']} error replies, {counts['malformed']} "
-                f"malformed, {len(sampled) - counts['replies']} no reply), fewer than min-reports k={cfg.min_reports}"
+                f"{out.n_envelopes} envelopes arrived ({out.n_error_replies} error replies, "
+                f"{out.n_malformed_replies} malformed or duplicate, {out.n_sampled - out.n_replies} no reply), fewer "
+                f"than min-reports k={cfg.min_reports}; the submission was cancelled (nothing sealed or charged)"
             )
             return self._finish(out)
 
         try:
-            attestation = self.shuffler.submit(
-                round_id=round_id, key_epoch=cfg.key_epoch, model_digest=digest, envelopes=iter(envelopes),
-                envelope_length=self.envelope_length,
-            )
+            attestation = stream.close()
         except Exception as exc:  # noqa: BLE001 - classified below
             if not _is_refusal(exc):
                 raise
             out.reason = f"the shuffler refused the batch: {exc}"
             return self._finish(out)
-        del envelopes
         n_attested = int(attestation.n_accepted)
         out.n_reports = n_attested
         t2 = time.perf_counter()

@@ -221,6 +221,9 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
                     raise Refused(
                         "invalid_argument", "not_envelope", "only envelopes and keepalives may follow the header"
                     )
+            if not context.is_active():  # cancelled by the client (gRPC may end the iterator before saying so)
+                log.info("submit: stream cancelled by the client")
+                return pb.SubmitResponse()
             sealed = builder.finish()
             return pb.SubmitResponse(batch_id=sealed.batch_id, statement=sealed.statement, signature=sealed.signature)
         except Refused as exc:

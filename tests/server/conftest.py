@@ -1,7 +1,7 @@
 """Fixtures for the server tests: a key directory, a REAL shuffler process, and a fake Grid.
 
 The fake Grid delivers each ``train.shuffled`` message to a per-node behaviour (honest, silent, refusing,
-garbage, tagged) and returns the replies, like ``flwr.serverapp.Grid.send_and_receive``. Honest nodes run the
+garbage, tagged); its replies are pulled as with ``flwr.serverapp.Grid.push_messages`` / ``pull_messages``. Honest nodes run the
 clients package's pure core function (``clients.core.make_envelope``) on their digits partition, so what the
 server opens is what a real ClientApp sends.
 """
@@ -99,7 +99,7 @@ def make_config(tmp_path: Path, keys: Keys, **overrides: Any) -> ServerConfig:
     raw: dict[str, Any] = {
         "num-server-rounds": 3,
         "min-reports": K,
-        "reply-timeout": 5.0,
+        "reply-timeout": 0.5,  # only silent nodes make a round wait this long
         "eps0": 8.0,
         "clip-l1": 1.0,
         "server-lr": 0.5,
@@ -129,7 +129,9 @@ class FakeGrid:
     behaviours: dict[int, Behaviour]
     partition: dict[int, int] = field(default_factory=dict)
     sent: list[Message] = field(default_factory=list)
+    pending: dict[str, Message] = field(default_factory=dict)
     calls: int = 0
+    pull_interval: float = 0.01
 
     @classmethod
     def build(cls, behaviours: list[Behaviour]) -> FakeGrid:
@@ -139,17 +141,25 @@ class FakeGrid:
     def get_node_ids(self) -> Iterable[int]:
         return list(self.behaviours)
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        """Like Flower's grids: gives each message an id; the node's behaviour runs at once and its reply (if
+        any) waits to be pulled."""
         self.calls += 1
-        replies = []
+        ids = []
         for i, msg in enumerate(messages):
-            msg.metadata.__dict__["_message_id"] = f"m{self.calls}-{i}"
+            mid = f"m{self.calls}-{i}"
+            msg.metadata.__dict__["_message_id"] = mid
             self.sent.append(msg)
             node = msg.metadata.dst_node_id
             reply = self.behaviours[node](msg, self.partition[node])
             if reply is not None:
-                replies.append(reply)
-        return replies
+                self.pending[mid] = reply
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        """The replies that are ready for these ids (each returned once, as Flower deletes pulled messages)."""
+        return [self.pending.pop(m) for m in list(message_ids) if m in self.pending]
 
 
 def envelope_reply(msg: Message, envelope: bytes) -> Message:
@@ -264,6 +274,7 @@ class Harness:
     refusing: Behaviour = staticmethod(refusing)  # type: ignore[assignment]
     garbage_envelope: Behaviour = staticmethod(garbage_envelope)  # type: ignore[assignment]
     garbage_record: Behaviour = staticmethod(garbage_record)  # type: ignore[assignment]
+    kit_envelope_reply: Any = staticmethod(envelope_reply)
 
     def honest(self) -> Behaviour:
         return honest_factory(self.keys)

@@ -19,7 +19,7 @@ from accounting.events import ShuffleRound
 from clients import messages as M
 from clients.report import decode_report
 from server.optim import flatten
-from server.rounds import ResumeError, extract_envelopes, sample_nodes
+from server.rounds import ResumeError, envelope_of, sample_nodes
 
 
 def _ledger_rounds(engine: Any) -> list[int]:
@@ -98,7 +98,9 @@ def test_dropouts_below_k_skip_the_round_and_charge_nothing(h: Any) -> None:
     assert "fewer than min-reports k=8" in out.reason
     assert _ledger_rounds(engine) == []
     assert engine.accountant.rounds == ()
-    assert _stats(h)["batches_sealed"] == 0 and _stats(h)["batches_refused"] == 0  # never sent to the shuffler
+    # the submission was cancelled: the shuffler sealed nothing (gRPC may let it see the cancellation as an early
+    # end of stream, refused as count_mismatch) and nothing was accepted
+    assert _stats(h)["batches_sealed"] == 0 and _stats(h)["reports_accepted"] == 0
     assert engine.store.load().round == 1  # the id is used; a later round gets a new one
 
 
@@ -236,7 +238,7 @@ def test_crash_before_the_ledger_uses_a_fresh_round_id_and_charges_nothing(h: An
         raise _Crash("killed while talking to the shuffler")
 
     real_shuffler = engine.shuffler
-    engine.shuffler = type("S", (), {"submit": staticmethod(crash_submit), "fetch": real_shuffler.fetch})()
+    engine.shuffler = type("S", (), {"open_submit": staticmethod(crash_submit), "fetch": real_shuffler.fetch})()
     with pytest.raises(_Crash):
         engine.run_round(2)
     engine.ledger.close()
@@ -261,20 +263,52 @@ def test_resume_refuses_a_changed_privacy_setting(h: Any) -> None:
         resumed.restore()
 
 
-def test_extract_envelopes_keeps_bytes_only_sorted_and_deduplicated(h: Any) -> None:
-    grid = h.grid([h.honest()] * 3)
-    cfg = h.config()
-    engine = h.engine(cfg, grid)
-    msgs = engine._build_messages(list(grid.get_node_ids()), 1)
-    replies = list(grid.send_and_receive(msgs))
-    replies.append(replies[0])  # a duplicate delivery
-    replies.append(h.refusing(msgs[0], 0))
-    envelopes, counts = extract_envelopes(replies, max_bytes=1 << 20)
-    assert counts == {"replies": 5, "errors": 1, "malformed": 0, "duplicates": 1}
-    assert all(type(e) is bytes for e in envelopes)
-    assert envelopes == sorted(envelopes) and len(envelopes) == 3
-    small, counts = extract_envelopes(replies[:1], max_bytes=16)
-    assert small == [] and counts["malformed"] == 1
+def test_envelope_of_keeps_bytes_only_and_classifies_the_rest(h: Any) -> None:
+    grid = h.grid([h.honest(), h.refusing, h.garbage_record])
+    engine = h.engine(h.config(), grid)
+    ids = grid.push_messages(engine._build_messages(list(grid.get_node_ids()), 1))
+    honest, refusal, garbage = grid.pull_messages(ids)
+    envelope, kind = envelope_of(honest, max_bytes=1 << 20)
+    assert type(envelope) is bytes and kind == "ok" and len(envelope) == engine.envelope_length
+    assert envelope_of(refusal, max_bytes=1 << 20) == (None, "error")
+    assert envelope_of(garbage, max_bytes=1 << 20) == (None, "malformed")
+    assert envelope_of(honest, max_bytes=16) == (None, "malformed")  # oversized
+
+
+def test_replies_are_streamed_as_they_arrive_with_placeholders_for_the_rest(h: Any) -> None:
+    """Replies trickle in over several polls; a copied envelope, an error reply, garbage and a silent node each
+    become an empty placeholder, so the shuffler attests exactly the honest reports."""
+    last: dict[str, Any] = {}
+    honest = h.honest()
+
+    def remembering(msg: Any, pid: int) -> Any:
+        last["reply"] = honest(msg, pid)
+        return last["reply"]
+
+    def copycat(msg: Any, pid: int) -> Any:  # replays another node's envelope bytes
+        return h.kit_envelope_reply(msg, M.envelope_from_record(last["reply"].content[M.ENVELOPE_KEY]))
+
+    behaviours = [remembering] * (h.N - 4) + [copycat, h.refusing, h.garbage_record, h.silent]
+    grid = h.grid(behaviours)
+    released: list[int] = []
+    pull = grid.pull_messages
+
+    def trickle(ids: Any) -> list[Any]:  # at most 3 replies per poll
+        got = pull(list(ids)[:3])
+        released.append(len(got))
+        return got
+
+    grid.pull_messages = trickle  # type: ignore[method-assign]
+    engine = h.engine(h.config(), grid)
+    out = engine.run_round(1)
+    assert out.status == "applied", out.reason
+    assert sum(1 for n in released if n) >= (h.N - 1) // 3  # really spread over many polls
+    assert (out.n_replies, out.n_error_replies, out.n_malformed_replies) == (h.N - 1, 1, 2)
+    assert out.n_envelopes == h.N - 4 and out.n_reports == h.N - 4
+    row = engine.ledger.rows()[-1]
+    assert row["n_reports"] == h.N - 4
+    stats = _stats(h)
+    assert stats["dropped"]["empty"] == 4 and stats["reports_accepted"] == h.N - 4
 
 
 def test_sample_nodes_fraction_and_validation() -> None:
