@@ -105,7 +105,7 @@ class GridLike(Protocol):
 
 class ShufflerLike(Protocol):
     """The part of ``shuffler.client.ShufflerClient`` the round logic uses (``open_submit`` returns a
-    ``shuffler.client.SubmitStream``: ``send``, ``keepalive``, ``close`` -> attestation, ``cancel``)."""
+    ``shuffler.client.SubmitStream``: ``send_many``, ``keepalive``, ``close`` -> attestation, ``cancel``)."""
 
     def open_submit(
         self, *, round_id: int, key_epoch: int, model_digest: bytes, count: int, envelope_length: int,
@@ -453,6 +453,7 @@ class RoundEngine:
             interval = float(getattr(self.grid, "pull_interval", PULL_INTERVAL_SECONDS))
             last_sent = time.monotonic()
             while outstanding:
+                arrived: list[bytes] = []  # this poll's envelopes and placeholders: one packed Submit message
                 for reply in self.grid.pull_messages(set(outstanding)):
                     slot = str(reply.metadata.reply_to_message_id)
                     if slot not in outstanding:  # not one of ours, or a second reply for a slot: ignore
@@ -468,9 +469,11 @@ class RoundEngine:
                         seen.add(fingerprint)
                     if envelope is None:
                         counts[kind] += 1
-                        stream.send(b"")
-                    else:
-                        stream.send(envelope)
+                        envelope = b""
+                    arrived.append(envelope)
+                if arrived:
+                    stream.send_many(arrived)
+                    del arrived
                     last_sent = time.monotonic()
                 if not outstanding or time.monotonic() >= deadline:
                     break
@@ -478,8 +481,7 @@ class RoundEngine:
                     stream.keepalive()
                     last_sent = time.monotonic()
                 time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-            for _ in outstanding:  # no reply before the timeout
-                stream.send(b"")
+            stream.send_many([b""] * len(outstanding))  # no reply before the timeout
         except BaseException:
             stream.cancel()
             raise

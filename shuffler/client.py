@@ -11,7 +11,7 @@ has finished (or use :meth:`ShufflerClient.fetch_all`).
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -22,7 +22,7 @@ from shuffler import shuffler_pb2_grpc as pb_grpc
 from shuffler import wire
 from shuffler.attestation import Attestation, AttestationError, OutputDigest
 from shuffler.config import is_loopback
-from shuffler.service import FRAMING_SLACK, grpc_options
+from shuffler.service import FETCH_GROUP_BYTES, FRAMING_SLACK, grpc_options
 
 __all__ = ["ShufflerClient", "SubmitStream", "ShufflerError", "Attestation", "AttestationError"]
 
@@ -127,7 +127,7 @@ class ShufflerClient:
         The header announces the number of envelopes: ``count`` if given (then ``envelopes`` may be any
         iterable, e.g. a generator reading from disk, and must yield exactly ``count`` items), else
         ``len(envelopes)`` (a non-sized iterable is materialised first). Envelopes are streamed one per message
-        (through :meth:`open_submit`).
+        (through :meth:`open_submit`; small envelopes are packed several per message).
 
         ``envelope_length`` (recommended) announces the length every envelope of the round has: an envelope of
         another length is then dropped and counted (``wrong_length``) and the honest rest of the batch is
@@ -144,8 +144,15 @@ class ShufflerClient:
             items = envelopes
         with self.open_submit(round_id=round_id, key_epoch=key_epoch, model_digest=model_digest, count=count,
                               envelope_length=envelope_length) as stream:
+            pending: list[bytes] = []
+            size = 0
             for e in items:
-                stream.send(e)
+                pending.append(e)
+                size += len(e)
+                if size >= stream.batch_bytes:
+                    stream.send_many(pending)
+                    pending, size = [], 0
+            stream.send_many(pending)
             return stream.close()
 
     def open_submit(
@@ -174,17 +181,18 @@ class ShufflerClient:
         digest = OutputDigest()
         try:
             for raw in self._fetch_raw(pb.FetchRequest(batch_id=attestation.batch_id), timeout=self._timeout):
-                inner = wire.decode_single_bytes_field(raw, 1)
-                if inner is None:  # not the canonical single-field form: use the generated parser
-                    inner = pb.FetchResponse.FromString(raw).inner
-                if len(inner) != attestation.inner_length:
-                    raise AttestationError(
-                        f"fetched item of {len(inner)} bytes; the attestation says {attestation.inner_length}"
-                    )
-                if digest.count >= attestation.n_accepted:
-                    raise AttestationError("fetched more items than the attestation's n_accepted")
-                digest.update(inner)
-                yield inner
+                items = wire.decode_repeated_bytes_field(raw, 1)
+                if items is None:  # not the canonical form: use the generated parser
+                    items = list(pb.FetchResponse.FromString(raw).inner)
+                for inner in items:
+                    if len(inner) != attestation.inner_length:
+                        raise AttestationError(
+                            f"fetched item of {len(inner)} bytes; the attestation says {attestation.inner_length}"
+                        )
+                    if digest.count >= attestation.n_accepted:
+                        raise AttestationError("fetched more items than the attestation's n_accepted")
+                    digest.update(inner)
+                    yield inner  # type: ignore[misc]
         except grpc.RpcError as exc:
             raise ShufflerError(exc.code(), exc.details() or "") from None
         if digest.count != attestation.n_accepted:
@@ -233,6 +241,8 @@ class SubmitStream:
         ):
             raise ValueError(f"envelope_length must be a positive int, got {envelope_length!r}")
         self._client = client
+        #: target bytes per packed Submit message (within the channel's message limit)
+        self.batch_bytes = min(FETCH_GROUP_BYTES, client._send_limit)
         self._binding = (round_id, key_epoch, bytes(model_digest))
         self._count = count
         self._envelope_length = envelope_length or 0
@@ -292,11 +302,32 @@ class SubmitStream:
     def send(self, envelope: bytes) -> None:
         """Queue one envelope (``b""``: a counted placeholder). Too large for the channel: a placeholder is sent
         instead and ``client.skipped_oversized`` grows."""
-        if len(envelope) > self._client._send_limit:
-            self._client.skipped_oversized += 1
-            envelope = b""  # a counted drop at the shuffler instead of an aborted stream
-        self._put(wire.encode_bytes_field(2, envelope))  # == SubmitRequest(envelope=e).SerializeToString()
-        self.sent += 1
+        self.send_many([envelope])
+
+    def send_many(self, envelopes: Sequence[bytes]) -> None:
+        """Queue envelopes, packed into ``EnvelopeBatch`` messages of about :attr:`batch_bytes` (an envelope of
+        that size or more travels alone). Same placeholder rule as :meth:`send`."""
+        group: list[bytes] = []
+        size = 0
+        for envelope in envelopes:
+            if len(envelope) > self._client._send_limit:
+                self._client.skipped_oversized += 1
+                envelope = b""  # a counted drop at the shuffler instead of an aborted stream
+            if group and size + len(envelope) + 16 > self.batch_bytes:
+                self._send_group(group)
+                group, size = [], 0
+            group.append(envelope)
+            size += len(envelope) + 16
+        if group:
+            self._send_group(group)
+
+    def _send_group(self, group: list[bytes]) -> None:
+        if len(group) == 1:  # == SubmitRequest(envelope=e).SerializeToString(): sliced without a copy on arrival
+            msg = wire.encode_bytes_field(2, group[0])
+        else:  # == SubmitRequest(batch=EnvelopeBatch(envelopes=group)).SerializeToString()
+            msg = wire.encode_bytes_field(4, wire.encode_repeated_bytes_field(1, group))
+        self._put(msg)
+        self.sent += len(group)
 
     def keepalive(self) -> None:
         """Reset the shuffler's idle timer without sending an envelope."""

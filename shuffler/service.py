@@ -64,6 +64,8 @@ STATUS_FOR: dict[str, grpc.StatusCode] = {
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
+#: Target size of one packed Fetch message (and of one packed Submit batch, see shuffler.client).
+FETCH_GROUP_BYTES = 256 * 1024
 #: Submits allowed at once: max_workers minus this many threads stay free for Fetch, Stats and health.
 RESERVED_WORKERS = 2
 
@@ -81,17 +83,50 @@ class _EnvelopeMessage:
         return "envelope"
 
 
-def _submit_request(raw: bytes) -> "pb.SubmitRequest | _EnvelopeMessage":
+class _EnvelopeList:
+    __slots__ = ("envelopes",)
+
+    def __init__(self, envelopes: list[memoryview]) -> None:
+        self.envelopes = envelopes
+
+
+class _BatchMessage:
+    """A ``SubmitRequest{batch}`` decoded without copying its envelopes (see :func:`_submit_request`)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, envelopes: list[memoryview]) -> None:
+        self.batch = _EnvelopeList(envelopes)
+
+    @staticmethod
+    def WhichOneof(name: str) -> str:  # noqa: N802 - mirrors the protobuf message API
+        return "batch"
+
+
+def _submit_request(raw: bytes) -> "pb.SubmitRequest | _EnvelopeMessage | _BatchMessage":
     """Request deserializer for Submit: envelopes are sliced out of the received buffer without a copy.
 
-    Anything other than exactly one ``envelope`` field (the header, odd encodings, garbage) goes through the
-    generated parser, whose failure gRPC reports as INTERNAL, as for any undecodable request.
+    Anything other than exactly one ``envelope`` field or one ``batch`` of ``envelopes`` fields in canonical
+    form (the header, odd encodings, garbage) goes through the generated parser, whose failure gRPC reports as
+    INTERNAL, as for any undecodable request.
     """
     view = memoryview(raw)
     envelope = wire.decode_single_bytes_field(view, 2)
     if envelope is not None:
-        return _EnvelopeMessage(envelope)
+        return _EnvelopeMessage(envelope)  # type: ignore[arg-type]
+    batch = wire.decode_single_bytes_field(view, 4)
+    if batch is not None:
+        items = wire.decode_repeated_bytes_field(batch, 1)
+        if items is not None:
+            return _BatchMessage(items)  # type: ignore[arg-type]
     return pb.SubmitRequest.FromString(raw)
+
+
+def fetch_group_bytes(max_envelope_bytes: int) -> int:
+    """Bytes of inner ciphertexts packed into one Fetch message: small ones are grouped (per-message costs
+    dominate otherwise), a large one travels alone; always within the channel limit set from
+    ``max_envelope_bytes``."""
+    return min(FETCH_GROUP_BYTES, max_envelope_bytes)
 
 
 def grpc_options(max_envelope_bytes: int) -> list[tuple[str, int]]:
@@ -170,6 +205,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         self.allowed = set(client_common_names) if client_common_names else None
         self._submit_slots = threading.BoundedSemaphore(max(1, max_concurrent_submits))
         self.submit_idle_timeout = submit_idle_timeout
+        self._fetch_group = fetch_group_bytes(core.config.max_envelope_bytes)
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         if self.allowed is None:
@@ -217,9 +253,12 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
                 item = req.WhichOneof("item")
                 if item == "envelope":
                     builder.add(req.envelope)  # bytes or a memoryview into the received message
+                elif item == "batch":
+                    for envelope in req.batch.envelopes:
+                        builder.add(envelope)
                 elif item != "keepalive":  # a keepalive only resets the idle timer (done by _watched)
                     raise Refused(
-                        "invalid_argument", "not_envelope", "only envelopes and keepalives may follow the header"
+                        "invalid_argument", "not_envelope", "only envelopes, batches and keepalives may follow the header"
                     )
             if not context.is_active():  # cancelled by the client (gRPC may end the iterator before saying so)
                 log.info("submit: stream cancelled by the client")
@@ -249,7 +288,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         return pb.SubmitResponse()
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Stream the sealed batch; each message is a serialised ``FetchResponse{inner}``."""
+        """Stream the sealed batch; each message is a serialised ``FetchResponse{inner: [...]}``."""
         try:
             self._authorize(context)
             chunks = self.core.read_batch(bytes(request.batch_id))
@@ -257,8 +296,18 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             self._abort(context, exc)
             return
         try:
+            # FetchResponse{inner: [...]}: consecutive inner ciphertexts, packed up to the group size
+            group: list[bytes] = []
+            size = 0
             for chunk in chunks:
-                yield wire.encode_bytes_field(1, chunk)  # == FetchResponse(inner=chunk).SerializeToString()
+                field = wire.encode_bytes_field(1, chunk)
+                if group and size + len(field) > self._fetch_group:
+                    yield b"".join(group)
+                    group, size = [], 0
+                group.append(field)
+                size += len(field)
+            if group:
+                yield b"".join(group)
         except Exception as exc:  # noqa: BLE001 - e.g. a sealed output damaged on disk; never report data
             log.error("fetch: internal error (%s)", type(exc).__name__)
             context.abort(grpc.StatusCode.INTERNAL, "internal error: the sealed output cannot be read")

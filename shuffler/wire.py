@@ -1,15 +1,21 @@
-"""Byte-level protobuf encoding for the two hot messages (one envelope, one inner ciphertext per message).
+"""Byte-level protobuf encoding for the hot messages: envelopes on Submit, inner ciphertexts on Fetch.
 
-``SubmitRequest{envelope}`` and ``FetchResponse{inner}`` are each a single length-delimited ``bytes`` field
-(protobuf encoding: tag byte ``(field << 3) | 2``, base-128 varint length, payload). Encoding them directly
-saves the copies that building and serialising a message object costs for megabyte payloads. The output is
-byte-identical to ``SerializeToString()`` (tests check this); decoding falls back to the generated parser for
-anything that is not exactly one such field.
+``SubmitRequest{envelope}`` is a single length-delimited ``bytes`` field (protobuf encoding: tag byte
+``(field << 3) | 2``, base-128 varint length, payload); ``SubmitRequest{batch{envelopes...}}`` and
+``FetchResponse{inner...}`` are sequences of such fields. Encoding them directly saves the copies that building
+and serialising a message object costs for megabyte payloads. The output is byte-identical to
+``SerializeToString()`` (tests check this); decoding falls back to the generated parser for anything that is not
+exactly in this canonical form.
 """
 
 from __future__ import annotations
 
-__all__ = ["encode_bytes_field", "decode_single_bytes_field"]
+__all__ = [
+    "encode_bytes_field",
+    "encode_repeated_bytes_field",
+    "decode_single_bytes_field",
+    "decode_repeated_bytes_field",
+]
 
 
 def _varint(n: int) -> bytes:
@@ -38,25 +44,56 @@ def encode_bytes_field(field_number: int, data: bytes | bytearray | memoryview) 
     return b"".join((bytes([(field_number << 3) | 2]), _varint(view.nbytes), view))
 
 
+def _field_at(raw: bytes | memoryview, pos: int, tag: int) -> tuple[int, int] | None:
+    """(start, end) of the payload of the length-delimited field with one-byte ``tag`` at ``pos``, or None."""
+    if pos + 2 > len(raw) or raw[pos] != tag:
+        return None
+    length = 0
+    shift = 0
+    i = pos + 1
+    while True:
+        if i >= len(raw) or i - pos > 10:
+            return None
+        b = raw[i]
+        i += 1
+        length |= (b & 0x7F) << shift
+        if not b & 0x80:
+            break
+        shift += 7
+    if i + length > len(raw):
+        return None
+    return i, i + length
+
+
 def decode_single_bytes_field(raw: bytes | memoryview, field_number: int) -> bytes | memoryview | None:
     """``data`` if ``raw`` is exactly one ``bytes`` field ``field_number``, else ``None`` (use the full parser).
 
     The result is a slice of ``raw``: a copy for ``bytes``, a zero-copy view for a ``memoryview``.
     """
-    if len(raw) < 2 or raw[0] != ((field_number << 3) | 2):
+    span = _field_at(raw, 0, (field_number << 3) | 2)
+    if span is None or span[1] != len(raw):
         return None
-    length = 0
-    shift = 0
-    pos = 1
-    while True:
-        if pos >= len(raw) or pos > 10:
+    return raw[span[0] :]
+
+
+def decode_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> list[bytes | memoryview] | None:
+    """The values if ``raw`` is one or more ``bytes`` fields ``field_number`` and nothing else, else ``None``.
+
+    Each value is a slice of ``raw`` (a copy for ``bytes``, a zero-copy view for a ``memoryview``).
+    """
+    tag = (field_number << 3) | 2
+    out: list[bytes | memoryview] = []
+    pos = 0
+    while pos < len(raw):
+        span = _field_at(raw, pos, tag)
+        if span is None:
             return None
-        b = raw[pos]
-        pos += 1
-        length |= (b & 0x7F) << shift
-        if not b & 0x80:
-            break
-        shift += 7
-    if pos + length != len(raw):
-        return None
-    return raw[pos:]
+        out.append(raw[span[0] : span[1]])
+        pos = span[1]
+    return out or None
+
+
+def encode_repeated_bytes_field(field_number: int, items: list[bytes | memoryview]) -> bytes:
+    """The encoding of ``items`` as repeated ``bytes`` field ``field_number`` (== a repeated field's
+    ``SerializeToString()``)."""
+    return b"".join(encode_bytes_field(field_number, x) for x in items)

@@ -126,7 +126,9 @@ def test_kill_mid_fetch_then_fetch_again_is_identical(kit, shuffler) -> None:
         call = ch.unary_stream(FETCH, request_serializer=None, response_deserializer=None)(
             pb.FetchRequest(batch_id=att.batch_id).SerializeToString(), timeout=RPC_TIMEOUT
         )
-        prefix = [pb.FetchResponse.FromString(next(call)).inner for _ in range(2)]
+        first = [list(pb.FetchResponse.FromString(next(call)).inner) for _ in range(2)]
+        assert [len(m) for m in first] == [1, 1]  # items above the packing size travel one per message
+        prefix = [m[0] for m in first]
         shuffler.kill()
         got = 2
         with pytest.raises(grpc.RpcError) as info:

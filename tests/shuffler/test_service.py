@@ -48,7 +48,7 @@ def test_submit_fetch_end_to_end(kit, running) -> None:
 
 
 def test_fetched_stream_carries_only_inner_ciphertexts(kit, running) -> None:
-    """Wire format: every Fetch message is exactly field 1 (inner) and nothing else."""
+    """Wire format: every Fetch message holds only field 1 (inner) entries, and nothing else."""
     envs = [kit.seal(i) for i in range(4)]
     att = _submit(kit, running, envs)
     with _channel(kit, running.address) as ch:
@@ -57,16 +57,20 @@ def test_fetched_stream_carries_only_inner_ciphertexts(kit, running) -> None:
                 pb.FetchRequest(batch_id=att.batch_id).SerializeToString()
             )
         )
-    assert len(raw) == 4
+    inner_len = att.inner_length
+    varint = bytes([inner_len]) if inner_len < 128 else bytes([(inner_len & 0x7F) | 0x80, inner_len >> 7])
+    assert inner_len < 128 * 128
+    item = 1 + len(varint) + inner_len
+    assert sum(len(m) for m in raw) == 4 * item  # four items, nothing else
     for msg in raw:
-        inner_len = att.inner_length
-        varint = bytes([inner_len]) if inner_len < 128 else bytes([(inner_len & 0x7F) | 0x80, inner_len >> 7])
-        assert inner_len < 128 * 128
-        # tag 0x0a (field 1, length-delimited), the varint length, then the ciphertext: nothing else
-        assert msg[: 1 + len(varint)] == b"\x0a" + varint and len(msg) == 1 + len(varint) + inner_len
+        # repeated: tag 0x0a (field 1, length-delimited), the varint length, then the ciphertext; nothing else
+        assert len(msg) % item == 0
+        for pos in range(0, len(msg), item):
+            assert msg[pos : pos + 1 + len(varint)] == b"\x0a" + varint
         parsed = pb.FetchResponse.FromString(msg)
         assert [f.name for f, _ in parsed.ListFields()] == ["inner"]
-        assert open_inner(parsed.inner, server_private_key=kit.server_sk, key_epoch=0, round_id=1)
+        for x in parsed.inner:
+            assert open_inner(x, server_private_key=kit.server_sk, key_epoch=0, round_id=1)
 
 
 @pytest.mark.parametrize(
