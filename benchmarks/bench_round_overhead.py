@@ -16,7 +16,9 @@ Round wall time = the sum of the server's own per-round phase timings (``RoundOu
 ``state.sqlite`` checkpoint history for the product, ``baseline_rounds.json`` for the baseline): from the start
 of node selection to the end of central evaluation, same boundaries in both. Not included in either: the
 product's per-round checkpoint / report writes after evaluation. Round 1 is excluded (Ray actor start-up and
-the first-round 3 s node settle dominate it; its times are printed). Seal runs inside the clients (part of
+the first-round 3 s node settle dominate it; its times are printed). The product streams each poll's envelopes
+to the shuffler while it collects (``server.rounds``), so the shuffler's verification is inside ``collect`` and
+``submit`` is only the end of the stream (seal, fsync, attestation). Seal runs inside the clients (part of
 ``collect``); its cost is estimated by a microbenchmark: N x t_seal / 2 actors.
 
 Configurations are interleaved A B A B ... (``--repeats``) so that background load hits both equally.
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{_med(res['first']['shuffled']):>6.1f}/{_med(res['first']['baseline']):<6.1f}")
         print(f"      per-round totals shuffled {[round(x, 2) for x in shuf]}, baseline {[round(x, 2) for x in base]}")
     print(f"seal microbenchmark: {t_seal * 1e3:.3f} ms per report; 'seal est' = N x t_seal / 2 actors (inside "
-          f"collect). submit = shuffler submit + attestation check; fetch+open+dec = streamed fetch, HPKE open, "
+          f"collect). submit = closing the Submit stream (the envelopes were streamed to the shuffler during collect) "
+          f"+ attestation check; fetch+open+dec = streamed fetch, HPKE open, "
           f"decode, accumulate. Outputs: {out}")
     return 0
 
