@@ -45,7 +45,7 @@ from clients.models import initial_arrays  # noqa: E402
 from clients.report import decode_report  # noqa: E402
 from server.config import parse_run_config  # noqa: E402
 from server.optim import ReportAccumulator, ServerOptimizer  # noqa: E402
-from server.rounds import RoundEngine, extract_envelopes  # noqa: E402
+from server.rounds import RoundEngine, envelope_of  # noqa: E402
 from server.state import InMemoryCheckpointStore  # noqa: E402
 from shuffler import keys as keyfiles  # noqa: E402
 from shuffler.client import ShufflerClient  # noqa: E402
@@ -67,15 +67,22 @@ class ReplayGrid:
     def get_node_ids(self) -> list[int]:
         return self.nodes
 
-    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Message]:
-        replies = []
+    def push_messages(self, messages: Any) -> list[str]:
+        """Like Flower's grids: each message gets an id; its reply is ready at once."""
+        self.pending: dict[str, Message] = {}
+        ids = []
         for i, msg in enumerate(messages):
-            msg.metadata.__dict__["_message_id"] = f"m{i}"
+            mid = f"m{i}"
+            msg.metadata.__dict__["_message_id"] = mid
             rnd = int(msg.metadata.group_id)
             payload = self.payloads[rnd][self.nodes.index(msg.metadata.dst_node_id)]
             ct = np.frombuffer(payload, dtype=np.uint8).copy()
-            replies.append(Message(RecordDict({self.key: ArrayRecord({"ct": Array(ct)})}), reply_to=msg))
-        return replies
+            self.pending[mid] = Message(RecordDict({self.key: ArrayRecord({"ct": Array(ct)})}), reply_to=msg)
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids: Any) -> list[Message]:
+        return [self.pending.pop(m) for m in list(message_ids) if m in self.pending]
 
 
 def baseline_round(grid: ReplayGrid, arrays: list[np.ndarray], opt: ServerOptimizer, rnd: int) -> list[np.ndarray]:
@@ -87,8 +94,8 @@ def baseline_round(grid: ReplayGrid, arrays: list[np.ndarray], opt: ServerOptimi
                 group_id=str(rnd))
         for n in grid.get_node_ids()
     ]
-    replies = grid.send_and_receive(msgs, timeout=60)
-    payloads, _ = extract_envelopes(replies, max_bytes=1 << 26)
+    replies = grid.pull_messages(grid.push_messages(msgs))
+    payloads = [e for e, _ in (envelope_of(r, max_bytes=1 << 26) for r in replies) if e is not None]
     dim = sum(a.size for a in arrays)
     acc = ReportAccumulator(dim)
     for p in payloads:
