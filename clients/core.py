@@ -138,6 +138,15 @@ def _load_keys(client_key: Path, server_pub: Path, shuffler_pub: Path) -> tuple[
         raise ClientSetupError(f"cannot load the client's keys: {exc}") from exc
 
 
+@functools.lru_cache(maxsize=4096)
+def _simulation_key_paths(keys_dir: str, partition_id: int) -> tuple[Path, Path, Path]:
+    """Client ``partition_id``'s key and the pinned public keys in a simulation key directory (paths only)."""
+    from shuffler.keys import KeyDirectory
+
+    kd = KeyDirectory(Path(keys_dir))
+    return kd.client_key(partition_id), kd.server_hpke_pub, kd.shuffler_hpke_pub
+
+
 def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> PinnedSettings:
     """Pinned settings as docs/interfaces.md says.
 
@@ -160,11 +169,8 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
         src = run_config
         if "keys-dir" not in run_config or not str(run_config["keys-dir"]):
             raise ClientSetupError("run_config has no 'keys-dir' (and node_config pins no 'eps0')")
-        from shuffler.keys import KeyDirectory
-
-        kd = KeyDirectory(Path(str(run_config["keys-dir"])))
         pid = _int(node_config, "partition-id", "node_config")
-        keys = _load_keys(kd.client_key(pid), kd.server_hpke_pub, kd.shuffler_hpke_pub)
+        keys = _load_keys(*_simulation_key_paths(str(run_config["keys-dir"]), pid))
     grid = src.get("log2-grid")
     if grid is not None and (isinstance(grid, bool) or not isinstance(grid, int)):
         raise ClientSetupError(f"{where}['log2-grid'] must be an int, got {grid!r}")

@@ -37,6 +37,7 @@ replays (the decryption fails), and the signature lets the shuffler count distin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import secrets
 import struct
@@ -173,6 +174,24 @@ def model_digest(chunks: Iterable[bytes]) -> bytes:
     return h.digest()
 
 
+# Key objects parsed from raw bytes, kept per process: a simulation actor seals for hundreds of clients and the
+# server opens every report of a round with one key; parsing each time costs about as much as a signature.
+@functools.lru_cache(maxsize=4096)
+def _x25519_public(raw: bytes) -> x25519.X25519PublicKey:
+    return x25519.X25519PublicKey.from_public_bytes(raw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ed25519_signing(raw: bytes) -> tuple[ed25519.Ed25519PrivateKey, bytes]:
+    sk = ed25519.Ed25519PrivateKey.from_private_bytes(raw)
+    return sk, sk.public_key().public_bytes_raw()
+
+
+@functools.lru_cache(maxsize=16)
+def _x25519_private(raw: bytes) -> x25519.X25519PrivateKey:
+    return x25519.X25519PrivateKey.from_private_bytes(raw)
+
+
 def seal(
     payload: bytes,
     *,
@@ -189,19 +208,14 @@ def seal(
     Ed25519 private key (32 bytes). Returns ``len(payload) + ENVELOPE_OVERHEAD`` bytes.
     """
     payload = _check_bytes("payload", payload)
-    server_pk = x25519.X25519PublicKey.from_public_bytes(
-        _check_bytes("server_public_key", server_public_key, _KEY_BYTES)
-    )
-    shuffler_pk = x25519.X25519PublicKey.from_public_bytes(
-        _check_bytes("shuffler_public_key", shuffler_public_key, _KEY_BYTES)
-    )
-    sk = ed25519.Ed25519PrivateKey.from_private_bytes(_check_bytes("signing_key", signing_key, _KEY_BYTES))
+    server_pk = _x25519_public(_check_bytes("server_public_key", server_public_key, _KEY_BYTES))
+    shuffler_pk = _x25519_public(_check_bytes("shuffler_public_key", shuffler_public_key, _KEY_BYTES))
+    sk, signer = _ed25519_signing(_check_bytes("signing_key", signing_key, _KEY_BYTES))
     bind = binding(key_epoch, round_id, model_digest)
 
     inner = _SUITE.encrypt(payload, server_pk, info=_inner_info(key_epoch, round_id))
     report_id = secrets.token_bytes(REPORT_ID_BYTES)
     signature = sk.sign(_signed_message(bind, report_id, inner))
-    signer = sk.public_key().public_bytes_raw()
     outer_pt = _OUTER_HEAD.pack(ENVELOPE_VERSION, report_id, signer, signature) + inner
     return _PREFIX.pack(ENVELOPE_VERSION, key_epoch) + _SUITE.encrypt(
         outer_pt, shuffler_pk, info=_outer_info(bind)
@@ -288,9 +302,7 @@ def open_inner(inner: bytes, *, server_private_key: bytes, key_epoch: int, round
     """
     _check_uint("key_epoch", key_epoch, _MAX_U32)
     _check_uint("round_id", round_id, _MAX_U64)
-    sk = x25519.X25519PrivateKey.from_private_bytes(
-        _check_bytes("server_private_key", server_private_key, _KEY_BYTES)
-    )
+    sk = _x25519_private(_check_bytes("server_private_key", server_private_key, _KEY_BYTES))
     inner = _check_bytes("inner", inner)
     if len(inner) < INNER_OVERHEAD:
         raise EnvelopeError("malformed", f"inner ciphertext is {len(inner)} bytes; at least {INNER_OVERHEAD} needed")
