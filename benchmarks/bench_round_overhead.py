@@ -122,6 +122,18 @@ def seal_seconds(repeat: int = 300) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
+def _bootstrap_ratio(a: list[float], b: list[float], reps: int = 4000) -> tuple[float, float]:
+    """5% and 95% quantiles of mean(a*)/mean(b*) - 1 over bootstrap resamples of launch means (statistics only;
+    a fixed seed so that the printed interval is reproducible from results.json)."""
+    import numpy as np
+
+    rng = np.random.default_rng(12345)
+    ra = rng.choice(np.asarray(a), size=(reps, len(a))).mean(axis=1)
+    rb = rng.choice(np.asarray(b), size=(reps, len(b))).mean(axis=1)
+    q = np.quantile(ra / rb - 1.0, [0.05, 0.95])
+    return float(q[0]), float(q[1])
+
+
 def _med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -150,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 totals = [sum(r["seconds"].values()) for r in rows]
                 res["first"][system].append(totals[0])
                 res[system].extend(r["seconds"] for r in rows[1:])
+                res.setdefault("launch_means", {}).setdefault(system, []).append(statistics.mean(totals[1:]))
                 print(f"... {name}: rounds {', '.join(f'{t:.2f}' for t in totals)} s "
                       f"(whole launch {time.monotonic() - t0:.0f} s)", flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -171,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{ph['open_apply']:>14.3f} | {bph['aggregate']:>9.3f} | {n * t_seal / 2:>8.3f} | "
               f"{_med(res['first']['shuffled']):>6.1f}/{_med(res['first']['baseline']):<6.1f}")
         print(f"      per-round totals shuffled {[round(x, 2) for x in shuf]}, baseline {[round(x, 2) for x in base]}")
+        ls, lb = res["launch_means"]["shuffled"], res["launch_means"]["baseline"]
+        lo, hi = _bootstrap_ratio(ls, lb)
+        print(f"      launch level ({len(ls)} launches each; whole launches vary more than rounds): mean overhead "
+              f"{(statistics.mean(ls) / statistics.mean(lb) - 1) * 100:+.1f}%, bootstrap 90% interval "
+              f"{lo * 100:+.1f}% .. {hi * 100:+.1f}%")
     print(f"seal microbenchmark: {t_seal * 1e3:.3f} ms per report; 'seal est' = N x t_seal / 2 actors (inside "
           f"collect). submit = closing the Submit stream (the envelopes were streamed to the shuffler during collect) "
           f"+ attestation check; fetch+open+dec = streamed fetch, HPKE open, "
