@@ -94,6 +94,70 @@ def run_baseline(n: int, rounds: int, out: Path, name: str, log: Path) -> list[d
     return rows
 
 
+def run_paired(n: int, rounds: int, out: Path, name: str, log: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One launch of the benchmark app in paired mode: the product's rounds (``server.job.run_job``, with the
+    shuffler and the accountant), each followed by one plain round (NOT PRIVATE) on the same nodes. Returns
+    (product rounds, plain rounds) as per-round dicts with ``seconds``."""
+    from server.config import DEFAULTS
+    from server.state import SqliteCheckpointStore
+    from shuffler import cli as shuffler_cli
+
+    out_dir = out / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    k = min(int(DEFAULTS["min-reports"]), n)
+    keys = out_dir / "keys"
+    with open(log, "w") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+        if shuffler_cli.main(["keys", "init", "--out", str(keys), "--clients", str(n), "--k", str(k)]) != 0:
+            raise RuntimeError(f"keys init failed; see {log}")
+        run_config = {"num-server-rounds": rounds, "min-reports": k, "output-dir": str(out), "run-name": name,
+                      "keys-dir": str(keys), "paired-benchmark": True, **COMMON}
+        code = runner._launch(BASELINE_APP, out_dir, {"clients": n, "run_config": run_config,
+                                                     "project": str(BASELINE_APP)}, flwr_home=out / f".flwr-{name}")
+    doc = json.loads((out_dir / "paired_rounds.json").read_text())
+    if code != 0 or not doc.get("finished"):
+        raise RuntimeError(f"paired run failed (flwr exit {code}); see {log}")
+    store = SqliteCheckpointStore(out_dir / "state.sqlite")
+    try:
+        product = [h for h in store.load().history if h["status"] == "applied"]
+    finally:
+        store.close()
+    plain = doc["plain_rounds"]
+    if len(product) != rounds or len(plain) != rounds or any(r["n_reports"] != n for r in product + plain):
+        raise RuntimeError(f"paired run {name}: not every round used all {n} reports")
+    return product, plain
+
+
+def paired_main(args: argparse.Namespace, out: Path) -> int:
+    """``--paired``: alternate product and plain rounds inside each launch and compare them pairwise."""
+    import numpy as np
+
+    for n in args.clients:
+        pairs: list[tuple[float, float]] = []
+        for rep in range(args.repeats):
+            name = f"paired-n{n}-r{rep}"
+            t0 = time.monotonic()
+            product, plain = run_paired(n, args.rounds, out, name, out / f"{name}.log")
+            tp = [sum(r["seconds"].values()) for r in product]
+            tb = [sum(r["seconds"].values()) for r in plain]
+            pairs.extend(zip(tp[1:], tb[1:]))  # round 1 of each: Ray start-up / first-round settle
+            print(f"... {name}: product {', '.join(f'{t:.2f}' for t in tp)} s | plain {', '.join(f'{t:.2f}' for t in tb)}"
+                  f" s (whole launch {time.monotonic() - t0:.0f} s)", flush=True)
+            (out / f"paired-{n}.json").write_text(json.dumps({"pairs": pairs}, indent=1) + "\n")
+        a = np.array(pairs)
+        ratio = a[:, 0] / a[:, 1] - 1.0
+        rng = np.random.default_rng(12345)  # statistics only
+        idx = rng.integers(0, len(a), size=(4000, len(a)))
+        boot = a[idx, 0].mean(axis=1) / a[idx, 1].mean(axis=1) - 1.0
+        lo, hi = np.quantile(boot, [0.05, 0.95])
+        print(f"\nPaired rounds (N={n}; {len(a)} pairs from {args.repeats} launches; each product round followed by "
+              f"a plain round, NOT PRIVATE, on the same nodes in the same launch):")
+        print(f"  product median {np.median(a[:, 0]):.2f} s, plain median {np.median(a[:, 1]):.2f} s; overhead: "
+              f"mean {(a[:, 0].mean() / a[:, 1].mean() - 1) * 100:+.1f}% (bootstrap 90% interval {lo * 100:+.1f}% .. "
+              f"{hi * 100:+.1f}%), median of per-pair ratios {np.median(ratio) * 100:+.1f}%")
+    print(f"Outputs: {out}")
+    return 0
+
+
 def seal_seconds(repeat: int = 300) -> float:
     """Seconds per ``shuffler.envelope.seal`` of one d=650 report (two HPKE layers + Ed25519), this process."""
     import numpy as np
@@ -144,12 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds per run; round 1 (warm-up) is not counted")
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration, interleaved A B A B")
     p.add_argument("--out", type=Path, default=None, help="parent of the runs' outputs")
+    p.add_argument("--paired", action="store_true",
+                   help="alternate product and plain rounds inside each launch (removes launch-level noise)")
     args = p.parse_args(argv)
     if args.rounds < 2:
         p.error("--rounds must be >= 2 (round 1 is warm-up)")
     out = (args.out or ROOT / "outputs" / datetime.now(timezone.utc).strftime("bench-round-overhead-%Y%m%d-%H%M%S"))
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.paired:
+        return paired_main(args, out)
     t_seal = seal_seconds()
     results: dict[int, dict[str, Any]] = {}
     for n in args.clients:

@@ -18,6 +18,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from clients.app import train_shuffled
 from clients.core import PinnedSettings, data_settings_from_run_config, make_payload
 from clients.messages import (
     ARRAYS_KEY,
@@ -42,6 +43,9 @@ _STATE_REQUEST = "noshuffle.last-request"
 _UNUSED_KEY = bytes(32)  # PinnedSettings wants key bytes; make_payload never uses them (nothing is sealed)
 
 app = ClientApp()
+# The paired benchmark (paired-benchmark = true) runs the product's rounds in the same launch: these nodes then
+# also answer ``train.shuffled`` with the product's own handler (clients/app.py), unchanged.
+app.train("shuffled")(train_shuffled)
 
 
 def _error(msg: Message, code: int, reason: str) -> Message:
