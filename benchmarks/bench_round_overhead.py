@@ -94,7 +94,8 @@ def run_baseline(n: int, rounds: int, out: Path, name: str, log: Path) -> list[d
     return rows
 
 
-def run_paired(n: int, rounds: int, out: Path, name: str, log: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def run_paired(n: int, rounds: int, out: Path, name: str, log: Path, *,
+               plain_seal: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One launch of the benchmark app in paired mode: the product's rounds (``server.job.run_job``, with the
     shuffler and the accountant), each followed by one plain round (NOT PRIVATE) on the same nodes. Returns
     (product rounds, plain rounds) as per-round dicts with ``seconds``."""
@@ -110,7 +111,7 @@ def run_paired(n: int, rounds: int, out: Path, name: str, log: Path) -> tuple[li
         if shuffler_cli.main(["keys", "init", "--out", str(keys), "--clients", str(n), "--k", str(k)]) != 0:
             raise RuntimeError(f"keys init failed; see {log}")
         run_config = {"num-server-rounds": rounds, "min-reports": k, "output-dir": str(out), "run-name": name,
-                      "keys-dir": str(keys), "paired-benchmark": True, **COMMON}
+                      "keys-dir": str(keys), "paired-benchmark": True, "paired-plain-seal": plain_seal, **COMMON}
         code = runner._launch(BASELINE_APP, out_dir, {"clients": n, "run_config": run_config,
                                                      "project": str(BASELINE_APP)}, flwr_home=out / f".flwr-{name}")
     doc = json.loads((out_dir / "paired_rounds.json").read_text())
@@ -136,7 +137,7 @@ def paired_main(args: argparse.Namespace, out: Path) -> int:
         for rep in range(args.repeats):
             name = f"paired-n{n}-r{rep}"
             t0 = time.monotonic()
-            product, plain = run_paired(n, args.rounds, out, name, out / f"{name}.log")
+            product, plain = run_paired(n, args.rounds, out, name, out / f"{name}.log", plain_seal=args.plain_seal)
             tp = [sum(r["seconds"].values()) for r in product]
             tb = [sum(r["seconds"].values()) for r in plain]
             pairs.extend(zip(tp[1:], tb[1:]))  # round 1 of each: Ray start-up / first-round settle
@@ -210,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="parent of the runs' outputs")
     p.add_argument("--paired", action="store_true",
                    help="alternate product and plain rounds inside each launch (removes launch-level noise)")
+    p.add_argument("--plain-seal", action="store_true",
+                   help="with --paired: plain clients also seal (and discard) their report, which isolates the "
+                        "server-side cost of the shuffled round")
     args = p.parse_args(argv)
     if args.rounds < 2:
         p.error("--rounds must be >= 2 (round 1 is warm-up)")

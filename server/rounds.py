@@ -86,6 +86,8 @@ RESUME_KEYS = (
 
 #: Seconds between polls for replies on a grid that does not say (Flower's simulation grid has pull_interval).
 PULL_INTERVAL_SECONDS = 1.0
+#: Forward the envelopes collected so far to the shuffler at least this often (or once a packed message is full).
+FLUSH_SECONDS = 1.0
 #: Send a Keepalive on the Submit stream after this long without an envelope (the shuffler's default idle
 #: timeout is 60 s).
 KEEPALIVE_SECONDS = 5.0
@@ -452,8 +454,13 @@ class RoundEngine:
             # deployment's SuperLink is polled less often.
             interval = float(getattr(self.grid, "pull_interval", PULL_INTERVAL_SECONDS))
             last_sent = time.monotonic()
+            # Envelopes and placeholders wait here until about one packed message's worth has arrived or
+            # FLUSH_SECONDS have passed: few sends (each wakes gRPC's request thread in this process, which in
+            # simulation shares one GIL with Flower's engine), while the shuffler still verifies during the
+            # collection.
+            pending: list[bytes] = []
+            pending_bytes = 0
             while outstanding:
-                arrived: list[bytes] = []  # this poll's envelopes and placeholders: one packed Submit message
                 for reply in self.grid.pull_messages(set(outstanding)):
                     slot = str(reply.metadata.reply_to_message_id)
                     if slot not in outstanding:  # not one of ours, or a second reply for a slot: ignore
@@ -470,18 +477,21 @@ class RoundEngine:
                     if envelope is None:
                         counts[kind] += 1
                         envelope = b""
-                    arrived.append(envelope)
-                if arrived:
-                    stream.send_many(arrived)
-                    del arrived
-                    last_sent = time.monotonic()
-                if not outstanding or time.monotonic() >= deadline:
+                    pending.append(envelope)
+                    pending_bytes += len(envelope)
+                now = time.monotonic()
+                if pending and (pending_bytes >= stream.batch_bytes or now - last_sent >= FLUSH_SECONDS):
+                    stream.send_many(pending)
+                    pending, pending_bytes = [], 0
+                    last_sent = now
+                if not outstanding or now >= deadline:
                     break
                 if time.monotonic() - last_sent >= KEEPALIVE_SECONDS:
                     stream.keepalive()
                     last_sent = time.monotonic()
                 time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-            stream.send_many([b""] * len(outstanding))  # no reply before the timeout
+            stream.send_many(pending + [b""] * len(outstanding))  # and a placeholder per node without a reply
+            del pending
         except BaseException:
             stream.cancel()
             raise

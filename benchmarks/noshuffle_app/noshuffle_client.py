@@ -56,6 +56,23 @@ def _reply(msg: Message, report: bytes) -> Message:
     return Message(RecordDict({REPORT_KEY: envelope_record(report)}), reply_to=msg)
 
 
+_DUMMY_KEYS: list[bytes] = []
+
+
+def _dummy_seal(report: bytes, round_id: int, digest: bytes) -> None:
+    """The CPU cost of sealing (two HPKE layers and a signature) with throw-away keys; nothing is sent."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
+
+    from shuffler.envelope import seal
+
+    if not _DUMMY_KEYS:
+        _DUMMY_KEYS.extend([x25519.X25519PrivateKey.generate().public_key().public_bytes_raw(),
+                            x25519.X25519PrivateKey.generate().public_key().public_bytes_raw(),
+                            ed25519.Ed25519PrivateKey.generate().private_bytes_raw()])
+    seal(report, server_public_key=_DUMMY_KEYS[0], shuffler_public_key=_DUMMY_KEYS[1], signing_key=_DUMMY_KEYS[2],
+         key_epoch=0, round_id=round_id, model_digest=digest)
+
+
 @app.train("plain")
 def train_plain(msg: Message, context: Context) -> Message:
     """NOT PRIVATE AGAINST THE SERVER: one ``train.plain`` request -> the plain noisy encoded report."""
@@ -101,6 +118,9 @@ def train_plain(msg: Message, context: Context) -> Message:
         report = make_payload(arrays, cfg, pinned, data)
     except (RequestError, ValueError, OSError) as exc:
         return _error(msg, ERR_BAD_REQUEST, f"cannot compute a report: {exc}")
+
+    if rc.get("paired-plain-seal"):  # experiment: the plain client also pays for a seal (result discarded)
+        _dummy_seal(report, cfg.round, digest)
 
     context.state[_STATE_REQUEST] = ConfigRecord(key)
     context.state[_STATE_REPORT] = ArrayRecord({ENVELOPE_ARRAY: envelope_record(report)[ENVELOPE_ARRAY]})
