@@ -23,7 +23,16 @@ to the shuffler while it collects (``server.rounds``), so the shuffler's verific
 
 Configurations are interleaved A B A B ... (``--repeats``) so that background load hits both equally.
 
-Run: ``python benchmarks/bench_round_overhead.py [--clients 100 1000] [--rounds 3] [--repeats 2]``.
+``--paired`` (recommended): whole launches of Flower's simulation land on different speed levels (one baseline
+launch ran 7.2-7.7 s rounds, the next 9.2-9.9 s), which swamps a 10% effect when whole launches are alternated.
+With ``--paired`` each launch runs the benchmark app in paired mode: every product round (``server.job.run_job``:
+shuffler, accountant, ledger, checkpoint) is followed by one plain round on the same nodes, and the overhead is
+computed over these pairs (mean ratio with a bootstrap 90% interval, and the median of per-pair ratios).
+``--plain-seal`` (with ``--paired``) makes the plain clients also seal and discard their report, which isolates
+the server side's share.
+
+Run: ``python benchmarks/bench_round_overhead.py [--clients 100 1000] [--rounds 3] [--repeats 2]``, or
+``python benchmarks/bench_round_overhead.py --paired --clients 1000 --rounds 6 --repeats 3``.
 Run outputs go to ``outputs/bench-round-overhead-<UTC>/`` (``--out``); every SuperLink/Ray process started is
 stopped by the runner's helpers after each run.
 """
