@@ -8,8 +8,9 @@ One round ``r`` (:meth:`RoundEngine.run_round`):
 3. durably mark ``r`` as started (a round id is never reused, see :mod:`server.state`);
 4. send ``train.shuffled`` (model + round config) and open a Submit stream to the shuffler, bound to (key epoch,
    round id, digest of the model the server sent) and announcing one slot per message sent; collect replies
-   until ``reply-timeout`` and forward each one's envelope bytes the moment it arrives, dropping the reply
-   (with its metadata: node id, timestamps) at once. An error reply, a malformed or duplicate reply, and a
+   until ``reply-timeout``, keeping only each reply's envelope bytes and dropping the reply (with its metadata:
+   node id, timestamps) at once; the envelopes go to the shuffler as they arrive (flushed about once a second or
+   per full packed message). An error reply, a malformed or duplicate reply, and a
    node that never replied each fill their slot with an empty placeholder (the shuffler counts it as
    ``empty``). The shuffler's verification work thus overlaps the collection;
 5. fewer than ``k`` envelopes: cancel the stream (the shuffler seals nothing and the binding stays unused),
@@ -427,8 +428,8 @@ class RoundEngine:
     def _collect_into_stream(self, messages: list[Any], round_id: int, digest: bytes, out: RoundOutcome) -> Any | None:
         """Send the round's messages and stream each reply's envelope to the shuffler as it arrives.
 
-        The Submit stream announces one slot per message pushed. A reply's envelope is forwarded at once and the
-        reply dropped; an error reply, a malformed one and a duplicate (the same bytes twice) fill their slot with
+        The Submit stream announces one slot per message pushed. A reply is dropped as soon as its envelope is
+        taken; envelopes are forwarded about once a second (:data:`FLUSH_SECONDS`) or per full packed message; an error reply, a malformed one and a duplicate (the same bytes twice) fill their slot with
         an empty placeholder, and so does every node without a reply at ``reply-timeout``. While nothing arrives
         the stream is kept alive (the shuffler cancels idle submissions). Returns the stream with every slot sent,
         ready to close, or ``None`` after cancelling it when fewer than ``min-reports`` envelopes arrived (the
