@@ -34,6 +34,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -285,18 +286,25 @@ def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path) -> flo
         p.wait(10)
 
 
+@contextlib.contextmanager
+def _attached(argv: list[str], *, wait: float) -> Iterator[None]:
+    """A profiler attached to the shuffler (``argv`` names its pid) for the duration of the block; it gets a
+    second to attach first and SIGINT (write its output) at the end."""
+    tracer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    try:
+        yield
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(wait)
+
+
 def strace_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: int, digest: bytes, max_msg: int,
                out: Path) -> str:
     if shutil.which("strace") is None:
         return "strace not installed"
-    tracer = subprocess.Popen(["strace", "-c", "-f", "-o", str(out), "-p", str(proc.pid)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)
-    try:
+    with _attached(["strace", "-c", "-f", "-o", str(out), "-p", str(proc.pid)], wait=30):
         one_run(keys, proc, envs, round_id, digest, max_msg)
-    finally:
-        tracer.send_signal(signal.SIGINT)
-        tracer.wait(30)
     return out.read_text() if out.exists() else "(no strace output)"
 
 
@@ -306,14 +314,8 @@ def perf_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: in
     if shutil.which("perf") is None:
         return "perf not installed"
     data = out.with_suffix(".data")
-    rec = subprocess.Popen(["perf", "record", "-F", "499", "-g", "-o", str(data), "-p", str(proc.pid)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)
-    try:
+    with _attached(["perf", "record", "-F", "499", "-g", "-o", str(data), "-p", str(proc.pid)], wait=60):
         one_run(keys, proc, envs, round_id, digest, max_msg)
-    finally:
-        rec.send_signal(signal.SIGINT)
-        rec.wait(60)
     parts = []
     for sort in ("dso", "dso,symbol"):
         r = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", sort, "--stdio",

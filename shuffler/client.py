@@ -11,7 +11,7 @@ has finished (or use :meth:`ShufflerClient.fetch_all`).
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -22,7 +22,7 @@ from shuffler import shuffler_pb2_grpc as pb_grpc
 from shuffler import wire
 from shuffler.attestation import Attestation, AttestationError, OutputDigest
 from shuffler.config import is_loopback
-from shuffler.service import FETCH_GROUP_BYTES, FRAMING_SLACK, grpc_options
+from shuffler.service import FRAMING_SLACK, grpc_options
 
 __all__ = ["ShufflerClient", "SubmitStream", "ShufflerError", "Attestation", "AttestationError"]
 
@@ -144,15 +144,7 @@ class ShufflerClient:
             items = envelopes
         with self.open_submit(round_id=round_id, key_epoch=key_epoch, model_digest=model_digest, count=count,
                               envelope_length=envelope_length) as stream:
-            pending: list[bytes] = []
-            size = 0
-            for e in items:
-                pending.append(e)
-                size += len(e)
-                if size >= stream.batch_bytes:
-                    stream.send_many(pending)
-                    pending, size = [], 0
-            stream.send_many(pending)
+            stream.send_many(items)
             return stream.close()
 
     def open_submit(
@@ -242,7 +234,7 @@ class SubmitStream:
             raise ValueError(f"envelope_length must be a positive int, got {envelope_length!r}")
         self._client = client
         #: target bytes per packed Submit message (within the channel's message limit)
-        self.batch_bytes = min(FETCH_GROUP_BYTES, client._send_limit)
+        self.batch_bytes = min(wire.PACKED_MESSAGE_BYTES, client._send_limit)
         self._binding = (round_id, key_epoch, bytes(model_digest))
         self._count = count
         self._envelope_length = envelope_length or 0
@@ -304,22 +296,18 @@ class SubmitStream:
         instead and ``client.skipped_oversized`` grows."""
         self.send_many([envelope])
 
-    def send_many(self, envelopes: Sequence[bytes]) -> None:
+    def send_many(self, envelopes: Iterable[bytes]) -> None:
         """Queue envelopes, packed into ``EnvelopeBatch`` messages of about :attr:`batch_bytes` (an envelope of
-        that size or more travels alone). Same placeholder rule as :meth:`send`."""
-        group: list[bytes] = []
-        size = 0
-        for envelope in envelopes:
-            if len(envelope) > self._client._send_limit:
-                self._client.skipped_oversized += 1
-                envelope = b""  # a counted drop at the shuffler instead of an aborted stream
-            if group and size + len(envelope) + 16 > self.batch_bytes:
-                self._send_group(group)
-                group, size = [], 0
-            group.append(envelope)
-            size += len(envelope) + 16
-        if group:
+        that size or more travels alone); ``envelopes`` is consumed lazily. Same placeholder rule as
+        :meth:`send`."""
+        for group in wire.packed(map(self._sendable, envelopes), self.batch_bytes):
             self._send_group(group)
+
+    def _sendable(self, envelope: bytes) -> bytes:
+        if len(envelope) > self._client._send_limit:
+            self._client.skipped_oversized += 1
+            return b""  # a counted drop at the shuffler instead of an aborted stream
+        return envelope
 
     def _send_group(self, group: list[bytes]) -> None:
         if len(group) == 1:  # == SubmitRequest(envelope=e).SerializeToString(): sliced without a copy on arrival

@@ -64,8 +64,6 @@ STATUS_FOR: dict[str, grpc.StatusCode] = {
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
-#: Target size of one packed Fetch message (and of one packed Submit batch, see shuffler.client).
-FETCH_GROUP_BYTES = 256 * 1024
 #: Submits allowed at once: max_workers minus this many threads stay free for Fetch, Stats and health.
 RESERVED_WORKERS = 2
 
@@ -126,7 +124,7 @@ def fetch_group_bytes(max_envelope_bytes: int) -> int:
     """Bytes of inner ciphertexts packed into one Fetch message: small ones are grouped (per-message costs
     dominate otherwise), a large one travels alone; always within the channel limit set from
     ``max_envelope_bytes``."""
-    return min(FETCH_GROUP_BYTES, max_envelope_bytes)
+    return min(wire.PACKED_MESSAGE_BYTES, max_envelope_bytes)
 
 
 def grpc_options(max_envelope_bytes: int) -> list[tuple[str, int]]:
@@ -297,17 +295,8 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             return
         try:
             # FetchResponse{inner: [...]}: consecutive inner ciphertexts, packed up to the group size
-            group: list[bytes] = []
-            size = 0
-            for chunk in chunks:
-                field = wire.encode_bytes_field(1, chunk)
-                if group and size + len(field) > self._fetch_group:
-                    yield b"".join(group)
-                    group, size = [], 0
-                group.append(field)
-                size += len(field)
-            if group:
-                yield b"".join(group)
+            for group in wire.packed(chunks, self._fetch_group):
+                yield wire.encode_repeated_bytes_field(1, group)
         except Exception as exc:  # noqa: BLE001 - e.g. a sealed output damaged on disk; never report data
             log.error("fetch: internal error (%s)", type(exc).__name__)
             context.abort(grpc.StatusCode.INTERNAL, "internal error: the sealed output cannot be read")

@@ -10,12 +10,38 @@ exactly in this canonical form.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 __all__ = [
+    "PACKED_MESSAGE_BYTES",
+    "packed",
     "encode_bytes_field",
     "encode_repeated_bytes_field",
     "decode_single_bytes_field",
     "decode_repeated_bytes_field",
 ]
+
+
+#: Target size of one packed message (a Fetch message of inner ciphertexts, or a Submit batch of envelopes).
+PACKED_MESSAGE_BYTES = 256 * 1024
+_FIELD_OVERHEAD = 11  # one tag byte and at most ten varint bytes per packed item
+
+
+def packed(items: Iterable[bytes], limit: int) -> Iterator[list[bytes]]:
+    """Consecutive groups of ``items`` whose encodings as repeated ``bytes`` fields stay within ``limit`` bytes,
+    in order; an item too large for ``limit`` forms a group of its own. Lazy: a generator reading from disk is
+    never materialised."""
+    group: list[bytes] = []
+    size = 0
+    for item in items:
+        cost = len(item) + _FIELD_OVERHEAD
+        if group and size + cost > limit:
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += cost
+    if group:
+        yield group
 
 
 def _varint(n: int) -> bytes:

@@ -36,7 +36,7 @@ import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,23 @@ def _cores(kit: Any, tmp_path: Path, n: int) -> list[ShufflerCore]:
     return [ShufflerCore(kit.core_config(tmp_path / f"j{c}")) for c in range(n)]
 
 
+def _positions_over_rounds(kit: Any, tmp_path: Path, n_batches: int,
+                           batch: Callable[[int], tuple[list[bytes], list[bytes]]]) -> list[list[int]]:
+    """``n_batches`` batches spread over N_CORES independent cores: round r's (envelopes, honest inners) come
+    from ``batch(r)`` and every core shuffles them; the output positions of the honest inners, per batch."""
+    cores = _cores(kit, tmp_path, N_CORES)
+    positions: list[list[int]] = []
+    try:
+        for r in range(1, n_batches // N_CORES + 1):
+            envs, inners = batch(r)
+            for core in cores:
+                positions.append(_positions(core, kit, r, envs, inners))
+    finally:
+        for core in cores:
+            core.close()
+    return positions
+
+
 def _positions(core: ShufflerCore, kit: Any, round_id: int, envs: list[bytes], inners: list[bytes]) -> list[int]:
     """Seal one batch; return, for the j-th accepted input, its output position."""
     b = core.begin(kit.header(len(envs), round_id=round_id))
@@ -152,17 +169,11 @@ def _inner_of(kit: Any, envelope: bytes, round_id: int) -> bytes:
 
 
 def test_output_position_is_uniform(kit, tmp_path: Path, no_fsync: None) -> None:
-    cores = _cores(kit, tmp_path, N_CORES)
-    positions: list[list[int]] = []
-    try:
-        for r in range(1, N_BATCHES // N_CORES + 1):
-            envs = [kit.seal(i, round_id=r) for i in range(N_SLOTS)]
-            inners = [_inner_of(kit, e, r) for e in envs]
-            for core in cores:
-                positions.append(_positions(core, kit, r, envs, inners))
-    finally:
-        for core in cores:
-            core.close()
+    def batch(r: int) -> tuple[list[bytes], list[bytes]]:
+        envs = [kit.seal(i, round_id=r) for i in range(N_SLOTS)]
+        return envs, [_inner_of(kit, e, r) for e in envs]
+
+    positions = _positions_over_rounds(kit, tmp_path, N_BATCHES, batch)
     table = _table_from_positions(positions, N_SLOTS)
     stat, p = perm_chi2(table)
     assert len(positions) == N_BATCHES
@@ -171,18 +182,12 @@ def test_output_position_is_uniform(kit, tmp_path: Path, no_fsync: None) -> None
 
 def test_output_position_is_uniform_with_drops(kit, tmp_path: Path, no_fsync: None) -> None:
     """Dropped envelopes leave holes that are squeezed out; the accepted ones must still be uniformly placed."""
-    cores = _cores(kit, tmp_path, N_CORES)
-    positions: list[list[int]] = []
-    try:
-        for r in range(1, N_BATCHES_DROPS // N_CORES + 1):
-            good = [kit.seal(i, round_id=r) for i in range(6)]
-            envs = good[:2] + [b"garbage"] + good[2:5] + [good[5][:-1]] + good[5:]  # arrivals 2 and 6 dropped
-            inners = [_inner_of(kit, e, r) for e in good]
-            for core in cores:
-                positions.append(_positions(core, kit, r, envs, inners))
-    finally:
-        for core in cores:
-            core.close()
+    def batch(r: int) -> tuple[list[bytes], list[bytes]]:
+        good = [kit.seal(i, round_id=r) for i in range(6)]
+        envs = good[:2] + [b"garbage"] + good[2:5] + [good[5][:-1]] + good[5:]  # arrivals 2 and 6 dropped
+        return envs, [_inner_of(kit, e, r) for e in good]
+
+    positions = _positions_over_rounds(kit, tmp_path, N_BATCHES_DROPS, batch)
     table = _table_from_positions(positions, 6)
     stat, p = perm_chi2(table)
     assert p > ALPHA, f"positions with drops are not uniform: scaled X^2 = {stat:.1f} on 25 df, p = {p:.2e}\n{table}"

@@ -100,3 +100,13 @@ def test_submit_deserializer_batch_fast_path() -> None:
     odd = encode_bytes_field(4, encode_repeated_bytes_field(1, items) + b"\x10\x01")
     parsed = _submit_request(odd)
     assert parsed.WhichOneof("item") == "batch" and list(parsed.batch.envelopes) == items
+
+
+def test_packed_keeps_order_and_the_limit() -> None:
+    from shuffler.wire import packed
+
+    items = [b"a" * 10, b"b" * 10, b"c" * 50, b"", b"d" * 10]
+    groups = list(packed(iter(items), 45))
+    assert [x for g in groups for x in g] == items  # order kept, nothing lost
+    assert groups == [[b"a" * 10, b"b" * 10], [b"c" * 50], [b"", b"d" * 10]]  # an oversized item goes alone
+    assert list(packed([], 45)) == []
