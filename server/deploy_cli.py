@@ -79,6 +79,7 @@ __all__ = [
     "compose_run_config",
     "start_superlink",
     "start_supernode",
+    "start_supernodes",
     "start_shuffler",
     "start_serverapp_executor",
     "register_supernode",
@@ -468,11 +469,29 @@ def node_config(keys: DeployKeys, partition_id: int, num_partitions: int, *, eps
 # processes
 
 
+#: Ports this process has handed out with :func:`free_port` (host, port); never handed out twice.
+_HANDED_OUT: set[tuple[str, int]] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (Flower's processes need the port before they start)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free a moment ago and that this process has not handed out before.
+
+    Flower's processes take their port on the command line, so the port is chosen here and bound seconds later by
+    the child. The kernel may offer the same free port to two consecutive ``bind(port 0)`` calls (seen here: two
+    SuperNodes started back to back got the same port and the second died with EADDRINUSE), so the ports handed
+    out are remembered. A port taken by an unrelated process in between is still possible;
+    :func:`start_supernodes` restarts a SuperNode that lost its port that way.
+    """
+    with _HANDED_OUT_LOCK:
+        for _ in range(256):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+            if (host, port) not in _HANDED_OUT:
+                _HANDED_OUT.add((host, port))
+                return port
+    raise DeployError(f"the kernel offered only ports already handed out on {host} (256 tries)")
 
 
 @dataclass
@@ -497,6 +516,12 @@ class ProcessGroup:
                                      env=dict(env), cwd=cwd, start_new_session=True)
         self.procs.append(_Proc(name, popen, log))
         return popen
+
+    def forget(self, popen: subprocess.Popen[bytes]) -> None:
+        """Drop an exited process from the group (it is being replaced); a running one is refused."""
+        if popen.poll() is None:
+            raise DeployError(f"refusing to forget process {popen.pid}: it is still running")
+        self.procs = [p for p in self.procs if p.popen is not popen]
 
     def check_alive(self) -> None:
         """Raise DeployError naming the first process that has exited (with the tail of its log)."""
@@ -653,10 +678,44 @@ def start_shuffler(keys: DeployKeys, log: Path) -> Any:
     return proc
 
 
-def wait_supernode_accepted(group: ProcessGroup, log: Path, what: str, timeout: float = 120.0) -> None:
-    """Wait until a SuperNode's log shows the node id the SuperLink activated."""
-    _wait_for(lambda: _log_contains(log, "SuperNode ID"), timeout, f"{what} to be accepted by the SuperLink",
-              group)
+#: What uvicorn logs when the SuperNode's Runtime HTTP API port was taken (errno 98 on Linux).
+_PORT_TAKEN = "address already in use"
+
+
+def start_supernodes(group: ProcessGroup, keys: DeployKeys, superlink: str, node_config_files: Sequence[Path],
+                     state_root: Path, base_env: Mapping[str, str], logs: Path, *, host: str = "127.0.0.1",
+                     timeout: float = 120.0, port_attempts: int = 3) -> None:
+    """Start SuperNode ``i`` with ``node_config_files[i]`` for every i, then wait until each is accepted.
+
+    All are started before any is waited for (each spends seconds importing Flower). A SuperNode whose Runtime
+    HTTP API port was taken between :func:`free_port` and its own bind exits with EADDRINUSE; it is restarted on
+    a fresh port, at most ``port_attempts`` times in all. Any other exit is an error naming the node and its log.
+    """
+    if port_attempts < 1:
+        raise DeployError(f"port_attempts must be >= 1, got {port_attempts}")
+    logs_of = [logs / f"supernode-{i}.log" for i in range(len(node_config_files))]
+
+    def start(i: int) -> subprocess.Popen[bytes]:
+        return start_supernode(group, keys, i, superlink, node_config_files[i], state_root / f"node-{i}", base_env,
+                               logs_of[i], host=host)
+
+    procs = [start(i) for i in range(len(node_config_files))]
+    for i, log in enumerate(logs_of):
+        attempts = 1
+        deadline = time.monotonic() + timeout
+        while not _log_contains(log, "SuperNode ID"):
+            code = procs[i].poll()
+            if code is not None and attempts < port_attempts and log.read_text(errors="replace").count(
+                    _PORT_TAKEN) == attempts:
+                group.forget(procs[i])
+                attempts += 1
+                procs[i] = start(i)
+                continue
+            group.check_alive()
+            if time.monotonic() > deadline:
+                raise DeployError(f"timed out after {timeout:.0f} s waiting for SuperNode {i} to be accepted by "
+                                  "the SuperLink")
+            time.sleep(0.2)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1012,13 +1071,10 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
             with ThreadPoolExecutor(max_workers=min(8, cfg.nodes)) as pool:  # each `flwr` call starts Python
                 node_ids = list(pool.map(lambda i: register_supernode(cli_env, keys.supernode_pub(i)),
                                          range(cfg.nodes)))
-            for i in range(cfg.nodes):
-                conf = write_toml(work / "supernodes" / f"node-{i}" / "node-config.toml",
-                                  node_config(keys, i, cfg.nodes, eps0=cfg.eps0, clip_l1=cfg.clip_l1))
-                start_supernode(group, keys, i, address, conf, work / "supernodes" / f"node-{i}", base_env,
-                                logs / f"supernode-{i}.log", host=host)
-            for i in range(cfg.nodes):
-                wait_supernode_accepted(group, logs / f"supernode-{i}.log", f"SuperNode {i}")
+            confs = [write_toml(work / "supernodes" / f"node-{i}" / "node-config.toml",
+                                node_config(keys, i, cfg.nodes, eps0=cfg.eps0, clip_l1=cfg.clip_l1))
+                     for i in range(cfg.nodes)]
+            start_supernodes(group, keys, address, confs, work / "supernodes", base_env, logs, host=host)
             timings["startup-s"] = time.monotonic() - t_start
             timings["node-ids"] = node_ids
             tailer = FileTailer({"superlink": logs / "superlink.log",

@@ -27,7 +27,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from server.deploy_cli import free_port
 
 __all__ = ["main", "find_project", "RUNNER_FILE"]
 
@@ -70,12 +71,6 @@ def find_project(start: Path | None = None) -> Path:
         "cannot find the shuffledp Flower app (a pyproject.toml with [tool.flwr.app] publisher 'shuffledp'); run "
         "this command from the repository, where `pip install -e .` was done"
     )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _toml_value(value: Any) -> str:
@@ -124,7 +119,7 @@ class _SuperLink:
         self.flwr_home = flwr_home
         self.cwd = cwd
         self.env = dict(env)
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = flwr_home / "superlink.log"
 

@@ -11,6 +11,7 @@ compose set-up), keys from ``create_deploy_keys``:
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,3 +97,42 @@ def test_supernode_keypair_is_what_flower_reads() -> None:
     assert sk.curve.name == "secp384r1"
     assert sk.public_key().public_numbers() == pk.public_numbers()
     assert dc.supernode_keypair()[0] != private  # fresh randomness each time
+
+
+@pytest.mark.e2e
+def test_supernode_that_lost_its_port_is_restarted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port chosen for a SuperNode's Runtime HTTP API is taken before the SuperNode binds it (another process
+    listens there): the node exits with EADDRINUSE, is restarted on a fresh port and is accepted."""
+    import socket
+
+    keys = dc.create_deploy_keys(tmp_path / "keys", 1, k=1)
+    group = dc.ProcessGroup(grace_seconds=5)
+    base_env = dict(os.environ)
+    logs = tmp_path / "logs"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        try:
+            address = dc.start_superlink(group, keys, tmp_path / "superlink", base_env, logs / "superlink.log")
+            cli_env = dc.flower_env(tmp_path / "cli-home", base_env)
+            dc.write_flower_config(tmp_path / "cli-home", address, keys.superlink_ca_cert)
+            node_id = dc.register_supernode(cli_env, keys.supernode_pub(0))
+            real_free_port = dc.free_port
+            offered = iter([taken])
+            monkeypatch.setattr(dc, "free_port", lambda host="127.0.0.1": next(offered, None) or real_free_port(host))
+            conf = dc.write_toml(tmp_path / "node-0.toml", dc.node_config(keys, 0, 1, eps0=1.0, clip_l1=1.0))
+            dc.start_supernodes(group, keys, address, [conf], tmp_path / "nodes", base_env, logs, timeout=90)
+            log = (logs / "supernode-0.log").read_text()
+            assert log.count("address already in use") == 1 and f"127.0.0.1', {taken})" in log
+            assert f"SuperNode ID: {node_id}" in log
+            assert [p.name for p in group.procs] == ["flower-superlink", "flower-supernode 0"]
+            assert all(p.popen.poll() is None for p in group.procs)
+        finally:
+            group.stop_all()
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    ports = [dc.free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p <= 65535 for p in ports)
