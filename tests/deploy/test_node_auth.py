@@ -103,8 +103,6 @@ def test_supernode_keypair_is_what_flower_reads() -> None:
 def test_supernode_that_lost_its_port_is_restarted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The port chosen for a SuperNode's Runtime HTTP API is taken before the SuperNode binds it (another process
     listens there): the node exits with EADDRINUSE, is restarted on a fresh port and is accepted."""
-    import socket
-
     keys = dc.create_deploy_keys(tmp_path / "keys", 1, k=1)
     group = dc.ProcessGroup(grace_seconds=5)
     base_env = dict(os.environ)
