@@ -2,7 +2,7 @@
 
 Statement: canonical JSON (sorted keys, no spaces), UTF-8::
 
-    {"format": "shuffledp-attestation/v1", "batch_id": hex16, "protocol_version": 1, "key_epoch": E,
+    {"format": "shuffledp-attestation/v2", "batch_id": hex16, "protocol_version": 1, "key_epoch": E,
      "round_id": R, "model_digest": hex32, "k": k, "n_received": N, "n_accepted": A, "inner_length": L,
      "output_digest": hex32, "dropped": {reason: count, ...}[, "envelope_length": B]}
 
@@ -11,9 +11,17 @@ Statement: canonical JSON (sorted keys, no spaces), UTF-8::
 Signature: Ed25519 (RFC 8032) by the shuffler's signing key over ``"shuffledp/attestation/v1" || statement``.
 A verifier checks the signature over the bytes it received and only then parses them.
 
-Output digest: SHA-256 over ``"shuffledp/batch-output/v1"`` followed by ``len:u64 || inner`` for each inner
-ciphertext in output order. It pins both the contents and the order of the batch, so a fetch that returns
-different bytes, a different order, or a different count is detected.
+Output digest (format v2): SHA-256 over ``"shuffledp/batch-output/v2"`` followed by
+``len:u64 || SHA-256(inner)`` for each inner ciphertext in output order. It pins both the contents and the order
+of the batch, so a fetch that returns different bytes, a different order, or a different count is detected
+(collision resistance of SHA-256, applied twice). Hashing each item separately lets the shuffler reuse the
+SHA-256 of the inner ciphertext it already computed to check the report's signature (shuffler.envelope), so
+sealing a batch reads no report bytes a second time; a verifier does the same single pass as before.
+
+Format v1 (``"shuffledp-attestation/v1"``, sealed by shuffledp before 2026-11-21) hashed the items themselves:
+``"shuffledp/batch-output/v1"`` followed by ``len:u64 || inner``. Such statements still verify, and
+:class:`OutputDigest` is built for the statement's format, so batches journaled before an upgrade can still be
+fetched and checked.
 
 The dropped counters are per reason and per batch, never per position or per client.
 """
@@ -38,9 +46,12 @@ __all__ = [
     "sign_statement",
 ]
 
-ATTESTATION_FORMAT = "shuffledp-attestation/v1"
-_SIG_DOMAIN = b"shuffledp/attestation/v1"
-_OUTPUT_DOMAIN = b"shuffledp/batch-output/v1"
+ATTESTATION_FORMAT = "shuffledp-attestation/v2"
+#: Statement formats a verifier accepts, with the output-digest version each one commits to.
+_DIGEST_VERSION_OF_FORMAT = {"shuffledp-attestation/v1": 1, ATTESTATION_FORMAT: 2}
+_SIG_DOMAIN = b"shuffledp/attestation/v1"  # the signature's domain tag; unchanged across statement formats
+_OUTPUT_DOMAIN = {1: b"shuffledp/batch-output/v1", 2: b"shuffledp/batch-output/v2"}
+_LEN = struct.Struct(">Q")
 
 #: Why an envelope was dropped (counted, never attributed).
 DROP_REASONS: tuple[str, ...] = (
@@ -63,15 +74,35 @@ class AttestationError(ValueError):
 
 
 class OutputDigest:
-    """Incremental output digest (see module docstring)."""
+    """Incremental output digest (see module docstring); ``version`` 2 (the default) or 1 (legacy statements)."""
 
-    def __init__(self) -> None:
-        self._h = hashlib.sha256(_OUTPUT_DOMAIN)
+    def __init__(self, version: int = 2) -> None:
+        if version not in _OUTPUT_DOMAIN:
+            raise ValueError(f"output digest version must be one of {sorted(_OUTPUT_DOMAIN)}, got {version!r}")
+        self.version = version
+        self._h = hashlib.sha256(_OUTPUT_DOMAIN[version])
         self.count = 0
 
+    @classmethod
+    def for_attestation(cls, attestation: "Attestation") -> "OutputDigest":
+        """The digest the attestation's statement format commits to."""
+        return cls(_DIGEST_VERSION_OF_FORMAT[attestation.format])
+
     def update(self, inner: bytes | memoryview) -> None:
-        self._h.update(struct.pack(">Q", len(inner)))
-        self._h.update(inner)
+        """Add the next inner ciphertext in output order."""
+        self._h.update(_LEN.pack(len(inner)))
+        self._h.update(hashlib.sha256(inner).digest() if self.version == 2 else inner)
+        self.count += 1
+
+    def update_hashed(self, length: int, inner_sha256: bytes) -> None:
+        """Add the next item from its length and its SHA-256 (version 2 only): the same result as
+        ``update(inner)`` without reading the bytes again."""
+        if self.version != 2:
+            raise ValueError("update_hashed needs output digest version 2 (version 1 hashes the bytes themselves)")
+        if len(inner_sha256) != 32:
+            raise ValueError(f"inner_sha256 must be 32 bytes, got {len(inner_sha256)}")
+        self._h.update(_LEN.pack(length))
+        self._h.update(inner_sha256)
         self.count += 1
 
     def digest(self) -> bytes:
@@ -96,6 +127,7 @@ class Attestation:
     statement: bytes = b""
     signature: bytes = b""
     envelope_length: int = 0  # the envelope length announced in the submit header (0: none, legacy)
+    format: str = ATTESTATION_FORMAT  # the statement's format; it fixes the output digest's version
 
     @staticmethod
     def build_statement(
@@ -144,8 +176,10 @@ class Attestation:
             raise AttestationError("attestation signature does not verify with the pinned shuffler key") from exc
         try:
             doc = json.loads(statement)
-            if doc.get("format") != ATTESTATION_FORMAT:
-                raise AttestationError(f"attestation format {doc.get('format')!r}; expected {ATTESTATION_FORMAT!r}")
+            if doc.get("format") not in _DIGEST_VERSION_OF_FORMAT:
+                raise AttestationError(
+                    f"attestation format {doc.get('format')!r}; expected one of {sorted(_DIGEST_VERSION_OF_FORMAT)}"
+                )
             att = cls(
                 batch_id=bytes.fromhex(doc["batch_id"]),
                 protocol_version=int(doc["protocol_version"]),
@@ -161,6 +195,7 @@ class Attestation:
                 statement=bytes(statement),
                 signature=bytes(signature),
                 envelope_length=int(doc.get("envelope_length", 0)),
+                format=str(doc["format"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, AttestationError):

@@ -170,7 +170,7 @@ class ShufflerClient:
         """Stream the batch's inner ciphertexts; verifies lengths, count and output digest (raises at the end)."""
         if not isinstance(attestation, Attestation) or not attestation.signature:
             raise TypeError("fetch needs an Attestation returned by submit() (or Attestation.verify)")
-        digest = OutputDigest()
+        digest = OutputDigest.for_attestation(attestation)
         try:
             for raw in self._fetch_raw(pb.FetchRequest(batch_id=attestation.batch_id), timeout=self._timeout):
                 items = wire.decode_repeated_bytes_field(raw, 1)

@@ -392,6 +392,11 @@ class ShufflerCore:
         if source is None or fd < 0:
             raise RuntimeError("no staging file")
         occupied = sorted(builder.used_slots())  # output order = slot order
+        # The output digest comes from the SHA-256 of each inner ciphertext, computed when its signature was
+        # checked and kept at its slot (shuffler.attestation, format v2): no report byte is read again here.
+        hashes = builder.slot_hashes
+        for slot in occupied:
+            digest.update_hashed(inner_length, hashes[slot * 32 : (slot + 1) * 32])
         builder.forget_permutation()
         buf = builder.staging_buffer
         if buf is not None:
@@ -402,20 +407,19 @@ class ShufflerCore:
                 for i, slot in enumerate(occupied):
                     if slot != i:
                         mv[i * inner_length : (i + 1) * inner_length] = mv[slot * inner_length : (slot + 1) * inner_length]
-                    digest.update(mv[i * inner_length : (i + 1) * inner_length])
                 del occupied
                 _write_out(fd, source, mv, n * inner_length)
             builder.release_buffer()  # the batch now exists only in the output file
         else:
-            # Disk path: squeeze out the holes in place in the staging file, same order argument as above. No
-            # second copy of the batch is needed on disk.
+            # Disk path: squeeze out the holes in place in the staging file, same order argument as above (with
+            # no holes, nothing moves and nothing is read). No second copy of the batch is needed on disk.
             for i, slot in enumerate(occupied):
+                if slot == i:
+                    continue
                 chunk = os.pread(fd, inner_length, slot * inner_length)
                 if len(chunk) != inner_length:
                     raise RuntimeError("staging file is shorter than expected")
-                digest.update(chunk)
-                if slot != i:
-                    os.pwrite(fd, chunk, i * inner_length)
+                os.pwrite(fd, chunk, i * inner_length)
             del occupied
         os.ftruncate(fd, n * inner_length)
         os.fchmod(fd, 0o400)  # a sealed batch never changes
@@ -543,11 +547,12 @@ class BatchBuilder:
     Where the slots live is a deterministic function of the batch size, ``expected_count * inner_length``
     (:func:`stages_in_memory`): up to ``staging_memory_limit`` bytes, in one anonymous ``mmap`` buffer (memory
     path), and the output file is written once, in output order, at seal time; above it, in a staging file
-    that is allocated, zero-filled in offset order and synced once before the first report is written, so the
-    blocks that later receive reports were laid out before any report arrived (disk path). On both paths
-    free space for the whole batch (plus the journal reserve) is checked and reserved with
-    ``posix_fallocate`` when the first report is accepted; there is no sync during the batch, only the one
-    before the commit.
+    that is allocated and zero-filled in offset order (in the page cache, not synced) before the first report is
+    written, so that any writeback lays the blocks out in offset order, never in arrival order (disk path; see
+    ``_preallocate``). On both paths free space for the whole batch (plus the journal reserve) is checked and
+    reserved with ``posix_fallocate`` when the first report is accepted; there is no sync during the batch,
+    only the one before the commit. Each accepted report's SHA-256 (computed for its signature check) is kept
+    at its slot, 32 bytes per slot, so that the output digest needs no second pass over the reports.
     """
 
     def __init__(self, core: ShufflerCore, header: Header, *, replay_only: bool) -> None:
@@ -571,6 +576,8 @@ class BatchBuilder:
         #: True/False once the first report was accepted and the path was chosen; None before
         self.in_memory: bool | None = None
         self._perm: array | None = None
+        #: SHA-256 of the inner ciphertext at each slot (32 bytes per slot, slot order), for the output digest
+        self._slot_hashes: bytearray | None = None
         if not replay_only:
             # Created empty at the header on both paths (it is the output-to-be); it holds no report data until
             # the first one is accepted (disk path) or until seal (memory path). Removed at start if orphaned.
@@ -597,8 +604,16 @@ class BatchBuilder:
             raise RuntimeError("no permutation (replay-only builder, nothing accepted, or already sealed)")
         return list(self._perm[: self.n_accepted])
 
+    @property
+    def slot_hashes(self) -> bytearray:
+        """SHA-256 of the inner ciphertext in each slot, 32 bytes per slot, in slot order (unused slots zero)."""
+        if self._slot_hashes is None:
+            raise RuntimeError("no slot hashes (replay-only builder, nothing accepted, or already sealed)")
+        return self._slot_hashes
+
     def forget_permutation(self) -> None:
         self._perm = None
+        self._slot_hashes = None
 
     def wait_writeback(self) -> None:
         """Kept for compatibility: there is no background writeback any more."""
@@ -653,10 +668,15 @@ class BatchBuilder:
         file); on the disk path also zero-fill it. Before the first report is written.
 
         The free-space check keeps a reserve for the journal, so that concurrent batches cannot fill the disk
-        and make a commit record fail. Zero-filling in offset order (with one sync) fixes the physical layout
-        before any report arrives; without it the filesystem could allocate or convert blocks in arrival order,
-        and the layout would record the permutation. The memory path writes nothing before seal (the output is
-        then written once, in output order), so it only reserves the space.
+        and make a commit record fail. Zero-filling in offset order dirties every page of the file before any
+        report arrives, so whenever the kernel writes pages back (at the commit's fsync, or earlier under
+        memory pressure or the dirty-page expiry) it writes all of them, in offset order: the filesystem
+        converts ``posix_fallocate``'s unwritten extents in offset order, not in arrival order, and reports
+        later only overwrite blocks already laid out. Without the zero-fill, an early writeback would convert
+        just the slots filled so far and the layout could record part of the permutation. The zeros are not
+        synced: nothing needs them on disk (a staging file is discarded after a crash), and a sync here would
+        write the whole batch to disk twice. The memory path writes nothing before seal (the output is then
+        written once, in output order), so it only reserves the space.
         """
         size = self.header.expected_count * self.inner_length
         need = size + JOURNAL_HEADROOM_BYTES + JOURNAL_HEADROOM_PER_REPORT * self.header.expected_count
@@ -686,7 +706,6 @@ class BatchBuilder:
         try:
             while pos < size:
                 pos += os.pwrite(self.staging_fd, memoryview(zeros)[: min(len(zeros), size - pos)], pos)
-            os.fdatasync(self.staging_fd)
         except OSError as exc:
             raise Refused(
                 "resource_exhausted", "disk_full", f"cannot write the staging file: {exc.strerror}"
@@ -752,13 +771,16 @@ class BatchBuilder:
             self.inner_length = len(inner)
             self._start_staging()  # chooses memory or disk staging; raises Refused (already aborted)
             self._perm = self.draw_permutation(self.header.expected_count)  # allocated lazily
-        if len(inner) == self.inner_length and self._perm is not None:
+            self._slot_hashes = bytearray(32 * self.header.expected_count)
+        if len(inner) == self.inner_length and self._perm is not None and self._slot_hashes is not None:
             # slots are fixed-size: the j-th accepted report goes to slot perm[j], at perm[j] * inner_length
-            off = self._perm[self.n_accepted] * self.inner_length
+            slot = self._perm[self.n_accepted]
+            off = slot * self.inner_length
             if self.staging_buffer is not None:
                 self.staging_buffer[off : off + self.inner_length] = inner
             else:
                 os.pwrite(self.staging_fd, inner, off)
+            self._slot_hashes[slot * 32 : (slot + 1) * 32] = report.inner_sha256
         self.n_accepted += 1
 
     def finish(self) -> SealedBatch:
@@ -816,6 +838,7 @@ class BatchBuilder:
         """Discard the staging buffer and the staging file (idempotent)."""
         self._done = True
         self._perm = None
+        self._slot_hashes = None
         self.release_buffer()
         if self.staging_fd >= 0:
             os.close(self.staging_fd)

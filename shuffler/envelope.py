@@ -107,6 +107,7 @@ class OpenedReport:
     report_id: bytes  # 16 random bytes chosen by the client
     enc: bytes  # outer HPKE encapsulated key (32 bytes), the replay tag
     inner: bytes | memoryview  # the inner ciphertext (a view, not a copy), forwarded after shuffling
+    inner_sha256: bytes = b""  # SHA-256(inner), computed for the signature check; reused by the output digest
 
 
 def _check_uint(name: str, value: int, maximum: int) -> None:
@@ -141,7 +142,8 @@ def _outer_info(bind: bytes) -> bytes:
     return b"shuffledp/outer" + bind
 
 
-def _signed_message(bind: bytes, report_id: bytes, inner: bytes | memoryview) -> bytes:
+def _signed_message(bind: bytes, report_id: bytes, inner: bytes | memoryview,
+                    inner_sha256: bytes | None = None) -> bytes:
     # The signature covers a SHA-256 of the inner ciphertext rather than the ciphertext itself, so that
     # Ed25519 (which hashes its message twice with SHA-512) stays cheap for megabyte-sized reports.
     return (
@@ -149,7 +151,7 @@ def _signed_message(bind: bytes, report_id: bytes, inner: bytes | memoryview) ->
         + bind
         + report_id
         + struct.pack(">Q", len(inner))
-        + hashlib.sha256(inner).digest()
+        + (hashlib.sha256(inner).digest() if inner_sha256 is None else inner_sha256)
     )
 
 
@@ -286,12 +288,14 @@ class OuterOpener:
         if inner_version != ENVELOPE_VERSION:
             raise EnvelopeError("wrong_version", f"outer plaintext version {inner_version}")
         inner = memoryview(outer_pt)[_OUTER_HEAD.size :]
+        inner_sha256 = hashlib.sha256(inner).digest()
         try:
             pk = ed25519.Ed25519PublicKey.from_public_bytes(signer)
-            pk.verify(signature, _signed_message(self._bind, report_id, inner))
+            pk.verify(signature, _signed_message(self._bind, report_id, inner, inner_sha256))
         except (InvalidSignature, ValueError) as exc:
             raise EnvelopeError("bad_signature", "report signature does not verify") from exc
-        return OpenedReport(signer_public_key=signer, report_id=report_id, enc=bytes(body[:ENC_BYTES]), inner=inner)
+        return OpenedReport(signer_public_key=signer, report_id=report_id, enc=bytes(body[:ENC_BYTES]), inner=inner,
+                            inner_sha256=inner_sha256)
 
 
 def open_inner(inner: bytes, *, server_private_key: bytes, key_epoch: int, round_id: int) -> bytes:

@@ -180,3 +180,10 @@ def test_model_digest_properties() -> None:
         model_digest([b"x", "text"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="not C-contiguous"):
         model_digest([a.T])
+
+
+def test_opened_report_carries_the_sha256_of_its_inner_ciphertext(keys: dict[str, bytes]) -> None:
+    import hashlib
+
+    r = _open(keys, _seal(keys, b"q" * 1000))
+    assert r.inner_sha256 == hashlib.sha256(r.inner).digest() and len(r.inner) == 1000 + INNER_OVERHEAD
