@@ -328,6 +328,7 @@ def core_from_config(config: ServiceConfig) -> ShufflerCore:
             max_envelope_bytes=config.max_envelope_bytes,
             max_batch_reports=config.max_batch_reports,
             staging_memory_limit=config.staging_memory_limit,
+            retain_staging_buffer=config.retain_staging_buffer,
         )
     )
 

@@ -81,3 +81,11 @@ def test_staging_memory_limit_default_and_validation(tmp_path: Path) -> None:
     for bad in ("-1", "1.5", "true", '"4GiB"', str((1 << 40) + 1)):
         with pytest.raises(ConfigError, match=r"staging_memory_limit must be an integer in \[0, 1099511627776\]"):
             _load(tmp_path, f"staging_memory_limit = {bad}\n" + BASE + TLS)
+
+
+def test_retain_staging_buffer_default_and_validation(tmp_path: Path) -> None:
+    assert _load(tmp_path, BASE + TLS).retain_staging_buffer is True
+    assert _load(tmp_path, "retain_staging_buffer = false\n" + BASE + TLS).retain_staging_buffer is False
+    for bad in ("1", '"yes"'):
+        with pytest.raises(ConfigError, match="retain_staging_buffer must be true or false"):
+            _load(tmp_path, f"retain_staging_buffer = {bad}\n" + BASE + TLS)

@@ -575,7 +575,8 @@ def test_memory_path_writes_the_output_once_in_output_order(core: ShufflerCore, 
     assert not any(stage.read_bytes())  # ... but holds no data (unwritten extents read as zeros)
     buf = b.staging_buffer
     sealed = b.finish()
-    assert buf.closed and b.staging_buffer is None  # memory released at seal
+    assert b.staging_buffer is None and not buf.closed  # let go at seal, retained by the core for reuse
+    assert core.take_buffer(len(buf)) is buf
     # one sequential write of the squeezed output (with O_DIRECT rounded up to 4 KiB, then truncated)
     assert len(writes) == 1 and writes[0][0] == 0 and 6 * L <= writes[0][1] < 6 * L + 4096
     att = _verify(kit, sealed)
@@ -790,3 +791,53 @@ def test_attested_output_digest_is_the_v2_formula_over_the_output_bytes(core: Sh
         for x in out:
             h.update(struct.pack(">Q", len(x)) + hashlib.sha256(x).digest())
         assert att.output_digest == h.digest()
+
+
+def test_a_sealed_batchs_staging_buffer_is_reused_and_leaks_nothing_into_the_next(kit, tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """retain_staging_buffer (default): the next memory-path batch writes into the same mapping instead of
+    faulting in fresh pages; its output holds only its own reports even where the old batch's bytes sit in its
+    holes; a buffer too small for the next batch is unmapped and replaced; with the option off, or after a
+    refusal, the buffer is unmapped."""
+    import shuffler.core as coremod
+
+    maps: list = []
+    real_mmap = coremod.mmap.mmap
+    monkeypatch.setattr(coremod.mmap, "mmap", lambda *a, **k: (maps.append(real_mmap(*a, **k)), maps[-1])[1])
+    c = ShufflerCore(kit.core_config(tmp_path / "j"))
+    try:
+        first = _run(c, kit, [kit.seal(i) for i in range(6)])
+        old_inners = set(c.read_batch(first.batch_id))
+        assert len(maps) == 1 and not maps[0].closed  # retained
+        batch = [kit.seal(i, round_id=2) for i in range(6)]
+        b = c.begin(kit.header(8, round_id=2))
+        for e in batch[:3] + [b"junk", b""] + batch[3:]:  # two holes, over stale slots of the first batch
+            b.add(e)
+        assert b.staging_buffer is maps[0] and len(maps) == 1  # the same mapping, no new one
+        second = b.finish()
+        out = list(c.read_batch(second.batch_id))
+        assert len(out) == _verify(kit, second).n_accepted == 6 and not set(out) & old_inners
+        assert sorted(_payloads(c, kit, second, round_id=2)) == sorted(kit.payload(i) for i in range(6))
+        # larger reports: the retained buffer is too small, so it is unmapped and a fresh one is mapped
+        bigger = [kit.seal(i, round_id=3, size=8192) for i in range(6)]
+        _run(c, kit, bigger, round_id=3)
+        assert len(maps) == 2 and maps[0].closed and not maps[1].closed
+        # a refused batch unmaps its buffer (even the retained one it took)
+        b = c.begin(kit.header(kit.k, round_id=4))
+        b.add(kit.seal(0, round_id=4))
+        assert b.staging_buffer is maps[1]
+        for _ in range(kit.k - 1):
+            b.add(b"junk")
+        with pytest.raises(Refused):
+            b.finish()
+        assert maps[1].closed
+    finally:
+        c.close()
+    off = ShufflerCore(kit.core_config(tmp_path / "j-off", retain_staging_buffer=False))
+    try:
+        _run(off, kit, [kit.seal(i, round_id=5) for i in range(6)], round_id=5)
+        assert maps[-1].closed
+    finally:
+        off.close()
+    with pytest.raises(ValueError, match="retain_staging_buffer must be a bool"):
+        kit.core_config(tmp_path / "x", retain_staging_buffer=1)
