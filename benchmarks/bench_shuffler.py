@@ -50,7 +50,8 @@ from pathlib import Path
 
 from shuffler import keys as keyfiles
 from shuffler.client import ShufflerClient
-from shuffler.envelope import ENVELOPE_OVERHEAD, model_digest, seal
+from shuffler import wire
+from shuffler.envelope import ENVELOPE_OVERHEAD, INNER_OVERHEAD, model_digest, seal
 from shuffler.process import ShufflerProcess
 
 MB = 1_000_000
@@ -232,13 +233,23 @@ _BASELINE_SERVER = textwrap.dedent(
     import grpc
     from shuffler import shuffler_pb2 as pb, shuffler_pb2_grpc as pb_grpc
     ca, cert, key, limit, port_file = sys.argv[1:6]
+    from shuffler import wire
     class Sink(pb_grpc.ShufflerServicer):
         def Submit(self, it, ctx):
             n = 0
             for req in it:
                 n += len(req.envelope)
             return pb.SubmitResponse(statement=str(n).encode())
-    s = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", int(limit))])
+        def Fetch(self, req, ctx):
+            # a source: batch_id = count (8 bytes) || item length (8 bytes); the items are packed as the
+            # shuffler packs them (wire.packed), from one bytes object (no file read, no verification)
+            count, length = int.from_bytes(req.batch_id[:8], "big"), int.from_bytes(req.batch_id[8:], "big")
+            item = bytes(length)
+            for group in wire.packed((item for _ in range(count)), wire.PACKED_MESSAGE_BYTES):
+                yield pb.FetchResponse(inner=group)
+    s = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", int(limit)),
+                                                            ("grpc.max_send_message_length",
+                                                             max(int(limit), 2 * wire.PACKED_MESSAGE_BYTES))])
     pb_grpc.add_ShufflerServicer_to_server(Sink(), s)
     creds = grpc.ssl_server_credentials([(open(key, "rb").read(), open(cert, "rb").read())],
                                         root_certificates=open(ca, "rb").read(), require_client_auth=True)
@@ -250,8 +261,10 @@ _BASELINE_SERVER = textwrap.dedent(
 )
 
 
-def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path) -> float:
-    """Seconds to client-stream the envelopes to a do-nothing servicer (same mTLS, same message sizes)."""
+def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path) -> tuple[float, float]:
+    """Seconds to client-stream the envelopes to a do-nothing servicer (same mTLS, same message sizes), and
+    seconds to server-stream as many inner-sized items back from a do-nothing source, packed as Fetch packs
+    them and decoded as ``ShufflerClient.fetch`` decodes them: the transport's own cost in each direction."""
     import grpc
 
     from shuffler import shuffler_pb2 as pb
@@ -271,16 +284,31 @@ def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path) -> flo
         port = int(port_file.read_text())
         creds = grpc.ssl_channel_credentials(root_certificates=keys.ca, private_key=keys.key,
                                              certificate_chain=keys.cert)
+        inner_length = envs.length - ENVELOPE_OVERHEAD + INNER_OVERHEAD
         with grpc.secure_channel(f"127.0.0.1:{port}", creds,
-                                 options=[("grpc.max_send_message_length", max_msg + 1024)]) as ch:
+                                 options=[("grpc.max_send_message_length", max_msg + 1024),
+                                          ("grpc.max_receive_message_length",
+                                           max(max_msg + 1024, 2 * wire.PACKED_MESSAGE_BYTES))]) as ch:
             stub = pb_grpc.ShufflerStub(ch)
             grpc.channel_ready_future(ch).result(timeout=10)
             t0 = time.perf_counter()
             resp = stub.Submit(pb.SubmitRequest(envelope=bytes(e)) for e in envs)
             t1 = time.perf_counter()
+            raw_fetch = ch.unary_stream("/shuffledp.shuffler.v1.Shuffler/Fetch",
+                                        request_serializer=pb.FetchRequest.SerializeToString,
+                                        response_deserializer=None)
+            got = 0
+            t2 = time.perf_counter()
+            for raw in raw_fetch(pb.FetchRequest(batch_id=envs.count.to_bytes(8, "big")
+                                                 + inner_length.to_bytes(8, "big"))):
+                for item in wire.decode_repeated_bytes_field(raw, 1) or []:
+                    got += len(item)
+            t3 = time.perf_counter()
         if int(resp.statement) != envs.count * envs.length:
             raise RuntimeError("baseline sink received the wrong number of bytes")
-        return t1 - t0
+        if got != envs.count * inner_length:
+            raise RuntimeError(f"baseline source sent {got} bytes, expected {envs.count * inner_length}")
+        return t1 - t0, t3 - t2
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(10)
@@ -361,21 +389,55 @@ def core_breakdown(keys: Keys, cfg: Path, envs: EnvelopeFile, round_id: int, dig
             f"batch {sealed.batch_id.hex()[:8]} sealed")
 
 
-def disk_write_probe(directory: Path, total: int, block: int = 2**20) -> float:
-    """MB/s of writing ``total`` fresh bytes to a new file in ``directory`` and fdatasync-ing it (like
-    ``dd conv=fdatasync``): the ceiling for any submit that makes the whole batch durable before acknowledging."""
-    path = directory / "disk-probe.bin"
+def disk_write_probe(directory: Path, total: int, block: int = 2**20) -> dict[str, float]:
+    """MB/s of making ``total`` fresh bytes durable in a new file in ``directory``, two ways:
+
+    * ``buffered``: ``write`` into the page cache, then ``fdatasync`` (like ``dd conv=fdatasync``), also split
+      into its two parts (``page-cache`` and ``fdatasync``): the first part is mostly the cost of faulting in
+      fresh pages, which on a VM whose host reclaims idle guest memory can dominate;
+    * ``direct``: ``O_DIRECT`` writes from one reused aligned buffer, then ``fdatasync`` (no page cache; what
+      the shuffler's memory path does at seal), or absent where the filesystem refuses O_DIRECT.
+    """
+    import mmap
+
+    out: dict[str, float] = {}
     buf = os.urandom(block)
+    path = directory / "disk-probe.bin"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
         t0 = time.perf_counter()
         for _ in range(total // block):
             os.write(fd, buf)
+        t1 = time.perf_counter()
         os.fdatasync(fd)
-        return total / MB / (time.perf_counter() - t0)
+        t2 = time.perf_counter()
     finally:
         os.close(fd)
         path.unlink()
+    out["buffered"] = total / MB / (t2 - t0)
+    out["page-cache"] = total / MB / (t1 - t0)
+    out["fdatasync"] = total / MB / (t2 - t1)
+    if hasattr(os, "O_DIRECT"):
+        aligned = mmap.mmap(-1, block)
+        aligned[:] = buf
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o600)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                t0 = time.perf_counter()
+                for i in range(total // block):
+                    os.pwrite(fd, aligned, i * block)
+                os.fdatasync(fd)
+                out["direct"] = total / MB / (time.perf_counter() - t0)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+                path.unlink()
+        aligned.close()
+    return out
 
 
 def fmt_bytes(b: float) -> str:
@@ -415,10 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     extra: list[str] = []
     keys = make_keys(work / "keys", ns.reports, max_env)
     if ns.disk_probe_mib > 0:
-        speed = disk_write_probe(work, total=ns.disk_probe_mib * 2**20)
-        extra.append(f"disk ceiling: {ns.disk_probe_mib} MiB written + fdatasync in the journal's filesystem: "
-                     f"{speed:,.0f} MB/s (a submit that makes the batch durable before acknowledging cannot beat "
-                     "this for batches of that size)")
+        probe = disk_write_probe(work, total=ns.disk_probe_mib * 2**20)
+        direct = f"{probe['direct']:,.0f} MB/s" if "direct" in probe else "refused by the filesystem"
+        extra.append(f"disk: {ns.disk_probe_mib} MiB made durable in the journal's filesystem: buffered write + "
+                     f"fdatasync {probe['buffered']:,.0f} MB/s (write into fresh page cache {probe['page-cache']:,.0f} "
+                     f"MB/s, then fdatasync {probe['fdatasync']:,.0f} MB/s); O_DIRECT write + fdatasync {direct}")
     digest = model_digest([b"bench-model"])
     rows: list[Run] = []
     round_id = 0
@@ -445,9 +508,12 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(journal / "batches", ignore_errors=True)  # keep disk use bounded between runs
                     (journal / "batches").mkdir(exist_ok=True)
                 if ns.baseline:
-                    tb = baseline(keys, envs, max_msg, work)
-                    extra.append(f"baseline plain gRPC mTLS client-stream to a sink, {size} B payloads: "
-                                 f"{envs.count * envs.length / MB / tb:,.0f} MB/s ({tb:.2f}s)")
+                    tb, tf = baseline(keys, envs, max_msg, work)
+                    mb = envs.count * envs.length / MB
+                    extra.append(f"baseline plain gRPC mTLS, {size} B payloads, no shuffler work: client-stream to a "
+                                 f"sink {mb / tb:,.0f} MB/s ({tb:.2f}s); server-stream from a source "
+                                 f"{mb / tf:,.0f} MB/s ({tf:.2f}s); transport ceiling for submit + fetch one after "
+                                 f"the other: {mb / (tb + tf):,.0f} MB/s")
                 if ns.core_breakdown:
                     round_id += 1
                     envs = seal_round(keys, work / "envelopes.bin", ns.reports, size, round_id, digest)
