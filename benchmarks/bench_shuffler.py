@@ -59,7 +59,8 @@ MB = 1_000_000
 
 def parse_size(text: str) -> int:
     t = text.strip().lower()
-    for suffix, mult in (("kib", 1024), ("mib", 1024**2), ("kb", 1000), ("mb", 1000**2), ("b", 1)):
+    for suffix, mult in (("gib", 1024**3), ("kib", 1024), ("mib", 1024**2), ("kb", 1000), ("mb", 1000**2),
+                         ("b", 1)):
         if t.endswith(suffix):
             return int(float(t[: -len(suffix)]) * mult)
     return int(t)
@@ -138,8 +139,11 @@ def make_keys(root: Path, n_clients: int, max_envelope: int) -> Keys:
     )
 
 
-def write_config(keys: Keys, path: Path, journal: Path, k: int, max_envelope: int, max_reports: int) -> Path:
+def write_config(keys: Keys, path: Path, journal: Path, k: int, max_envelope: int, max_reports: int,
+                 staging_memory_limit: int | None = None, retain_staging_buffer: bool = True) -> Path:
     d = keys.d
+    optional = [] if staging_memory_limit is None else [f"staging_memory_limit = {staging_memory_limit}"]
+    optional.append(f"retain_staging_buffer = {'true' if retain_staging_buffer else 'false'}")
     path.write_text(
         "\n".join(
             [
@@ -148,6 +152,7 @@ def write_config(keys: Keys, path: Path, journal: Path, k: int, max_envelope: in
                 f"k = {k}",
                 f"max_envelope_bytes = {max_envelope}",
                 f"max_batch_reports = {max_reports}",
+                *optional,
                 f'hpke_key = "{d.shuffler_hpke_key}"',
                 f'signing_key = "{d.shuffler_signing_key}"',
                 f'enrolment = "{d.enrolment}"',
@@ -450,7 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="100KiB,1MiB", help="comma-separated payload sizes")
     ap.add_argument("--repeat", type=int, default=2, help="runs per size (each a new round, freshly sealed)")
     ap.add_argument("--workdir", default=None, help="where keys, envelopes and the journal go (default: a tempdir)")
-    ap.add_argument("--baseline", action="store_true", help="also time plain gRPC streaming to a sink")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also time plain gRPC streaming to a sink and from a source (the transport ceiling)")
+    ap.add_argument("--staging-memory-limit", default=None,
+                    help="the shuffler's staging_memory_limit (e.g. 2GiB: batches up to that size are staged in "
+                         "memory); default: the shuffler's own default, 256 MiB")
+    ap.add_argument("--no-retain", action="store_true",
+                    help="retain_staging_buffer = false (unmap the memory path's buffer after every batch)")
     ap.add_argument("--strace", action="store_true", help="strace -c the shuffler during one extra run per size")
     ap.add_argument("--disk-probe-mib", type=int, default=1024,
                     help="MiB for the fdatasync'ed disk write probe (0: skip); small probes can fit in a host cache")
@@ -462,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                          "reuses heap memory for megabyte messages instead of a fresh mmap (page faults) per message")
     ns = ap.parse_args(argv)
     sizes = [parse_size(s) for s in ns.sizes.split(",")]
+    staging_limit = None if ns.staging_memory_limit is None else parse_size(ns.staging_memory_limit)
     if ns.malloc_tuning:  # inherited by the shuffler subprocess (and set for this client process's children)
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 2**20)
         os.environ["MALLOC_TRIM_THRESHOLD_"] = str(256 * 2**20)
@@ -471,7 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tmp.name)
     print(f"# bench_shuffler: {ns.reports} reports per batch, sizes {ns.sizes}, {ns.repeat} run(s) each; "
           f"{os.cpu_count()} CPUs; workdir {work}; shuffler malloc tuning {'on' if ns.malloc_tuning else 'off'}; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"load average {os.getloadavg()[0]:.2f}; staging_memory_limit "
+          f"{'default (256 MiB)' if staging_limit is None else staging_limit}, retain_staging_buffer {not ns.no_retain}",
+          flush=True)
     max_env = max(sizes) + ENVELOPE_OVERHEAD
     max_msg = max_env + 1024
     extra: list[str] = []
@@ -489,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             journal = work / f"journal-{size}"
             cfg = write_config(keys, work / f"shuffler-{size}.toml", journal, k=min(10, ns.reports),
-                               max_envelope=max_env,
-                               max_reports=max(ns.reports, 1))
+                               max_envelope=max_env, max_reports=max(ns.reports, 1),
+                               staging_memory_limit=staging_limit, retain_staging_buffer=not ns.no_retain)
             proc = ShufflerProcess(cfg, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key)
             proc.start()
             try:

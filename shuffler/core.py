@@ -249,6 +249,78 @@ def _write_out(fd: int, path: Path, mv: memoryview, total: int) -> None:
         pos += written
 
 
+#: Bytes per ``O_DIRECT`` read when a sealed output is fetched (one page-aligned buffer per fetch).
+_READ_CHUNK = 8 << 20
+
+
+def _read_output(path: Path, n: int, inner_length: int) -> Iterator[bytes]:
+    """The ``n`` items of ``inner_length`` bytes in a sealed output file, in order.
+
+    Read with ``O_DIRECT`` into one page-aligned buffer where the filesystem allows it: the output (written with
+    ``O_DIRECT`` on the memory path, so not cached) then does not have to be brought into fresh page-cache pages
+    first, which on a VM is most of the cost of a buffered read. Where ``O_DIRECT`` is refused (EINVAL on open
+    or on the first read: tmpfs, some network filesystems) the file is read through the page cache. Raises
+    RuntimeError if the file is shorter than ``n * inner_length``.
+    """
+    fd = -1
+    if hasattr(os, "O_DIRECT") and n > 0:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    if fd < 0:
+        yield from _read_output_buffered(path, n, inner_length)
+        return
+    produced = 0
+    try:
+        buf = mmap.mmap(-1, _READ_CHUNK)
+        try:
+            carry = bytearray()
+            pos = 0
+            while produced < n:
+                try:
+                    got = os.preadv(fd, [buf], pos)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or pos:
+                        raise
+                    break  # direct reads refused: read through the page cache instead (nothing yielded yet)
+                if got <= 0:
+                    raise RuntimeError(f"sealed batch output {path.name} is truncated")
+                pos += got
+                with memoryview(buf) as whole:
+                    i = 0
+                    if carry:
+                        need = min(inner_length - len(carry), got)
+                        carry += whole[:need]
+                        i = need
+                        if len(carry) == inner_length:
+                            yield bytes(carry)
+                            produced += 1
+                            carry.clear()
+                    while produced < n and i + inner_length <= got:
+                        yield bytes(whole[i : i + inner_length])
+                        i += inner_length
+                        produced += 1
+                    if produced < n and i < got:
+                        carry += whole[i:got]
+        finally:
+            buf.close()
+    finally:
+        os.close(fd)
+    if produced == 0 and n > 0:
+        yield from _read_output_buffered(path, n, inner_length)
+
+
+def _read_output_buffered(path: Path, n: int, inner_length: int) -> Iterator[bytes]:
+    with open(path, "rb") as fh:
+        for _ in range(n):
+            chunk = fh.read(inner_length)
+            if len(chunk) != inner_length:
+                raise RuntimeError(f"sealed batch output {path.name} is truncated")
+            yield chunk
+
+
 def stages_in_memory(expected_count: int, inner_length: int, staging_memory_limit: int) -> bool:
     """The staging path of a batch, a function of public sizes only: memory iff ``expected_count *
     inner_length <= staging_memory_limit`` (``inner_length = envelope_length - 166`` when the header announces
@@ -519,16 +591,7 @@ class ShufflerCore:
     def read_batch(self, batch_id: bytes) -> Iterator[bytes]:
         """The sealed output, one inner ciphertext at a time, in sealed order (the same bytes every time)."""
         sb = self.lookup(batch_id)
-
-        def gen() -> Iterator[bytes]:
-            with open(sb.output, "rb") as fh:
-                for _ in range(sb.n):
-                    chunk = fh.read(sb.inner_length)
-                    if len(chunk) != sb.inner_length:
-                        raise RuntimeError(f"sealed batch output {sb.output.name} is truncated")
-                    yield chunk
-
-        return gen()
+        return _read_output(sb.output, sb.n, sb.inner_length)
 
     def stats(self) -> dict[str, Any]:
         """Aggregate counters only (never per position or per client)."""

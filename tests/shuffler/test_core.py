@@ -803,7 +803,13 @@ def test_a_sealed_batchs_staging_buffer_is_reused_and_leaks_nothing_into_the_nex
 
     maps: list = []
     real_mmap = coremod.mmap.mmap
-    monkeypatch.setattr(coremod.mmap, "mmap", lambda *a, **k: (maps.append(real_mmap(*a, **k)), maps[-1])[1])
+    def counting_mmap(*a, **k):  # staging buffers only, not the fetch's read buffer
+        m = real_mmap(*a, **k)
+        if a[1] != coremod._READ_CHUNK:
+            maps.append(m)
+        return m
+
+    monkeypatch.setattr(coremod.mmap, "mmap", counting_mmap)
     c = ShufflerCore(kit.core_config(tmp_path / "j"))
     try:
         first = _run(c, kit, [kit.seal(i) for i in range(6)])
@@ -841,3 +847,35 @@ def test_a_sealed_batchs_staging_buffer_is_reused_and_leaks_nothing_into_the_nex
         off.close()
     with pytest.raises(ValueError, match="retain_staging_buffer must be a bool"):
         kit.core_config(tmp_path / "x", retain_staging_buffer=1)
+
+
+@pytest.mark.parametrize("inner_length", [1, 100, 4096, 5000, 8192, 20000])
+def test_output_is_read_back_exactly_across_direct_read_chunks(tmp_path: Path, monkeypatch, inner_length: int) -> None:
+    """Fetch reads the output with O_DIRECT in page-aligned chunks (8 KiB here): items straddling a chunk
+    boundary, items longer than a chunk, and a file whose size is not a multiple of 4 KiB come back exactly;
+    a truncated file is an error; where O_DIRECT is refused the page cache is used, with the same bytes."""
+    import errno
+    import os
+    import secrets
+
+    import shuffler.core as coremod
+
+    monkeypatch.setattr(coremod, "_READ_CHUNK", 8192)
+    n = 7
+    items = [secrets.token_bytes(inner_length) for _ in range(n)]
+    path = tmp_path / "out"
+    path.write_bytes(b"".join(items))
+    assert list(coremod._read_output(path, n, inner_length)) == items
+    path.write_bytes(b"".join(items)[:-1])
+    with pytest.raises(RuntimeError, match="is truncated"):
+        list(coremod._read_output(path, n, inner_length))
+    path.write_bytes(b"".join(items))
+    real_open = coremod.os.open
+
+    def no_direct(p, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *a)
+
+    monkeypatch.setattr(coremod.os, "open", no_direct)
+    assert list(coremod._read_output(path, n, inner_length)) == items
