@@ -256,11 +256,12 @@ _READ_CHUNK = 8 << 20
 def _read_output(path: Path, n: int, inner_length: int) -> Iterator[bytes]:
     """The ``n`` items of ``inner_length`` bytes in a sealed output file, in order.
 
-    Read with ``O_DIRECT`` into one page-aligned buffer where the filesystem allows it: the output (written with
-    ``O_DIRECT`` on the memory path, so not cached) then does not have to be brought into fresh page-cache pages
-    first, which on a VM is most of the cost of a buffered read. Where ``O_DIRECT`` is refused (EINVAL on open
-    or on the first read: tmpfs, some network filesystems) the file is read through the page cache. Raises
-    RuntimeError if the file is shorter than ``n * inner_length``.
+    Read with ``O_DIRECT`` where the filesystem allows it: the output (written with ``O_DIRECT`` on the memory
+    path, so not cached) then does not have to be brought into fresh page-cache pages first, which on a VM is
+    most of the cost of a buffered read. A reader thread fills two page-aligned buffers in turn
+    (:class:`_DirectReader`), so the device read of the next chunk overlaps the sending of this one. Where
+    ``O_DIRECT`` is refused (EINVAL on open or on the first read: tmpfs, some network filesystems) the file is
+    read through the page cache. Raises RuntimeError if the file is shorter than ``n * inner_length``.
     """
     fd = -1
     if hasattr(os, "O_DIRECT") and n > 0:
@@ -273,43 +274,100 @@ def _read_output(path: Path, n: int, inner_length: int) -> Iterator[bytes]:
         yield from _read_output_buffered(path, n, inner_length)
         return
     produced = 0
+    reader = _DirectReader(fd, n * inner_length)
     try:
-        buf = mmap.mmap(-1, _READ_CHUNK)
-        try:
-            carry = bytearray()
-            pos = 0
-            while produced < n:
-                try:
-                    got = os.preadv(fd, [buf], pos)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL or pos:
-                        raise
-                    break  # direct reads refused: read through the page cache instead (nothing yielded yet)
-                if got <= 0:
-                    raise RuntimeError(f"sealed batch output {path.name} is truncated")
-                pos += got
-                with memoryview(buf) as whole:
-                    i = 0
-                    if carry:
-                        need = min(inner_length - len(carry), got)
-                        carry += whole[:need]
-                        i = need
-                        if len(carry) == inner_length:
-                            yield bytes(carry)
-                            produced += 1
-                            carry.clear()
-                    while produced < n and i + inner_length <= got:
-                        yield bytes(whole[i : i + inner_length])
-                        i += inner_length
+        carry = bytearray()
+        for buf, got in reader:
+            with memoryview(buf) as whole:
+                i = 0
+                if carry:
+                    need = min(inner_length - len(carry), got)
+                    carry += whole[:need]
+                    i = need
+                    if len(carry) == inner_length:
+                        yield bytes(carry)
                         produced += 1
-                    if produced < n and i < got:
-                        carry += whole[i:got]
-        finally:
-            buf.close()
+                        carry.clear()
+                while produced < n and i + inner_length <= got:
+                    yield bytes(whole[i : i + inner_length])
+                    i += inner_length
+                    produced += 1
+                if produced < n and i < got:
+                    carry += whole[i:got]
+            reader.done_with(buf)
+            if produced == n:
+                break
+        if produced < n and not reader.refused:
+            raise RuntimeError(f"sealed batch output {path.name} is truncated")
     finally:
+        reader.close()
         os.close(fd)
-    if produced == 0 and n > 0:
+    if reader.refused:  # O_DIRECT reads refused at the first read: nothing was yielded
         yield from _read_output_buffered(path, n, inner_length)
+
+
+class _DirectReader:
+    """Reads ``total`` bytes of ``fd`` (opened with ``O_DIRECT``) in page-aligned chunks of ``_READ_CHUNK``,
+    on its own thread, into two buffers used in turn. Iterating yields ``(buffer, bytes_read)``; the consumer
+    hands each buffer back with :meth:`done_with` before the reader may refill it. If the very first read fails
+    with EINVAL (direct reads refused), the iteration ends at once with ``refused`` set; any other error is
+    raised to the consumer; a read of 0 bytes before ``total`` ends the iteration (the caller reports the
+    truncation)."""
+
+    _DATA, _END, _REFUSED, _ERROR = range(4)
+
+    def __init__(self, fd: int, total: int) -> None:
+        import queue
+
+        self._fd = fd
+        self._total = total
+        self._free: queue.SimpleQueue[mmap.mmap | None] = queue.SimpleQueue()
+        self._full: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._bufs = [mmap.mmap(-1, _READ_CHUNK) for _ in range(2)]
+        for b in self._bufs:
+            self._free.put(b)
+        self.refused = False
+        self._thread = threading.Thread(target=self._run, name="shuffler-fetch-read", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pos = 0
+        while pos < self._total:
+            buf = self._free.get()
+            if buf is None:  # closed by the consumer
+                return
+            try:
+                got = os.preadv(self._fd, [buf], pos)
+            except OSError as exc:
+                refused = exc.errno == errno.EINVAL and pos == 0
+                self._full.put((self._REFUSED, None) if refused else (self._ERROR, exc))
+                return
+            if got <= 0:
+                break
+            self._full.put((self._DATA, (buf, got)))
+            pos += got
+        self._full.put((self._END, None))
+
+    def __iter__(self) -> Iterator[tuple[mmap.mmap, int]]:
+        while True:
+            kind, value = self._full.get()
+            if kind == self._DATA:
+                yield value
+            elif kind == self._ERROR:
+                raise value
+            else:
+                self.refused = kind == self._REFUSED
+                return
+
+    def done_with(self, buf: mmap.mmap) -> None:
+        self._free.put(buf)
+
+    def close(self) -> None:
+        self._free.put(None)
+        self._free.put(None)
+        self._thread.join()
+        for b in self._bufs:
+            b.close()
 
 
 def _read_output_buffered(path: Path, n: int, inner_length: int) -> Iterator[bytes]:

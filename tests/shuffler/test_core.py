@@ -879,3 +879,41 @@ def test_output_is_read_back_exactly_across_direct_read_chunks(tmp_path: Path, m
 
     monkeypatch.setattr(coremod.os, "open", no_direct)
     assert list(coremod._read_output(path, n, inner_length)) == items
+
+
+def test_direct_read_refused_at_the_first_read_falls_back_and_an_abandoned_fetch_stops_its_reader(
+        tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import secrets
+    import threading
+
+    import shuffler.core as coremod
+
+    monkeypatch.setattr(coremod, "_READ_CHUNK", 8192)
+    items = [secrets.token_bytes(3000) for _ in range(9)]
+    path = tmp_path / "out"
+    path.write_bytes(b"".join(items))
+    # a fetch abandoned after two items: the reader thread ends and its buffers are unmapped
+    gen = coremod._read_output(path, 9, 3000)
+    assert [next(gen), next(gen)] == items[:2]
+    gen.close()
+    assert not [t for t in threading.enumerate() if t.name == "shuffler-fetch-read"]
+    # O_DIRECT accepted at open but refused at the first read (EINVAL): the same bytes through the page cache
+    real_preadv = coremod.os.preadv
+    calls: list[int] = []
+
+    def refusing_preadv(fd, bufs, pos):
+        calls.append(pos)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(coremod.os, "preadv", refusing_preadv)
+    assert list(coremod._read_output(path, 9, 3000)) == items and calls == [0]
+    # a later I/O error is raised, not papered over
+    def failing_later(fd, bufs, pos):
+        if pos:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(fd, bufs, pos)
+
+    monkeypatch.setattr(coremod.os, "preadv", failing_later)
+    with pytest.raises(OSError, match="Input/output error"):
+        list(coremod._read_output(path, 9, 3000))
