@@ -274,7 +274,11 @@ def _read_output(path: Path, n: int, inner_length: int) -> Iterator[bytes]:
         yield from _read_output_buffered(path, n, inner_length)
         return
     produced = 0
-    reader = _DirectReader(fd, n * inner_length)
+    try:
+        reader = _DirectReader(fd, n * inner_length)
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         carry = bytearray()
         for buf, got in reader:
@@ -323,29 +327,39 @@ class _DirectReader:
         self._total = total
         self._free: queue.SimpleQueue[mmap.mmap | None] = queue.SimpleQueue()
         self._full: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-        self._bufs = [mmap.mmap(-1, _READ_CHUNK) for _ in range(2)]
-        for b in self._bufs:
-            self._free.put(b)
+        self._bufs: list[mmap.mmap] = []
         self.refused = False
-        self._thread = threading.Thread(target=self._run, name="shuffler-fetch-read", daemon=True)
-        self._thread.start()
+        try:
+            for _ in range(2):
+                self._bufs.append(mmap.mmap(-1, _READ_CHUNK))
+                self._free.put(self._bufs[-1])
+            self._thread = threading.Thread(target=self._run, name="shuffler-fetch-read", daemon=True)
+            self._thread.start()
+        except BaseException:
+            for b in self._bufs:
+                b.close()
+            raise
 
     def _run(self) -> None:
         pos = 0
-        while pos < self._total:
-            buf = self._free.get()
-            if buf is None:  # closed by the consumer
-                return
-            try:
-                got = os.preadv(self._fd, [buf], pos)
-            except OSError as exc:
-                refused = exc.errno == errno.EINVAL and pos == 0
-                self._full.put((self._REFUSED, None) if refused else (self._ERROR, exc))
-                return
-            if got <= 0:
-                break
-            self._full.put((self._DATA, (buf, got)))
-            pos += got
+        try:
+            while pos < self._total:
+                buf = self._free.get()
+                if buf is None:  # closed by the consumer
+                    return
+                try:
+                    got = os.preadv(self._fd, [buf], pos)
+                except OSError as exc:
+                    refused = exc.errno == errno.EINVAL and pos == 0
+                    self._full.put((self._REFUSED, None) if refused else (self._ERROR, exc))
+                    return
+                if got <= 0:
+                    break
+                self._full.put((self._DATA, (buf, got)))
+                pos += got
+        except BaseException as exc:  # never leave the consumer waiting
+            self._full.put((self._ERROR, exc))
+            return
         self._full.put((self._END, None))
 
     def __iter__(self) -> Iterator[tuple[mmap.mmap, int]]:
@@ -845,8 +859,8 @@ class BatchBuilder:
         The free-space check keeps a reserve for the journal, so that concurrent batches cannot fill the disk
         and make a commit record fail. Zero-filling in offset order dirties every page of the file before any
         report arrives, so whenever the kernel writes pages back (at the commit's fsync, or earlier under
-        memory pressure or the dirty-page expiry) it writes all of them, in offset order: the filesystem
-        converts ``posix_fallocate``'s unwritten extents in offset order, not in arrival order, and reports
+        memory pressure or the dirty-page expiry) it writes all of them, in (cyclic) offset order: the filesystem
+        converts ``posix_fallocate``'s unwritten extents in that order, not in arrival order, and reports
         later only overwrite blocks already laid out. Without the zero-fill, an early writeback would convert
         just the slots filled so far and the layout could record part of the permutation. The zeros are not
         synced: nothing needs them on disk (a staging file is discarded after a crash), and a sync here would
@@ -954,8 +968,15 @@ class BatchBuilder:
             if self.staging_buffer is not None:
                 self.staging_buffer[off : off + self.inner_length] = inner
             else:
-                os.pwrite(self.staging_fd, inner, off)
-            self._slot_hashes[slot * 32 : (slot + 1) * 32] = report.inner_sha256
+                with memoryview(inner) as view:
+                    done = 0
+                    while done < len(view):  # a short write is continued, never ignored
+                        wrote = os.pwrite(self.staging_fd, view[done:], off + done)
+                        if wrote <= 0:
+                            raise OSError(errno.EIO, "staging write made no progress")
+                        done += wrote
+            # through a memoryview: a hash of another length raises instead of resizing the array
+            memoryview(self._slot_hashes)[slot * 32 : (slot + 1) * 32] = report.inner_sha256
         self.n_accepted += 1
 
     def finish(self) -> SealedBatch:

@@ -917,3 +917,52 @@ def test_direct_read_refused_at_the_first_read_falls_back_and_an_abandoned_fetch
     monkeypatch.setattr(coremod.os, "preadv", failing_later)
     with pytest.raises(OSError, match="Input/output error"):
         list(coremod._read_output(path, 9, 3000))
+
+
+def test_fetch_reader_failures_neither_leak_descriptors_nor_hang(tmp_path: Path, monkeypatch) -> None:
+    """Review findings: a reader that cannot start (no thread, no memory) closes the O_DIRECT descriptor; an
+    unexpected exception on the reader thread reaches the consumer instead of leaving it waiting forever."""
+    import os
+    import secrets
+    import threading
+
+    import shuffler.core as coremod
+
+    path = tmp_path / "out"
+    path.write_bytes(secrets.token_bytes(5 * 3000))
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", no_thread)
+        for _ in range(10):
+            with pytest.raises(RuntimeError, match="can't start new thread"):
+                list(coremod._read_output(path, 5, 3000))
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+    def odd_failure(fd, bufs, pos):
+        raise ValueError("not an OSError")
+
+    monkeypatch.setattr(coremod.os, "preadv", odd_failure)
+    outcome: list = []
+    t = threading.Thread(target=lambda: outcome.append(pytest.raises(ValueError, list, coremod._read_output(path, 5, 3000))))
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive() and outcome  # raised, did not hang
+
+
+def test_slot_hashes_refuse_a_hash_of_the_wrong_length(core: ShufflerCore, kit, monkeypatch) -> None:
+    """A per-slot hash that is not 32 bytes must fail loudly, not shift every later slot's hash."""
+    import dataclasses
+
+    import shuffler.envelope as envmod
+
+    real_open = envmod.OuterOpener.open
+    monkeypatch.setattr(envmod.OuterOpener, "open",
+                        lambda self, e: dataclasses.replace(real_open(self, e), inner_sha256=b"short"))
+    b = core.begin(kit.header(kit.k))
+    with pytest.raises((ValueError, TypeError)):
+        b.add(kit.seal(0))
+    b.abort()
