@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shuffler import keys as keyfiles
-from shuffler.client import ShufflerClient
+from shuffler.client import FETCH_METHOD, ShufflerClient
 from shuffler import wire
 from shuffler.envelope import ENVELOPE_OVERHEAD, INNER_OVERHEAD, model_digest, seal
 from shuffler.process import ShufflerProcess
@@ -237,8 +238,8 @@ _BASELINE_SERVER = textwrap.dedent(
     from concurrent import futures
     import grpc
     from shuffler import shuffler_pb2 as pb, shuffler_pb2_grpc as pb_grpc
-    ca, cert, key, limit, port_file = sys.argv[1:6]
     from shuffler import wire
+    ca, cert, key, limit, port_file = sys.argv[1:6]
     class Sink(pb_grpc.ShufflerServicer):
         def Submit(self, it, ctx):
             n = 0
@@ -299,7 +300,7 @@ def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path) -> tup
             t0 = time.perf_counter()
             resp = stub.Submit(pb.SubmitRequest(envelope=bytes(e)) for e in envs)
             t1 = time.perf_counter()
-            raw_fetch = ch.unary_stream("/shuffledp.shuffler.v1.Shuffler/Fetch",
+            raw_fetch = ch.unary_stream(FETCH_METHOD,
                                         request_serializer=pb.FetchRequest.SerializeToString,
                                         response_deserializer=None)
             got = 0
@@ -427,21 +428,20 @@ def disk_write_probe(directory: Path, total: int, block: int = 2**20) -> dict[st
         aligned[:] = buf
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o600)
-        except OSError:
-            fd = -1
-        if fd >= 0:
             try:
                 t0 = time.perf_counter()
                 for i in range(total // block):
                     os.pwrite(fd, aligned, i * block)
                 os.fdatasync(fd)
                 out["direct"] = total / MB / (time.perf_counter() - t0)
-            except OSError:
-                pass
             finally:
                 os.close(fd)
                 path.unlink()
-        aligned.close()
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # only "O_DIRECT refused" means no figure; anything else is an error
+                raise
+        finally:
+            aligned.close()
     return out
 
 

@@ -26,8 +26,9 @@ from shuffler.service import FRAMING_SLACK, grpc_options
 
 __all__ = ["ShufflerClient", "SubmitStream", "ShufflerError", "Attestation", "AttestationError"]
 
-_SUBMIT = "/shuffledp.shuffler.v1.Shuffler/Submit"
-_FETCH = "/shuffledp.shuffler.v1.Shuffler/Fetch"
+#: Full gRPC method names (shuffler.proto), for callers that send or read pre-encoded messages.
+SUBMIT_METHOD = "/shuffledp.shuffler.v1.Shuffler/Submit"
+FETCH_METHOD = "/shuffledp.shuffler.v1.Shuffler/Fetch"
 _KEEPALIVE = pb.SubmitRequest(keepalive=pb.Keepalive()).SerializeToString()
 _END = object()  # ends the request stream
 #: envelopes buffered between the sender and gRPC's request thread (back-pressure: send() waits beyond this)
@@ -90,10 +91,10 @@ class ShufflerClient:
         self._stub = pb_grpc.ShufflerStub(self._channel)
         # Hot paths with pre-encoded messages (byte-identical to the generated serialisers, see shuffler.wire).
         self._submit_raw = self._channel.stream_unary(
-            _SUBMIT, request_serializer=None, response_deserializer=pb.SubmitResponse.FromString
+            SUBMIT_METHOD, request_serializer=None, response_deserializer=pb.SubmitResponse.FromString
         )
         self._fetch_raw = self._channel.unary_stream(
-            _FETCH, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=None
+            FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=None
         )
         self._verify_key = bytes(shuffler_verify_key)
         self._max = max_message_bytes
