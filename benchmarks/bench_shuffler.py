@@ -141,10 +141,12 @@ def make_keys(root: Path, n_clients: int, max_envelope: int) -> Keys:
 
 
 def write_config(keys: Keys, path: Path, journal: Path, k: int, max_envelope: int, max_reports: int,
-                 staging_memory_limit: int | None = None, retain_staging_buffer: bool = True) -> Path:
+                 staging_memory_limit: int | None = None, retain_staging_buffer: bool = True,
+                 heap_tuning: bool = True) -> Path:
     d = keys.d
     optional = [] if staging_memory_limit is None else [f"staging_memory_limit = {staging_memory_limit}"]
     optional.append(f"retain_staging_buffer = {'true' if retain_staging_buffer else 'false'}")
+    optional.append(f"heap_tuning = {'true' if heap_tuning else 'false'}")
     path.write_text(
         "\n".join(
             [
@@ -239,7 +241,10 @@ _BASELINE_SERVER = textwrap.dedent(
     import grpc
     from shuffler import shuffler_pb2 as pb, shuffler_pb2_grpc as pb_grpc
     from shuffler import wire
-    ca, cert, key, limit, port_file = sys.argv[1:6]
+    ca, cert, key, limit, port_file, heap = sys.argv[1:7]
+    if heap == "tuned":  # as the shuffler service does (config heap_tuning)
+        from shuffler.heap import tune_heap
+        tune_heap(int(limit))
     class Sink(pb_grpc.ShufflerServicer):
         def Submit(self, it, ctx):
             n = 0
@@ -267,7 +272,8 @@ _BASELINE_SERVER = textwrap.dedent(
 )
 
 
-def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path) -> tuple[float, float]:
+def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path, *,
+             heap_tuning: bool) -> tuple[float, float]:
     """Seconds to client-stream the envelopes to a do-nothing servicer (same mTLS, same message sizes), and
     seconds to server-stream as many inner-sized items back from a do-nothing source, packed as Fetch packs
     them and decoded as ``ShufflerClient.fetch`` decodes them: the transport's own cost in each direction."""
@@ -280,7 +286,8 @@ def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path) -> tup
     port_file.unlink(missing_ok=True)
     d = keys.d
     p = subprocess.Popen([sys.executable, "-c", _BASELINE_SERVER, str(d.ca_cert), str(d.shuffler_cert),
-                          str(d.shuffler_tls_key), str(max_msg + 1024), str(port_file)])
+                          str(d.shuffler_tls_key), str(max_msg + 1024), str(port_file),
+                          "tuned" if heap_tuning else "default"])
     try:
         deadline = time.monotonic() + 30
         while not port_file.exists() or not port_file.read_text():
@@ -459,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time plain gRPC streaming to a sink and from a source (the transport ceiling)")
     ap.add_argument("--staging-memory-limit", default=None,
                     help="the shuffler's staging_memory_limit (e.g. 2GiB: batches up to that size are staged in "
-                         "memory); default: the shuffler's own default, 256 MiB")
+                         "memory); default: the shuffler's own default, 1 GiB")
     ap.add_argument("--no-retain", action="store_true",
                     help="retain_staging_buffer = false (unmap the memory path's buffer after every batch)")
     ap.add_argument("--strace", action="store_true", help="strace -c the shuffler during one extra run per size")
@@ -468,26 +475,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--core-breakdown", action="store_true",
                     help="also push one batch per size through the in-process core (no gRPC): add() vs finish()")
     ap.add_argument("--perf", action="store_true", help="perf record the shuffler during one extra run per size")
-    ap.add_argument("--malloc-tuning", action="store_true",
-                    help="start the shuffler with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised so that glibc "
-                         "reuses heap memory for megabyte messages instead of a fresh mmap (page faults) per message")
+    ap.add_argument("--no-heap-tuning", action="store_true",
+                    help="heap_tuning = false for the shuffler, and no shuffler.heap.tune_heap in this client process "
+                         "(which stands in for the ServerApp, where the run config's heap-tuning applies) or in the "
+                         "baseline's server: glibc's default thresholds, a fresh mmap per megabyte message")
     ns = ap.parse_args(argv)
     sizes = [parse_size(s) for s in ns.sizes.split(",")]
     staging_limit = None if ns.staging_memory_limit is None else parse_size(ns.staging_memory_limit)
-    if ns.malloc_tuning:  # inherited by the shuffler subprocess (and set for this client process's children)
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 2**20)
-        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(256 * 2**20)
     if ns.reports < 1 or ns.repeat < 1 or not sizes:
         ap.error("--reports and --repeat must be >= 1")
     tmp = tempfile.TemporaryDirectory(prefix="bench-shuffler-", dir=ns.workdir)
     work = Path(tmp.name)
     print(f"# bench_shuffler: {ns.reports} reports per batch, sizes {ns.sizes}, {ns.repeat} run(s) each; "
-          f"{os.cpu_count()} CPUs; workdir {work}; shuffler malloc tuning {'on' if ns.malloc_tuning else 'off'}; "
+          f"{os.cpu_count()} CPUs; workdir {work}; heap tuning {'off' if ns.no_heap_tuning else 'on'}; "
           f"load average {os.getloadavg()[0]:.2f}; staging_memory_limit "
-          f"{'default (256 MiB)' if staging_limit is None else staging_limit}, retain_staging_buffer {not ns.no_retain}",
+          f"{'default (1 GiB)' if staging_limit is None else staging_limit}, retain_staging_buffer {not ns.no_retain}",
           flush=True)
     max_env = max(sizes) + ENVELOPE_OVERHEAD
     max_msg = max_env + 1024
+    if not ns.no_heap_tuning:  # this process plays the ServerApp, which tunes its heap (run config heap-tuning)
+        from shuffler.heap import tune_heap
+        print(f"# client: {tune_heap(max(max_msg, 2 * wire.PACKED_MESSAGE_BYTES)).describe()}", flush=True)
     extra: list[str] = []
     keys = make_keys(work / "keys", ns.reports, max_env)
     if ns.disk_probe_mib > 0:
@@ -504,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
             journal = work / f"journal-{size}"
             cfg = write_config(keys, work / f"shuffler-{size}.toml", journal, k=min(10, ns.reports),
                                max_envelope=max_env, max_reports=max(ns.reports, 1),
-                               staging_memory_limit=staging_limit, retain_staging_buffer=not ns.no_retain)
+                               staging_memory_limit=staging_limit, retain_staging_buffer=not ns.no_retain,
+                               heap_tuning=not ns.no_heap_tuning)
             proc = ShufflerProcess(cfg, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key)
             proc.start()
             try:
@@ -522,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(journal / "batches", ignore_errors=True)  # keep disk use bounded between runs
                     (journal / "batches").mkdir(exist_ok=True)
                 if ns.baseline:
-                    tb, tf = baseline(keys, envs, max_msg, work)
+                    tb, tf = baseline(keys, envs, max_msg, work, heap_tuning=not ns.no_heap_tuning)
                     mb = envs.count * envs.length / MB
                     extra.append(f"baseline plain gRPC mTLS, {size} B payloads, no shuffler work: client-stream to a "
                                  f"sink {mb / tb:,.0f} MB/s ({tb:.2f}s); server-stream from a source "

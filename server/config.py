@@ -73,6 +73,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "output-dir": "outputs",
     "run-name": "",
     "max-message-bytes": 64 * 1024 * 1024,
+    "heap-tuning": True,
 }
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -127,6 +128,7 @@ class ServerConfig:
     output_dir: str
     run_name: str
     max_message_bytes: int
+    heap_tuning: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -196,6 +198,13 @@ def _float(
         top = "inf" if high is None else repr(high)
         raise ConfigError(f"run config {key!r} must be in {lo}{low!r}, {top}{hi}, got {number!r}")
     return number
+
+
+def _bool(raw: Mapping[str, Any], key: str) -> bool:
+    value = _get(raw, key)
+    if not isinstance(value, bool):
+        raise ConfigError(f"run config {key!r} must be true or false, got {type(value).__name__} {value!r}")
+    return value
 
 
 def _str(raw: Mapping[str, Any], key: str, *, choices: tuple[str, ...] | None = None) -> str:
@@ -303,6 +312,7 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         output_dir=_str(raw, "output-dir"),
         run_name=run_name,
         max_message_bytes=_int(raw, "max-message-bytes", minimum=1024),
+        heap_tuning=_bool(raw, "heap-tuning"),
         extra={key: raw[key] for key in unknown},
     )
     if not config.output_dir.strip():

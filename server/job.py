@@ -123,6 +123,7 @@ class ShufflerConnection:
 
     def __enter__(self) -> Any:
         from shuffler.client import ShufflerClient
+        from shuffler.heap import tune_heap
         from shuffler.keys import load_public_key
         from shuffler.process import ShufflerProcess
 
@@ -149,6 +150,8 @@ class ShufflerConnection:
             address = process.address
         else:
             address = self.cfg.shuffler_address
+        if self.cfg.heap_tuning:  # the fetched batch arrives as megabyte messages (shuffler/heap.py)
+            tune_heap(self.cfg.max_message_bytes)
         self.client = ShufflerClient(
             address,
             root_certificate=root,

@@ -9,8 +9,9 @@ not silently fall back to a default)::
     max_envelope_bytes = 67108864      # larger envelopes are dropped; gRPC message limits derive from it
     max_batch_reports = 100000         # optional; at most 1000000
     submit_idle_timeout = 60           # optional; seconds a Submit stream may stall between messages
-    staging_memory_limit = 268435456   # optional; bytes; a batch up to this size is staged in memory
+    staging_memory_limit = 1073741824  # optional; bytes; a batch up to this size is staged in memory
     retain_staging_buffer = true       # optional; keep that memory mapped between batches and reuse it
+    heap_tuning = true                 # optional; glibc reuses heap memory for messages (shuffler/heap.py)
     hpke_key = "shuffler/hpke.key"     # X25519, 0600
     signing_key = "shuffler/signing.key"  # Ed25519, 0600
     enrolment = "enrolment.json"
@@ -35,7 +36,7 @@ from typing import Any
 
 #: Mirrors shuffler.core.DEFAULT_STAGING_MEMORY_LIMIT / MAX_STAGING_MEMORY_LIMIT (not imported: config must
 #: load without the crypto dependencies of the core).
-DEFAULT_STAGING_MEMORY_LIMIT = 256 * 1024**2
+DEFAULT_STAGING_MEMORY_LIMIT = 1024**3
 MAX_STAGING_MEMORY_LIMIT = 1 << 40
 
 __all__ = ["ServiceConfig", "TLSConfig", "load_config", "ConfigError"]
@@ -54,6 +55,7 @@ _TOP = {
     "submit_idle_timeout",
     "staging_memory_limit",
     "retain_staging_buffer",
+    "heap_tuning",
     "tls",
 }
 _TLS = {"ca", "cert", "key", "client_common_names"}
@@ -92,6 +94,9 @@ class ServiceConfig:
     #: keep the memory path's staging buffer mapped after a sealed batch and reuse it (idle memory up to
     #: staging_memory_limit; saves faulting in fresh pages per batch); false = unmap after every batch
     retain_staging_buffer: bool = True
+    #: fix glibc's mmap/trim thresholds at startup so message buffers are reused (shuffler/heap.py); costs up
+    #: to its trim threshold (256 MiB) of idle free heap
+    heap_tuning: bool = True
 
 
 def _seconds(doc: dict[str, Any], key: str, default: float, where: Path) -> float:
@@ -174,9 +179,11 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
             key=_path(tls_doc, "key", base, path),
             client_common_names=tuple(names) if names is not None else None,
         )
-    retain = doc.get("retain_staging_buffer", True)
-    if not isinstance(retain, bool):
-        raise ConfigError(f"{path}: retain_staging_buffer must be true or false, got {retain!r}")
+    flags = {}
+    for key in ("retain_staging_buffer", "heap_tuning"):
+        flags[key] = doc.get(key, True)
+        if not isinstance(flags[key], bool):
+            raise ConfigError(f"{path}: {key} must be true or false, got {flags[key]!r}")
     return ServiceConfig(
         address=address,
         key_epoch=_int(doc, "key_epoch", 0, 2**32 - 1, path),
@@ -193,7 +200,8 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
             MAX_STAGING_MEMORY_LIMIT,
             path,
         ),
-        retain_staging_buffer=retain,
+        retain_staging_buffer=flags["retain_staging_buffer"],
+        heap_tuning=flags["heap_tuning"],
         hpke_key=_path(doc, "hpke_key", base, path),
         signing_key=_path(doc, "signing_key", base, path),
         enrolment=_path(doc, "enrolment", base, path),

@@ -65,7 +65,7 @@ JOURNAL_HEADROOM_PER_REPORT = 256
 _ZERO_CHUNK = 1 << 20
 #: Default ``staging_memory_limit``: a batch of at most this many bytes (expected_count x inner length) is
 #: staged in memory and written to disk once, at seal time; a larger batch is staged in a zero-filled file.
-DEFAULT_STAGING_MEMORY_LIMIT = 256 * 1024**2
+DEFAULT_STAGING_MEMORY_LIMIT = 1024**3
 #: Upper bound accepted for ``staging_memory_limit`` (1 TiB).
 MAX_STAGING_MEMORY_LIMIT = 1 << 40
 #: Bytes per write() when the in-memory batch is written out at seal time.

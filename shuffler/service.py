@@ -46,6 +46,7 @@ from shuffler import shuffler_pb2_grpc as pb_grpc
 from shuffler import wire
 from shuffler.config import ServiceConfig, load_config
 from shuffler.core import DISK_FULL_ERRNOS, CoreConfig, Header, Refused, ShufflerCore
+from shuffler.heap import tune_heap
 from shuffler.journal import JournalWriteError
 
 __all__ = ["SERVICE_NAME", "STATUS_FOR", "ShufflerServicer", "build_server", "serve", "grpc_options"]
@@ -406,6 +407,10 @@ def _write_port_file(path: Path, port: int) -> None:
 def serve(config_path: str | os.PathLike[str], *, port_file: str | os.PathLike[str] | None = None) -> int:
     """Run the service until SIGTERM/SIGINT, then stop gracefully. Returns the exit code."""
     config = load_config(config_path)
+    if config.heap_tuning:  # before the first message is allocated (see shuffler/heap.py)
+        tune_heap(config.max_envelope_bytes + FRAMING_SLACK)
+    else:
+        log.info("heap tuning off (heap_tuning = false)")
     core = core_from_config(config)
     if core.journal.torn_bytes:
         log.warning("recovered journal: ignored a torn tail of %d bytes", core.journal.torn_bytes)

@@ -66,6 +66,8 @@ def test_default_family_is_removed_from_comparisons() -> None:
         ("shuffler-address", "host:70000", "'auto' or host:port"),
         ("run-name", "../escape", "'run-name'"),
         ("output-dir", "  ", "'output-dir'"),
+        ("heap-tuning", "yes", "'heap-tuning' must be true or false"),
+        ("heap-tuning", 1, "'heap-tuning' must be true or false"),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(key: str, value: object, fragment: str) -> None:

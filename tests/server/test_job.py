@@ -12,7 +12,7 @@ import pytest
 from accounting.ledger import Ledger, LedgerError
 from server import cli as shuffledp_cli
 from server.config import ConfigError
-from server.job import resolve_paths, run_job
+from server.job import ShufflerConnection, resolve_paths, run_job
 
 
 def _cli_epsilon(capsys: pytest.CaptureFixture[str], *, eps0: float, n: int, delta: float, rounds: int) -> float:
@@ -172,3 +172,20 @@ def test_run_job_uses_a_configured_remote_shuffler_over_mtls(
     with pytest.raises(ConfigError, match="mTLS files for the shuffler connection are missing"):
         run_job(wrong, grid, node_wait=0.0, evaluator=kit.digits_evaluator, initial_arrays=kit.model_arrays(),
                 plot=False, progress=lambda line: None)
+
+
+@pytest.mark.parametrize("tuning", [True, False])
+def test_shuffler_connection_tunes_the_heap_for_its_message_limit(
+    tmp_path: Path, keys: Any, kit: Any, monkeypatch: pytest.MonkeyPatch, tuning: bool
+) -> None:
+    """run config heap-tuning: the ServerApp, which receives the fetched batch, applies shuffler.heap.tune_heap
+    with its max-message-bytes before the client connects (and not at all when the key is false)."""
+    import shuffler.heap
+
+    calls: list[int] = []
+    monkeypatch.setattr(shuffler.heap, "tune_heap", lambda limit: calls.append(limit))
+    cfg = kit.make_config(tmp_path, keys, **{"shuffler-address": "127.0.0.1:9", "heap-tuning": tuning,
+                                             "max-message-bytes": 3 << 20})
+    with ShufflerConnection(cfg, resolve_paths(cfg)) as client:
+        assert client is not None
+    assert calls == ([3 << 20] if tuning else [])

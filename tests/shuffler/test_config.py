@@ -71,7 +71,7 @@ def test_staging_memory_limit_default_and_validation(tmp_path: Path) -> None:
     from shuffler import core
 
     c = _load(tmp_path, BASE + TLS)
-    assert c.staging_memory_limit == 256 * 1024**2 == core.DEFAULT_STAGING_MEMORY_LIMIT  # config mirrors core
+    assert c.staging_memory_limit == 1024**3 == core.DEFAULT_STAGING_MEMORY_LIMIT  # config mirrors core
     assert (core.DEFAULT_STAGING_MEMORY_LIMIT, core.MAX_STAGING_MEMORY_LIMIT) == (
         __import__("shuffler.config").config.DEFAULT_STAGING_MEMORY_LIMIT,
         __import__("shuffler.config").config.MAX_STAGING_MEMORY_LIMIT,
@@ -83,9 +83,10 @@ def test_staging_memory_limit_default_and_validation(tmp_path: Path) -> None:
             _load(tmp_path, f"staging_memory_limit = {bad}\n" + BASE + TLS)
 
 
-def test_retain_staging_buffer_default_and_validation(tmp_path: Path) -> None:
-    assert _load(tmp_path, BASE + TLS).retain_staging_buffer is True
-    assert _load(tmp_path, "retain_staging_buffer = false\n" + BASE + TLS).retain_staging_buffer is False
+@pytest.mark.parametrize("key", ["retain_staging_buffer", "heap_tuning"])
+def test_boolean_options_default_true_and_validation(tmp_path: Path, key: str) -> None:
+    assert getattr(_load(tmp_path, BASE + TLS), key) is True
+    assert getattr(_load(tmp_path, f"{key} = false\n" + BASE + TLS), key) is False
     for bad in ("1", '"yes"'):
-        with pytest.raises(ConfigError, match="retain_staging_buffer must be true or false"):
-            _load(tmp_path, f"retain_staging_buffer = {bad}\n" + BASE + TLS)
+        with pytest.raises(ConfigError, match=f"{key} must be true or false"):
+            _load(tmp_path, f"{key} = {bad}\n" + BASE + TLS)
