@@ -494,8 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     max_env = max(sizes) + ENVELOPE_OVERHEAD
     max_msg = max_env + 1024
     if not ns.no_heap_tuning:  # this process plays the ServerApp, which tunes its heap (run config heap-tuning)
+        from server.config import DEFAULTS
         from shuffler.heap import tune_heap
-        print(f"# client: {tune_heap(max(max_msg, 2 * wire.PACKED_MESSAGE_BYTES)).describe()}", flush=True)
+        print(f"# client: {tune_heap(DEFAULTS['max-message-bytes']).describe()} (the ServerApp's default)",
+              flush=True)
     extra: list[str] = []
     keys = make_keys(work / "keys", ns.reports, max_env)
     if ns.disk_probe_mib > 0:

@@ -1,21 +1,28 @@
 """Heap tuning for a process that streams megabyte-sized gRPC messages (glibc's malloc only).
 
-glibc serves an allocation above ``M_MMAP_THRESHOLD`` (128 KiB at start, raised dynamically at most to the size
-of the largest freed mapping) with a fresh ``mmap`` and returns it with ``munmap`` when freed, and it trims the
-top of the heap when more than ``M_TRIM_THRESHOLD`` of it is free. A Submit or Fetch stream allocates and frees
-a message buffer, a ``bytes`` object and a decrypted plaintext of up to a few MiB per report, so by default
-almost every one of them is a fresh mapping whose pages are faulted in (zeroed by the kernel) and then thrown
-away. That costs far more than the copy itself: on this project's VM, where memory the host has reclaimed
-is slow to touch again, ``bytes(bytearray(x))`` of 1 MiB took 0.83-0.89 ms per call with the defaults and
-0.04-0.05 ms after :func:`tune_heap`; see docs/shuffler.md for what it does to the shuffler benchmark.
+glibc serves an allocation above ``M_MMAP_THRESHOLD`` (128 KiB at start) with a fresh ``mmap``; when such a
+mapping is freed, the threshold rises to its size (at most 32 MiB) and the trim threshold to twice that, so
+later allocations of that size come from the heap. The heap's top is then trimmed (``brk`` shrinks) whenever
+more than ``M_TRIM_THRESHOLD`` of it is free, and grows again at the next allocation. A Submit or Fetch stream
+allocates and frees a message buffer, a ``bytes`` object and a decrypted plaintext of up to a few MiB per
+report, so with the defaults the heap's top churns: it shrinks after a report and grows back for the next,
+and every page that comes back is faulted in and zeroed by the kernel again. That costs far more than the
+copy itself: on this project's VM, where memory the host has reclaimed is slow to touch again,
+``bytes(bytearray(x))`` of 1 MiB took 0.83-0.89 ms per call with the defaults and 0.04-0.05 ms after
+:func:`tune_heap` (a loop of 200 such calls: about 96,000 minor page faults, against none).
 
-:func:`tune_heap` fixes both thresholds with ``mallopt`` (glibc manual, "Memory Allocation Tunables";
-``mallopt(3)``): allocations up to ``mmap_threshold`` come from the heap and are reused after ``free``, and the
-process keeps up to ``trim_threshold`` bytes of free heap instead of returning it at once. The cost is that
-much idle memory at most (plus fragmentation), so it is an option of the shuffler service (``heap_tuning``)
-and of the ServerApp's shuffler connection, on by default and reported in their logs. Setting either
-threshold turns glibc's dynamic threshold off, which is why both are set together. On a C library other than
-glibc nothing is changed and :class:`HeapTuning` says why.
+:func:`tune_heap` fixes both thresholds with ``mallopt`` (``mallopt(3)``; glibc manual, "Malloc Tunable
+Parameters"): allocations up to ``mmap_threshold`` come from a heap, and the main arena keeps up to
+``trim_threshold`` bytes of free heap instead of returning it at once. Setting either threshold turns glibc's
+dynamic adjustment off, which is why both are set together. The cost is idle memory: up to
+``trim_threshold`` in the main arena, and in each further thread arena (glibc makes up to 8 per core) up to
+the 64 MiB heap it lives in, plus fragmentation. So it is an option of the shuffler service (``heap_tuning``)
+and of the ServerApp's shuffler connection (run config ``heap-tuning``), on by default and reported in their
+logs. ``mallopt`` is documented MT-unsafe (it updates process-wide parameters without every arena's lock);
+the only effect of a concurrent allocation is that it may still see the old thresholds, so calling it after
+gRPC's threads exist is harmless. If the operator already set glibc's malloc parameters through the
+environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``), or the C library is
+not glibc, nothing is changed and :class:`HeapTuning` says why.
 
 This module touches no report data and no randomness; it only changes where the allocator gets memory from.
 """
@@ -23,8 +30,8 @@ This module touches no report data and no randomness; it only changes where the 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,8 +40,13 @@ __all__ = ["HeapTuning", "tune_heap", "MMAP_THRESHOLD_MAX", "DEFAULT_TRIM_THRESH
 
 log = logging.getLogger(__name__)
 
-#: glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2, which is 32 MiB on 64-bit builds (mallopt(3)).
+#: Largest mmap threshold set: glibc's own ceiling for its dynamic threshold on 64-bit builds
+#: (DEFAULT_MMAP_THRESHOLD_MAX), half the 64 MiB heap of a thread arena. Larger allocations stay mmapped.
 MMAP_THRESHOLD_MAX = 32 * 1024**2
+#: mallopt takes a C int
+_MAX_THRESHOLD = 2**31 - 1
+#: environment variables through which an operator sets glibc's malloc parameters; they take precedence
+_OPERATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 #: free heap kept for reuse before glibc trims it; the most memory this tuning can leave idle (before
 #: fragmentation)
 DEFAULT_TRIM_THRESHOLD = 256 * 1024**2
@@ -60,14 +72,14 @@ class HeapTuning:
         """One line for a log."""
         if not self.applied:
             return f"heap tuning not applied: {self.reason}"
-        return (f"heap tuning: glibc mmap threshold {self.mmap_threshold // 1024**2} MiB, "
-                f"trim threshold {self.trim_threshold // 1024**2} MiB")
+        return (f"heap tuning: glibc mmap threshold {self.mmap_threshold / 1024**2:.2f} MiB, "
+                f"trim threshold {self.trim_threshold / 1024**2:.2f} MiB")
 
 
 def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's ``int mallopt(int param, int value)``, or None if the C library is not glibc."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the C library this process already runs on
     except OSError:
         return None
     if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
@@ -84,6 +96,7 @@ def tune_heap(max_message_bytes: int, *, trim_threshold: int = DEFAULT_TRIM_THRE
     ``max_message_bytes`` is the largest gRPC message the process expects (at least 1); the mmap threshold is
     set just above it, at least 1 MiB and at most :data:`MMAP_THRESHOLD_MAX` (larger allocations stay
     mmapped). ``trim_threshold`` (bytes, at least the mmap threshold) bounds the free heap kept for reuse.
+    Nothing is changed if the environment already sets glibc's malloc parameters (see the module docstring).
     Idempotent per process: a second call returns the first call's result unchanged, because thresholds that
     shrink under running code would only reintroduce the page faults. Raises ``ValueError`` on bad arguments;
     a refusal by the C library is returned as ``applied=False`` with the reason, never raised.
@@ -92,15 +105,21 @@ def tune_heap(max_message_bytes: int, *, trim_threshold: int = DEFAULT_TRIM_THRE
     if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
         raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
     mmap_threshold = min(MMAP_THRESHOLD_MAX, max(_MIN_THRESHOLD, max_message_bytes + 64 * 1024))
-    if isinstance(trim_threshold, bool) or not isinstance(trim_threshold, int) or trim_threshold < mmap_threshold:
+    if (isinstance(trim_threshold, bool) or not isinstance(trim_threshold, int)
+            or not mmap_threshold <= trim_threshold <= _MAX_THRESHOLD):
         raise ValueError(
-            f"trim_threshold must be an int >= the mmap threshold ({mmap_threshold} bytes), got {trim_threshold!r}"
+            f"trim_threshold must be an int in [{mmap_threshold}, {_MAX_THRESHOLD}] (at least the mmap threshold, "
+            f"at most a C int), got {trim_threshold!r}"
         )
     with _lock:
         if _applied is not None:
             return _applied
         mallopt = _mallopt()
-        if mallopt is None:
+        operator = [name for name in _OPERATOR_ENV if os.environ.get(name)]
+        if operator:
+            result = HeapTuning(False, 0, 0, f"glibc's malloc parameters are set in the environment "
+                                f"({', '.join(operator)}); left as the operator set them")
+        elif mallopt is None:
             result = HeapTuning(False, 0, 0, "the C library is not glibc (no mallopt); allocator left as it is")
         else:
             ok_mmap = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
