@@ -108,6 +108,8 @@ class ShufflerConnection:
         self.keys = KeyDirectory(paths.keys_dir)
         self.process: Any = None
         self.client: Any = None
+        #: what shuffler.heap.tune_heap did in this process (None: run config heap-tuning = false)
+        self.heap: Any = None
 
     def _tls_files(self) -> tuple[bytes, bytes, bytes]:
         cfg, keys = self.cfg, self.keys
@@ -151,7 +153,7 @@ class ShufflerConnection:
         else:
             address = self.cfg.shuffler_address
         if self.cfg.heap_tuning:  # the fetched batch arrives as megabyte messages (shuffler/heap.py)
-            tune_heap(self.cfg.max_message_bytes)
+            self.heap = tune_heap(self.cfg.max_message_bytes)
         self.client = ShufflerClient(
             address,
             root_certificate=root,
@@ -280,7 +282,10 @@ def run_job(
     ledger = Ledger(paths.ledger)
     store = SqliteCheckpointStore(paths.state)
     try:
-        with ShufflerConnection(cfg, paths) as shuffler:
+        connection = ShufflerConnection(cfg, paths)
+        with connection as shuffler:
+            if connection.heap is not None:
+                say(f"[shuffledp] ServerApp {connection.heap.describe()}")
             holder: list[RoundEngine] = []
 
             def on_attestation(round_id: int, attestation: Any) -> None:

@@ -61,6 +61,7 @@ def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
         att = Attestation.from_dict(entry, verify_key)  # the signature re-verifies
         assert att.round_id == row["round"] and att.n_accepted == row["n_reports"]
     assert sum("[shuffledp] round" in line for line in lines) == 3
+    assert sum(line.startswith("[shuffledp] ServerApp heap tuning") for line in lines) == 1  # run config default
     assert any(str(out) in line for line in lines)
     assert result.epsilon == eps[-1]
 
@@ -183,9 +184,12 @@ def test_shuffler_connection_tunes_the_heap_for_its_message_limit(
     import shuffler.heap
 
     calls: list[int] = []
-    monkeypatch.setattr(shuffler.heap, "tune_heap", lambda limit: calls.append(limit))
+    done = shuffler.heap.HeapTuning(True, 1 << 20, 1 << 28)
+    monkeypatch.setattr(shuffler.heap, "tune_heap", lambda limit: calls.append(limit) or done)
     cfg = kit.make_config(tmp_path, keys, **{"shuffler-address": "127.0.0.1:9", "heap-tuning": tuning,
                                              "max-message-bytes": 3 << 20})
-    with ShufflerConnection(cfg, resolve_paths(cfg)) as client:
+    connection = ShufflerConnection(cfg, resolve_paths(cfg))
+    with connection as client:
         assert client is not None
     assert calls == ([3 << 20] if tuning else [])
+    assert connection.heap is (done if tuning else None)  # run_job prints connection.heap.describe()
