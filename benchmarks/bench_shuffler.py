@@ -478,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-heap-tuning", action="store_true",
                     help="heap_tuning = false for the shuffler, and no shuffler.heap.tune_heap in this client process "
                          "(which stands in for the ServerApp, where the run config's heap-tuning applies) or in the "
-                         "baseline's server: glibc's default thresholds, a fresh mmap per megabyte message")
+                         "baseline's server: glibc's default thresholds, under which the heap's top is trimmed after "
+                         "a megabyte message and faulted back in for the next")
     ns = ap.parse_args(argv)
     sizes = [parse_size(s) for s in ns.sizes.split(",")]
     staging_limit = None if ns.staging_memory_limit is None else parse_size(ns.staging_memory_limit)

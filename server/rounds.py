@@ -429,8 +429,9 @@ class RoundEngine:
         """Send the round's messages and stream each reply's envelope to the shuffler as it arrives.
 
         The Submit stream announces one slot per message pushed. A reply is dropped as soon as its envelope is
-        taken; envelopes are forwarded about once a second (:data:`FLUSH_SECONDS`) or per full packed message; an error reply, a malformed one and a duplicate (the same bytes twice) fill their slot with
-        an empty placeholder, and so does every node without a reply at ``reply-timeout``. While nothing arrives
+        taken; envelopes are forwarded about once a second (:data:`FLUSH_SECONDS`) or per full packed message.
+        An error reply, a malformed one and a duplicate (the same bytes twice) fill their slot with an empty
+        placeholder, and so does every node without a reply at ``reply-timeout``. While nothing arrives
         the stream is kept alive (the shuffler cancels idle submissions). Returns the stream with every slot sent,
         ready to close, or ``None`` after cancelling it when fewer than ``min-reports`` envelopes arrived (the
         shuffler then seals nothing and the round's binding stays unused). Fills ``out``'s reply counters.

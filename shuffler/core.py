@@ -25,6 +25,7 @@ import hashlib
 import logging
 import mmap
 import os
+import queue
 import secrets
 import struct
 import threading
@@ -207,6 +208,17 @@ def _round_up(size: int) -> int:
     return -(-size // _DIRECT_ALIGN) * _DIRECT_ALIGN
 
 
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """``pwrite`` all of ``data`` at ``offset``: a short write is continued, never ignored; no progress is EIO."""
+    with memoryview(data) as view:
+        done = 0
+        while done < len(view):
+            wrote = os.pwrite(fd, view[done : done + _WRITE_CHUNK], offset + done)
+            if wrote <= 0:
+                raise OSError(errno.EIO, "write made no progress")
+            done += wrote
+
+
 def _write_out(fd: int, path: Path, mv: memoryview, total: int) -> None:
     """Write ``mv[:total]`` to the start of the (reserved, still empty) output file, front to back.
 
@@ -242,11 +254,8 @@ def _write_out(fd: int, path: Path, mv: memoryview, total: int) -> None:
             os.close(direct_fd)
         if pos >= aligned:
             return
-    while pos < total:
-        written = os.pwrite(fd, mv[pos : min(total, pos + _WRITE_CHUNK)], pos)
-        if written <= 0:
-            raise OSError(errno.EIO, "output write made no progress")
-        pos += written
+    if pos < total:
+        _pwrite_all(fd, mv[pos:total], pos)
 
 
 #: Bytes per ``O_DIRECT`` read when a sealed output is fetched (one page-aligned buffer per fetch).
@@ -321,8 +330,6 @@ class _DirectReader:
     _DATA, _END, _REFUSED, _ERROR = range(4)
 
     def __init__(self, fd: int, total: int) -> None:
-        import queue
-
         self._fd = fd
         self._total = total
         self._free: queue.SimpleQueue[mmap.mmap | None] = queue.SimpleQueue()
@@ -573,7 +580,7 @@ class ShufflerCore:
                 chunk = os.pread(fd, inner_length, slot * inner_length)
                 if len(chunk) != inner_length:
                     raise RuntimeError("staging file is shorter than expected")
-                os.pwrite(fd, chunk, i * inner_length)
+                _pwrite_all(fd, chunk, i * inner_length)
             del occupied
         os.ftruncate(fd, n * inner_length)
         os.fchmod(fd, 0o400)  # a sealed batch never changes
@@ -890,11 +897,10 @@ class BatchBuilder:
                 ) from None
         if not zero_fill:
             return
-        zeros = bytes(min(_ZERO_CHUNK, size))
-        pos = 0
+        zeros = memoryview(bytes(min(_ZERO_CHUNK, size)))
         try:
-            while pos < size:
-                pos += os.pwrite(self.staging_fd, memoryview(zeros)[: min(len(zeros), size - pos)], pos)
+            for pos in range(0, size, _ZERO_CHUNK):
+                _pwrite_all(self.staging_fd, zeros[: min(len(zeros), size - pos)], pos)
         except OSError as exc:
             raise Refused(
                 "resource_exhausted", "disk_full", f"cannot write the staging file: {exc.strerror}"
@@ -968,13 +974,7 @@ class BatchBuilder:
             if self.staging_buffer is not None:
                 self.staging_buffer[off : off + self.inner_length] = inner
             else:
-                with memoryview(inner) as view:
-                    done = 0
-                    while done < len(view):  # a short write is continued, never ignored
-                        wrote = os.pwrite(self.staging_fd, view[done:], off + done)
-                        if wrote <= 0:
-                            raise OSError(errno.EIO, "staging write made no progress")
-                        done += wrote
+                _pwrite_all(self.staging_fd, inner, off)
             # through a memoryview: a hash of another length raises instead of resizing the array
             memoryview(self._slot_hashes)[slot * 32 : (slot + 1) * 32] = report.inner_sha256
         self.n_accepted += 1

@@ -18,9 +18,9 @@ dynamic adjustment off, which is why both are set together. The cost is idle mem
 ``trim_threshold`` in the main arena, and in each further thread arena (glibc makes up to 8 per core) up to
 the 64 MiB heap it lives in, plus fragmentation. So it is an option of the shuffler service (``heap_tuning``)
 and of the ServerApp's shuffler connection (run config ``heap-tuning``), on by default and reported (the
-shuffler's log; a progress line of the ServerApp). ``mallopt`` is documented MT-unsafe (it updates process-wide parameters without every arena's lock);
-the only effect of a concurrent allocation is that it may still see the old thresholds, so calling it after
-gRPC's threads exist is harmless. If the operator already set glibc's malloc parameters through the
+shuffler's log; a progress line of the ServerApp). ``mallopt`` is documented MT-unsafe (it updates
+process-wide parameters without every arena's lock); the only effect of a concurrent allocation is that it may
+still see the old thresholds, so calling it after gRPC's threads exist is harmless. If the operator already set glibc's malloc parameters through the
 environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``), or the C library is
 not glibc, nothing is changed and :class:`HeapTuning` says why.
 
