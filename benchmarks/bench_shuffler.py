@@ -142,11 +142,13 @@ def make_keys(root: Path, n_clients: int, max_envelope: int) -> Keys:
 
 def write_config(keys: Keys, path: Path, journal: Path, k: int, max_envelope: int, max_reports: int,
                  staging_memory_limit: int | None = None, retain_staging_buffer: bool = True,
-                 heap_tuning: bool = True) -> Path:
+                 heap_tuning: bool = True, verify_threads: int | None = None) -> Path:
     d = keys.d
     optional = [] if staging_memory_limit is None else [f"staging_memory_limit = {staging_memory_limit}"]
     optional.append(f"retain_staging_buffer = {'true' if retain_staging_buffer else 'false'}")
     optional.append(f"heap_tuning = {'true' if heap_tuning else 'false'}")
+    if verify_threads is not None:
+        optional.append(f"verify_threads = {verify_threads}")
     path.write_text(
         "\n".join(
             [
@@ -480,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(which stands in for the ServerApp, where the run config's heap-tuning applies) or in the "
                          "baseline's server: glibc's default thresholds, under which the heap's top is trimmed after "
                          "a megabyte message and faulted back in for the next")
+    ap.add_argument("--verify-threads", type=int, default=None,
+                    help="the shuffler's verify_threads (0: check signatures inline on the submit thread); "
+                         "default: the shuffler's own default, 1")
     ns = ap.parse_args(argv)
     sizes = [parse_size(s) for s in ns.sizes.split(",")]
     staging_limit = None if ns.staging_memory_limit is None else parse_size(ns.staging_memory_limit)
@@ -490,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_shuffler: {ns.reports} reports per batch, sizes {ns.sizes}, {ns.repeat} run(s) each; "
           f"{os.cpu_count()} CPUs; workdir {work}; heap tuning {'off' if ns.no_heap_tuning else 'on'}; "
           f"load average {os.getloadavg()[0]:.2f}; staging_memory_limit "
-          f"{'default (1 GiB)' if staging_limit is None else staging_limit}, retain_staging_buffer {not ns.no_retain}",
+          f"{'default (1 GiB)' if staging_limit is None else staging_limit}, retain_staging_buffer {not ns.no_retain}, "
+          f"verify_threads {'default (1)' if ns.verify_threads is None else ns.verify_threads}",
           flush=True)
     max_env = max(sizes) + ENVELOPE_OVERHEAD
     max_msg = max_env + 1024
@@ -516,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = write_config(keys, work / f"shuffler-{size}.toml", journal, k=min(10, ns.reports),
                                max_envelope=max_env, max_reports=max(ns.reports, 1),
                                staging_memory_limit=staging_limit, retain_staging_buffer=not ns.no_retain,
-                               heap_tuning=not ns.no_heap_tuning)
+                               heap_tuning=not ns.no_heap_tuning, verify_threads=ns.verify_threads)
             proc = ShufflerProcess(cfg, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key)
             proc.start()
             try:

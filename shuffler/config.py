@@ -12,6 +12,7 @@ not silently fall back to a default)::
     staging_memory_limit = 1073741824  # optional; bytes; a batch up to this size is staged in memory
     retain_staging_buffer = true       # optional; keep that memory mapped between batches and reuse it
     heap_tuning = true                 # optional; glibc reuses heap memory for messages (shuffler/heap.py)
+    verify_threads = 1                 # optional; signature-check workers beside each submit stream; 0 = inline
     hpke_key = "shuffler/hpke.key"     # X25519, 0600
     signing_key = "shuffler/signing.key"  # Ed25519, 0600
     enrolment = "enrolment.json"
@@ -38,6 +39,8 @@ from typing import Any
 #: load without the crypto dependencies of the core).
 DEFAULT_STAGING_MEMORY_LIMIT = 1024**3
 MAX_STAGING_MEMORY_LIMIT = 1 << 40
+#: Mirrors shuffler.core.MAX_VERIFY_THREADS.
+MAX_VERIFY_THREADS = 64
 
 __all__ = ["ServiceConfig", "TLSConfig", "load_config", "ConfigError"]
 
@@ -56,6 +59,7 @@ _TOP = {
     "staging_memory_limit",
     "retain_staging_buffer",
     "heap_tuning",
+    "verify_threads",
     "tls",
 }
 _TLS = {"ca", "cert", "key", "client_common_names"}
@@ -97,6 +101,9 @@ class ServiceConfig:
     #: fix glibc's mmap/trim thresholds at startup so message buffers are reused (shuffler/heap.py); costs up
     #: to its trim threshold (256 MiB) of idle free heap
     heap_tuning: bool = True
+    #: threads that check report signatures (SHA-256 + Ed25519, GIL-free) while a submit stream receives and
+    #: decrypts the next envelopes; 0 = check inline (shuffler.core.CoreConfig.verify_threads)
+    verify_threads: int = 1
 
 
 def _seconds(doc: dict[str, Any], key: str, default: float, where: Path) -> float:
@@ -202,6 +209,8 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
         ),
         retain_staging_buffer=flags["retain_staging_buffer"],
         heap_tuning=flags["heap_tuning"],
+        verify_threads=_int({"verify_threads": doc.get("verify_threads", 1)}, "verify_threads", 0,
+                            MAX_VERIFY_THREADS, path),
         hpke_key=_path(doc, "hpke_key", base, path),
         signing_key=_path(doc, "signing_key", base, path),
         enrolment=_path(doc, "enrolment", base, path),

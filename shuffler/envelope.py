@@ -57,6 +57,7 @@ __all__ = [
     "ENC_BYTES",
     "EnvelopeError",
     "OpenedReport",
+    "DecryptedReport",
     "binding",
     "model_digest",
     "seal",
@@ -108,6 +109,17 @@ class OpenedReport:
     enc: bytes  # outer HPKE encapsulated key (32 bytes), the replay tag
     inner: bytes | memoryview  # the inner ciphertext (a view, not a copy), forwarded after shuffling
     inner_sha256: bytes = b""  # SHA-256(inner), computed for the signature check; reused by the output digest
+
+
+@dataclass(frozen=True)
+class DecryptedReport:
+    """An outer layer that HPKE opened but whose signature is not yet checked (:meth:`OuterOpener.decrypt`).
+
+    Nothing in it is authenticated as coming from an enrolled client until :meth:`OuterOpener.verify` returns.
+    """
+
+    enc: bytes  # outer HPKE encapsulated key (32 bytes)
+    outer_plaintext: bytes  # version, report id, signer, signature, inner ciphertext
 
 
 def _check_uint(name: str, value: int, maximum: int) -> None:
@@ -264,6 +276,12 @@ class OuterOpener:
         self._info = _outer_info(self._bind)
 
     def open(self, envelope: bytes) -> OpenedReport:
+        """Decrypt and verify one envelope (:meth:`decrypt` then :meth:`verify`)."""
+        return self.verify(self.decrypt(envelope))
+
+    def decrypt(self, envelope: bytes) -> "DecryptedReport":
+        """The first half of :meth:`open`: the prefix checks and the HPKE open of the outer layer. The result is
+        unverified: nothing in it may be used before :meth:`verify` returns. Raises :class:`EnvelopeError`."""
         if not isinstance(envelope, (bytes, bytearray, memoryview)):
             raise TypeError(f"envelope must be bytes, got {type(envelope).__name__}")
         if len(envelope) < ENVELOPE_OVERHEAD:
@@ -284,6 +302,14 @@ class OuterOpener:
             raise EnvelopeError("undecryptable", "outer layer failed HPKE authentication") from exc
         if len(outer_pt) < _OUTER_HEAD.size + INNER_OVERHEAD:
             raise EnvelopeError("malformed", "outer plaintext too short")
+        return DecryptedReport(enc=bytes(body[:ENC_BYTES]), outer_plaintext=outer_pt)
+
+    def verify(self, decrypted: "DecryptedReport") -> OpenedReport:
+        """The second half of :meth:`open`: the inner version and the Ed25519 signature over (binding, report
+        id, length and SHA-256 of the inner ciphertext). Its two costly steps, SHA-256 and Ed25519, release the
+        GIL, so the shuffler may run this on a worker thread while it receives and decrypts the next envelopes.
+        Raises :class:`EnvelopeError`."""
+        outer_pt = decrypted.outer_plaintext
         inner_version, report_id, signer, signature = _OUTER_HEAD.unpack_from(outer_pt, 0)
         if inner_version != ENVELOPE_VERSION:
             raise EnvelopeError("wrong_version", f"outer plaintext version {inner_version}")
@@ -294,7 +320,7 @@ class OuterOpener:
             pk.verify(signature, _signed_message(self._bind, report_id, inner, inner_sha256))
         except (InvalidSignature, ValueError) as exc:
             raise EnvelopeError("bad_signature", "report signature does not verify") from exc
-        return OpenedReport(signer_public_key=signer, report_id=report_id, enc=bytes(body[:ENC_BYTES]), inner=inner,
+        return OpenedReport(signer_public_key=signer, report_id=report_id, enc=decrypted.enc, inner=inner,
                             inner_sha256=inner_sha256)
 
 

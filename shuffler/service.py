@@ -330,6 +330,7 @@ def core_from_config(config: ServiceConfig) -> ShufflerCore:
             max_batch_reports=config.max_batch_reports,
             staging_memory_limit=config.staging_memory_limit,
             retain_staging_buffer=config.retain_staging_buffer,
+            verify_threads=config.verify_threads,
         )
     )
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from shuffler import core as core_module
 from shuffler import keys as keyfiles
 from shuffler.client import ShufflerClient
 from shuffler.config import load_config
@@ -97,6 +98,18 @@ class Kit:
             shuffler_verify_key=self.verify_key,
             max_message_bytes=1 << 20,
         )
+
+
+@pytest.fixture(autouse=True)
+def pipelined_signature_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every envelope of these tests takes the pipelined path (signature checks on the core's verify pool).
+
+    In production only envelopes of at least ``PIPELINE_MIN_ENVELOPE_BYTES`` (256 KiB) are pipelined, and the
+    test envelopes are small, so without this the in-process cores and servers here would only ever check
+    inline. The inline path is covered by ``verify_threads = 0`` tests in test_core.py and by the service tests
+    that run the shuffler as a subprocess.
+    """
+    monkeypatch.setattr(core_module, "PIPELINE_MIN_ENVELOPE_BYTES", 0)
 
 
 @pytest.fixture(scope="session")

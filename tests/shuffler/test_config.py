@@ -90,3 +90,25 @@ def test_boolean_options_default_true_and_validation(tmp_path: Path, key: str) -
     for bad in ("1", '"yes"'):
         with pytest.raises(ConfigError, match=f"{key} must be true or false"):
             _load(tmp_path, f"{key} = {bad}\n" + BASE + TLS)
+
+
+def test_verify_threads_default_validation_and_reaches_the_core(tmp_path: Path, kit) -> None:
+    from shuffler import config as cfgmod
+    from shuffler import core
+    from shuffler.service import core_from_config
+
+    from .conftest import write_config  # noqa: TID252
+
+    assert _load(tmp_path, BASE + TLS).verify_threads == 1 == core.CoreConfig.verify_threads
+    assert cfgmod.MAX_VERIFY_THREADS == core.MAX_VERIFY_THREADS  # config mirrors core
+    assert _load(tmp_path, "verify_threads = 0\n" + BASE + TLS).verify_threads == 0
+    for bad in ("-1", "65", "1.5", "true", '"2"'):
+        with pytest.raises(ConfigError, match=r"verify_threads must be an integer in \[0, 64\]"):
+            _load(tmp_path, f"verify_threads = {bad}\n" + BASE + TLS)
+    path = write_config(kit, tmp_path / "svc.toml", insecure=True)
+    path.write_text("verify_threads = 3\n" + path.read_text())
+    c = core_from_config(cfgmod.load_config(path))
+    try:
+        assert c.config.verify_threads == 3 and c.verify_pool is not None and c.verify_pool._max_workers == 3
+    finally:
+        c.close()

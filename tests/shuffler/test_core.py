@@ -281,7 +281,7 @@ def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(disk_core:
     import shuffler.core as coremod
 
     events: list[tuple[str, int, int]] = []
-    real_pwrite, real_sync = coremod.os.pwrite, coremod.os.fdatasync
+    real_pwrite, real_sync, real_fsync = coremod.os.pwrite, coremod.os.fdatasync, coremod.os.fsync
 
     def pwrite(fd: int, data: bytes, offset: int) -> int:
         events.append(("zero" if not any(bytes(data)) else "data", offset, len(data)))
@@ -292,19 +292,27 @@ def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(disk_core:
         real_sync(fd)
 
     monkeypatch.setattr(coremod.os, "pwrite", pwrite)
+    def fsync(fd: int) -> None:
+        events.append(("sync", 0, 0))
+        real_fsync(fd)
+
     monkeypatch.setattr(coremod.os, "fdatasync", fdatasync)
+    monkeypatch.setattr(coremod.os, "fsync", fsync)
     envs = [kit.seal(i) for i in range(6)]
     mixed = envs[:3] + [b"junk", envs[3][:-1]] + envs[3:]
     b = disk_core.begin(kit.header(len(mixed)))
     for e in mixed:
         b.add(e)
-    L = b.inner_length
+    sealed = b.finish()  # (with pipelined signature checks, the last reports are staged here)
+    L = sealed.inner_length
     first_data = next(i for i, e in enumerate(events) if e[0] == "data")
     zeros = [e for e in events[:first_data] if e[0] == "zero"]
     assert [o for _, o, _ in zeros] == sorted(o for _, o, _ in zeros)  # offset order
     assert sum(n for _, _, n in zeros) == len(mixed) * L  # the whole file, before the first report
-    assert all(e[0] != "sync" for e in events)  # no data sync before the commit: not of the zeros, not in arrival order
-    sealed = b.finish()
+    first_sync = next(i for i, e in enumerate(events) if e[0] == "sync")
+    data = [i for i, e in enumerate(events) if e[0] == "data"]  # the 6 staged reports, then the squeeze's moves
+    assert len(data) >= 6
+    assert max(data) < first_sync  # no sync while reports arrive: not of the zeros, not in arrival order
     att = _verify(kit, sealed)
     assert att.n_accepted == 6 and att.n_received == 8
     assert sealed.output.stat().st_size == 6 * att.inner_length
@@ -337,6 +345,7 @@ def test_staging_is_preallocated_and_a_full_disk_refuses_early(core: ShufflerCor
     b = core.begin(kit.header(4, round_id=2))
     with pytest.raises(Refused) as info:
         b.add(kit.seal(0, round_id=2))
+        b.settle()  # staging starts when the first report is accepted, i.e. once its signature check is in
     b.abort()
     assert (info.value.code, info.value.reason) == ("resource_exhausted", "disk_full")
     assert list(core.journal.staging_dir.iterdir()) == []
@@ -373,6 +382,7 @@ def test_free_space_is_checked_with_a_journal_reserve_before_allocating(core: Sh
     b = core.begin(kit.header(4))
     with pytest.raises(Refused) as info:
         b.add(kit.seal(0))
+        b.settle()
     b.abort()
     assert (info.value.code, info.value.reason) == ("resource_exhausted", "disk_full")
     assert calls == [] and list(core.journal.staging_dir.iterdir()) == []
@@ -510,6 +520,7 @@ def test_permutation_is_compact_lazy_and_capped(core: ShufflerCore, kit, tmp_pat
     b = core.begin(kit.header(5))
     assert b._perm is None  # nothing allocated at header time
     b.add(kit.seal(0))
+    b.settle()
     assert isinstance(b._perm, array) and b._perm.typecode == "I" and sorted(b._perm) == list(range(5))
     b.abort()
     perm = BatchBuilder.draw_permutation(1000)
@@ -566,6 +577,7 @@ def test_memory_path_writes_the_output_once_in_output_order(core: ShufflerCore, 
     b = core.begin(kit.header(len(mixed)))
     for e in mixed:
         b.add(e)
+    b.settle()
     L = b.inner_length
     assert b.in_memory is True and b.staging_buffer is not None
     assert len(mixed) * L <= len(b.staging_buffer) < len(mixed) * L + 4096  # rounded up for O_DIRECT
@@ -621,6 +633,7 @@ def test_the_announced_size_selects_the_staging_path(kit, tmp_path: Path) -> Non
             assert b.in_memory is None and b.staging_buffer is None  # nothing chosen or allocated at the header
             for i in range(6):
                 b.add(kit.seal(i))
+            b.settle()
             assert b.inner_length == L and b.in_memory is expect_memory
             assert (b.staging_buffer is not None) is expect_memory
             sealed = b.finish()
@@ -641,6 +654,7 @@ def test_refused_batches_release_their_staging_memory(core: ShufflerCore, kit, m
     # refused at seal (below threshold): the buffer is unmapped, nothing is left on disk
     b = core.begin(kit.header(kit.k))
     b.add(kit.seal(0))
+    b.settle()
     buf = b.staging_buffer
     assert buf is not None and not buf.closed
     for _ in range(kit.k - 1):
@@ -652,6 +666,7 @@ def test_refused_batches_release_their_staging_memory(core: ShufflerCore, kit, m
     b = core.begin(kit.header(kit.k, round_id=2))
     for i in range(kit.k):
         b.add(kit.seal(i, round_id=2))
+    b.settle()
     buf = b.staging_buffer
     with pytest.raises(Refused):
         b.add(kit.seal(kit.k, round_id=2))
@@ -663,6 +678,7 @@ def test_refused_batches_release_their_staging_memory(core: ShufflerCore, kit, m
     b = core.begin(kit.header(kit.k, round_id=3))
     with pytest.raises(Refused) as info:
         b.add(kit.seal(0, round_id=3))
+        b.settle()
     assert (info.value.code, info.value.reason) == ("resource_exhausted", "disk_full")
     assert len(allocated) == 1 and allocated[0].closed
     # an allocation failure is a clear refusal, never a silent fall-back to the disk path
@@ -677,6 +693,7 @@ def test_refused_batches_release_their_staging_memory(core: ShufflerCore, kit, m
     b = core.begin(kit.header(kit.k, round_id=4))
     with pytest.raises(Refused) as info:
         b.add(kit.seal(0, round_id=4))
+        b.settle()
     assert (info.value.code, info.value.reason) == ("resource_exhausted", "staging_memory")
     assert str(kit.k) in str(info.value) and calls == []  # no disk staging was started
     assert core.stats()["batches_refused"] == before + 1
@@ -716,6 +733,7 @@ def test_memory_path_output_order_is_uniform(kit, tmp_path: Path, monkeypatch) -
                     b = c.begin(kit.header(len(envs), round_id=r))
                     for e in envs:
                         b.add(e)
+                    b.settle()
                     assert b.in_memory
                     sealed = b.finish()
                     out = list(c.read_batch(sealed.batch_id))
@@ -819,6 +837,7 @@ def test_a_sealed_batchs_staging_buffer_is_reused_and_leaks_nothing_into_the_nex
         b = c.begin(kit.header(8, round_id=2))
         for e in batch[:3] + [b"junk", b""] + batch[3:]:  # two holes, over stale slots of the first batch
             b.add(e)
+        b.settle()
         assert b.staging_buffer is maps[0] and len(maps) == 1  # the same mapping, no new one
         second = b.finish()
         out = list(c.read_batch(second.batch_id))
@@ -831,6 +850,7 @@ def test_a_sealed_batchs_staging_buffer_is_reused_and_leaks_nothing_into_the_nex
         # a refused batch unmaps its buffer (even the retained one it took)
         b = c.begin(kit.header(kit.k, round_id=4))
         b.add(kit.seal(0, round_id=4))
+        b.settle()
         assert b.staging_buffer is maps[1]
         for _ in range(kit.k - 1):
             b.add(b"junk")
@@ -959,10 +979,185 @@ def test_slot_hashes_refuse_a_hash_of_the_wrong_length(core: ShufflerCore, kit, 
 
     import shuffler.envelope as envmod
 
-    real_open = envmod.OuterOpener.open
-    monkeypatch.setattr(envmod.OuterOpener, "open",
-                        lambda self, e: dataclasses.replace(real_open(self, e), inner_sha256=b"short"))
+    real_verify = envmod.OuterOpener.verify
+    monkeypatch.setattr(envmod.OuterOpener, "verify",
+                        lambda self, d: dataclasses.replace(real_verify(self, d), inner_sha256=b"short"))
     b = core.begin(kit.header(kit.k))
     with pytest.raises((ValueError, TypeError)):
         b.add(kit.seal(0))
+        b.settle()
     b.abort()
+
+
+# ------------------------------------------------------------------------------- pipelined signature checks
+def _hostile_mix(kit, round_id: int) -> list[bytes]:
+    """Honest reports interleaved with every drop the post-decryption checks can produce, in an order where the
+    first of two competing reports must win (replay, duplicate signer)."""
+    from ._fixtures_adv import craft_envelope  # noqa: TID252
+
+    stranger = ed25519.Ed25519PrivateKey.generate().private_bytes_raw()
+    forged = craft_envelope(
+        kit.payload(6), server_pk=kit.server_pk, shuffler_pk=kit.shuffler_pk, signing_sk=stranger,
+        key_epoch=kit.key_epoch, round_id=round_id, digest=kit.digest, claimed_signer_pk=kit.enrolment["client-6"],
+    )
+    honest = [kit.seal(i, round_id=round_id) for i in range(6)]
+    return [
+        honest[0], honest[1],
+        honest[0],  # replay of an accepted envelope
+        kit.seal(1, round_id=round_id),  # the same client twice
+        forged,  # bad signature
+        kit.seal(0, round_id=round_id, signing_key=stranger),  # unknown signer
+        b"junk",  # malformed: dropped before decryption
+        honest[2], honest[3],
+        kit.seal(2, round_id=round_id, key_epoch=5),  # wrong epoch
+        honest[4], honest[5],
+    ]
+
+
+@pytest.mark.parametrize("verify_threads", [1, 2])
+def test_pipelined_checks_accept_the_same_reports_at_the_same_slots_as_inline(kit, tmp_path: Path, monkeypatch,
+                                                                               verify_threads: int) -> None:
+    """Acceptance, drop counts and slot assignment do not depend on where signatures are checked: the same
+    envelopes and the same permutation give byte-identical output inline and pipelined (with one or two
+    workers, whose checks may finish out of order)."""
+    from array import array
+
+    from shuffler.core import BatchBuilder
+
+    perm = array("I", [7, 2, 11, 0, 5, 9, 1, 10, 3, 8, 6, 4])
+    monkeypatch.setattr(BatchBuilder, "draw_permutation", staticmethod(lambda n: array("I", perm[:n])))
+    envs = _hostile_mix(kit, round_id=3)
+    assert len(envs) == len(perm)
+    results = []
+    for vt in (0, verify_threads):
+        c = ShufflerCore(kit.core_config(tmp_path / f"j{vt}", verify_threads=vt))
+        try:
+            assert (c.verify_pool is None) is (vt == 0)
+            sealed = _run(c, kit, envs, round_id=3)
+            results.append((list(c.read_batch(sealed.batch_id)), _verify(kit, sealed)))
+        finally:
+            c.close()
+    (out0, att0), (out1, att1) = results
+    assert out0 == out1 and att0.output_digest == att1.output_digest
+    assert att0.n_accepted == att1.n_accepted == 6
+    expected_drops = {"replay": 1, "duplicate_signer": 1, "bad_signature": 1, "unknown_signer": 1, "malformed": 1,
+                      "wrong_epoch": 1}
+    assert {k: v for k, v in att1.dropped.items() if v} == {k: v for k, v in att0.dropped.items() if v} == expected_drops
+    # the first of the competing reports won: honest[0] and honest[1] are in the output, at slots 7 and 2
+    assert sorted(_payloads_of(kit, out1, round_id=3)) == sorted(kit.payload(i) for i in range(6))
+
+
+def _payloads_of(kit, inners: list[bytes], round_id: int) -> list[bytes]:
+    return [open_inner(x, server_private_key=kit.server_sk, key_epoch=kit.key_epoch, round_id=round_id) for x in inners]
+
+
+def test_pipelined_checks_run_on_the_verify_pool_and_stay_bounded(core: ShufflerCore, kit, monkeypatch) -> None:
+    import threading
+    import time
+
+    import shuffler.core as coremod
+    import shuffler.envelope as envmod
+
+    threads: set[str] = set()
+    real_verify = envmod.OuterOpener.verify
+
+    def slow_verify(self, decrypted):
+        threads.add(threading.current_thread().name)
+        time.sleep(0.002)  # checks pile up behind the submitting thread
+        return real_verify(self, decrypted)
+
+    monkeypatch.setattr(envmod.OuterOpener, "verify", slow_verify)
+    envs = [kit.seal(i % kit.n_clients) for i in range(40)]  # 8 accepted, 32 duplicate signers
+    b = core.begin(kit.header(len(envs)))
+    in_flight = []
+    for e in envs:
+        b.add(e)
+        in_flight.append(len(b._pending))
+    assert max(in_flight) == coremod.PIPELINE_MAX_REPORTS  # reached, never exceeded
+    sealed = b.finish()
+    assert b._pending == type(b._pending)() and _verify(kit, sealed).n_accepted == kit.n_clients
+    assert threads and all(name.startswith("shuffler-verify") for name in threads)
+    # the byte bound: with at most 1 KiB in flight, a submit never has two reports pending
+    monkeypatch.setattr(coremod, "PIPELINE_MAX_BYTES", 1024)
+    b = core.begin(kit.header(6, round_id=2))
+    for i in range(6):
+        b.add(kit.seal(i, round_id=2, size=2048))
+        assert len(b._pending) <= 1
+    assert _verify(kit, b.finish()).n_accepted == 6
+
+
+def test_only_large_envelopes_are_pipelined(core: ShufflerCore, kit, monkeypatch) -> None:
+    """With the production threshold, small envelopes are checked inline and large ones on the pool; a small
+    envelope after large ones waits for their checks, so acceptance stays in arrival order."""
+    import shuffler.core as coremod
+
+    monkeypatch.setattr(coremod, "PIPELINE_MIN_ENVELOPE_BYTES", 256 << 10)
+    submitted: list[int] = []
+    real_submit = core.verify_pool.submit
+    monkeypatch.setattr(core.verify_pool, "submit",
+                        lambda fn, d: (submitted.append(len(d.outer_plaintext)), real_submit(fn, d))[1])
+    assert _verify(kit, _run(core, kit, [kit.seal(i) for i in range(4)])).n_accepted == 4
+    assert submitted == []
+    big = 300 << 10
+    envs = [kit.seal(0, round_id=2, size=big), kit.seal(1, round_id=2, size=big), kit.seal(1, round_id=2),
+            kit.seal(2, round_id=2, size=big)]
+    att = _verify(kit, _run(core, kit, envs, round_id=2))
+    assert len(submitted) == 3 and all(n > big for n in submitted)
+    # client 1's large report was accepted before its small one was looked at: the small one is the duplicate
+    # (had it been accepted first, the large one would be the duplicate and the batch refused for mixed lengths)
+    assert att.n_accepted == 3 and att.dropped["duplicate_signer"] == 1 and att.inner_length > big
+
+
+def test_abort_with_checks_in_flight_releases_everything(core: ShufflerCore, kit, monkeypatch) -> None:
+    import threading
+
+    import shuffler.envelope as envmod
+
+    gate = threading.Event()
+    real_verify = envmod.OuterOpener.verify
+    monkeypatch.setattr(envmod.OuterOpener, "verify", lambda self, d: (gate.wait(5), real_verify(self, d))[1])
+    b = core.begin(kit.header(5))
+    for i in range(4):
+        b.add(kit.seal(i))
+    assert len(b._pending) == 4 and b.n_accepted == 0
+    b.abort()
+    gate.set()
+    assert len(b._pending) == 0 and b.staging_buffer is None
+    assert list(core.journal.staging_dir.iterdir()) == []
+    with pytest.raises(RuntimeError, match="already finished"):
+        b.add(kit.seal(4))
+    # nothing of the aborted stream was recorded: the same round and reports seal afterwards
+    assert _verify(kit, _run(core, kit, [kit.seal(i) for i in range(5)])).n_accepted == 5
+
+
+def test_an_unexpected_error_in_a_pipelined_check_aborts_the_batch(core: ShufflerCore, kit, monkeypatch) -> None:
+    """A failure that is not a drop (a bug) propagates from add() or finish(); finish() then releases the batch
+    itself (add() leaves that to its caller, as with inline checks: the service aborts the stream)."""
+    import threading
+
+    import shuffler.envelope as envmod
+
+    gate = threading.Event()
+    real_verify = envmod.OuterOpener.verify
+
+    def broken(self, decrypted):
+        gate.wait(5)
+        raise RuntimeError("bug in verify")
+
+    monkeypatch.setattr(envmod.OuterOpener, "verify", broken)
+    b = core.begin(kit.header(3))
+    for i in range(3):
+        b.add(kit.seal(i))
+    gate.set()
+    with pytest.raises(RuntimeError, match="bug in verify"):
+        b.finish()
+    assert b._done and b.staging_buffer is None and list(core.journal.staging_dir.iterdir()) == []
+    assert core.stats()["batches_sealed"] == 0
+    monkeypatch.setattr(envmod.OuterOpener, "verify", real_verify)
+    assert _verify(kit, _run(core, kit, [kit.seal(i) for i in range(3)])).n_accepted == 3
+
+
+def test_verify_threads_is_validated(kit, tmp_path: Path) -> None:
+    for bad in (-1, 65, True, 1.0, "1"):
+        with pytest.raises(ValueError, match=r"verify_threads must be an int in \[0, 64\]"):
+            kit.core_config(tmp_path / "x", verify_threads=bad)
