@@ -12,7 +12,7 @@ not silently fall back to a default)::
     staging_memory_limit = 1073741824  # optional; bytes; a batch up to this size is staged in memory
     retain_staging_buffer = true       # optional; keep that memory mapped between batches and reuse it
     heap_tuning = true                 # optional; glibc reuses heap memory for messages (shuffler/heap.py)
-    verify_threads = 1                 # optional; signature-check workers beside each submit stream; 0 = inline
+    verify_threads = 1                 # optional; signature-check threads shared by all submits; 0 = inline
     hpke_key = "shuffler/hpke.key"     # X25519, 0600
     signing_key = "shuffler/signing.key"  # Ed25519, 0600
     enrolment = "enrolment.json"

@@ -77,7 +77,8 @@ _DIRECT_ALIGN = 4096
 #: Upper bound accepted for ``verify_threads``.
 MAX_VERIFY_THREADS = 64
 #: Pipelined signature checks (``verify_threads`` >= 1): a submit waits for the oldest check once more than
-#: this many reports, or (with at least two in flight) more than this many plaintext bytes, are in flight.
+#: this many reports, or (with at least two in flight) more than this many plaintext bytes, are in flight; so
+#: at most 16 reports and 32 MiB, or one report if it alone is larger.
 PIPELINE_MAX_REPORTS = 16
 PIPELINE_MAX_BYTES = 32 << 20
 #: Smaller envelopes are checked inline even with ``verify_threads`` >= 1: handing a report to a worker and
@@ -775,7 +776,8 @@ class BatchBuilder:
     calling thread and its signature check (SHA-256 + Ed25519, GIL-free) goes to the core's verify pool; the
     checked reports are taken oldest first, and everything after the check (enrolment, replay, one report per
     signer, the slot) happens on the calling thread in arrival order, exactly as with inline checks. A report
-    is therefore staged one to 16 envelopes after it arrived, or in :meth:`finish`; :meth:`settle` waits for all.
+    is therefore staged in its own add() if its check is already done, or up to 16 envelopes later, or in
+    :meth:`finish`; :meth:`settle` waits for all. The pool is the core's, shared by concurrent submits.
     """
 
     def __init__(self, core: ShufflerCore, header: Header, *, replay_only: bool) -> None:
@@ -955,6 +957,7 @@ class BatchBuilder:
         cfg = self.core.config
         self.received += 1
         if self.received > self.header.expected_count:
+            self.settle()  # a staging refusal pending behind a signature check takes precedence, as inline
             with self.core._lock:
                 self.core.counters["batches_refused"] += 1
             log.info("batch refused: count_mismatch")

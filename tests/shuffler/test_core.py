@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from shuffler.attestation import Attestation, OutputDigest
 from shuffler.core import Refused, ShufflerCore
-from shuffler.envelope import model_digest, open_inner
+from shuffler.envelope import model_digest, open_inner, open_outer
 
 
 @pytest.fixture
@@ -1024,31 +1024,59 @@ def test_pipelined_checks_accept_the_same_reports_at_the_same_slots_as_inline(ki
 
     from shuffler.core import BatchBuilder
 
+    import itertools
+    import threading
+    import time
+
+    import shuffler.envelope as envmod
+
     perm = array("I", [7, 2, 11, 0, 5, 9, 1, 10, 3, 8, 6, 4])
     monkeypatch.setattr(BatchBuilder, "draw_permutation", staticmethod(lambda n: array("I", perm[:n])))
+    # every other check is slow, so that with two workers later checks finish before earlier ones
+    real_verify = envmod.OuterOpener.verify
+    lock = threading.Lock()
+    started, finished = itertools.count(), []
+
+    def uneven_verify(self, decrypted):
+        with lock:
+            index = next(started)
+        try:
+            if index % 2 == 0:
+                time.sleep(0.02)
+            return real_verify(self, decrypted)
+        finally:
+            with lock:
+                finished.append(index)
+
+    monkeypatch.setattr(envmod.OuterOpener, "verify", uneven_verify)
     envs = _hostile_mix(kit, round_id=3)
     assert len(envs) == len(perm)
     results = []
     for vt in (0, verify_threads):
         c = ShufflerCore(kit.core_config(tmp_path / f"j{vt}", verify_threads=vt))
+        started, finished[:] = itertools.count(), []
         try:
             assert (c.verify_pool is None) is (vt == 0)
             sealed = _run(c, kit, envs, round_id=3)
             results.append((list(c.read_batch(sealed.batch_id)), _verify(kit, sealed)))
         finally:
             c.close()
+    assert len(finished) == 10  # every envelope but the junk and the wrong-epoch one was checked
+    if verify_threads > 1:
+        assert finished != sorted(finished)  # checks did complete out of order
     (out0, att0), (out1, att1) = results
+    # the same ciphertexts at the same positions: the same reports won and went to the same slots
     assert out0 == out1 and att0.output_digest == att1.output_digest
     assert att0.n_accepted == att1.n_accepted == 6
     expected_drops = {"replay": 1, "duplicate_signer": 1, "bad_signature": 1, "unknown_signer": 1, "malformed": 1,
                       "wrong_epoch": 1}
     assert {k: v for k, v in att1.dropped.items() if v} == {k: v for k, v in att0.dropped.items() if v} == expected_drops
-    # the first of the competing reports won: honest[0] and honest[1] are in the output, at slots 7 and 2
-    assert sorted(_payloads_of(kit, out1, round_id=3)) == sorted(kit.payload(i) for i in range(6))
-
-
-def _payloads_of(kit, inners: list[bytes], round_id: int) -> list[bytes]:
-    return [open_inner(x, server_private_key=kit.server_sk, key_epoch=kit.key_epoch, round_id=round_id) for x in inners]
+    # The first of the competing reports won, and the j-th accepted report went to slot perm[j]: accepted in
+    # order honest[0..5] = envs[0, 1, 7, 8, 10, 11] to slots 7, 2, 11, 0, 5, 9; the squeezed output follows slot
+    # order 0, 2, 5, 7, 9, 11, i.e. accepted #3, #1, #4, #0, #5, #2.
+    inner = {i: bytes(open_outer(envs[i], shuffler_private_key=kit.shuffler_sk, key_epoch=kit.key_epoch, round_id=3,
+                                 model_digest=kit.digest).inner) for i in (0, 1, 7, 8, 10, 11)}
+    assert out1 == [inner[i] for i in (8, 1, 10, 0, 11, 7)]
 
 
 def test_pipelined_checks_run_on_the_verify_pool_and_stay_bounded(core: ShufflerCore, kit, monkeypatch) -> None:
@@ -1120,8 +1148,11 @@ def test_abort_with_checks_in_flight_releases_everything(core: ShufflerCore, kit
     for i in range(4):
         b.add(kit.seal(i))
     assert len(b._pending) == 4 and b.n_accepted == 0
+    futures = [f for f, _ in b._pending]
     b.abort()
     gate.set()
+    # the one check that was running (a single worker) finishes; the three queued behind it never start
+    assert [f.cancelled() for f in futures] == [False, True, True, True]
     assert len(b._pending) == 0 and b.staging_buffer is None
     assert list(core.journal.staging_dir.iterdir()) == []
     with pytest.raises(RuntimeError, match="already finished"):
@@ -1161,3 +1192,27 @@ def test_verify_threads_is_validated(kit, tmp_path: Path) -> None:
     for bad in (-1, 65, True, 1.0, "1"):
         with pytest.raises(ValueError, match=r"verify_threads must be an int in \[0, 64\]"):
             kit.core_config(tmp_path / "x", verify_threads=bad)
+
+
+def test_a_staging_refusal_behind_pending_checks_wins_over_count_mismatch(core: ShufflerCore, kit, monkeypatch) -> None:
+    """With checks in flight, an extra envelope first settles them: the refusal is the one inline checking gives
+    (staging_memory, retryable), not count_mismatch."""
+    import errno
+    import threading
+
+    import shuffler.core as coremod
+    import shuffler.envelope as envmod
+
+    gate = threading.Event()
+    real_verify = envmod.OuterOpener.verify
+    monkeypatch.setattr(envmod.OuterOpener, "verify", lambda self, d: (gate.wait(5), real_verify(self, d))[1])
+    monkeypatch.setattr(coremod.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOMEM, "no")))
+    b = core.begin(kit.header(kit.k))
+    for i in range(kit.k):
+        b.add(kit.seal(i))
+    assert len(b._pending) == kit.k
+    gate.set()
+    with pytest.raises(Refused) as info:
+        b.add(kit.seal(kit.k))
+    assert (info.value.code, info.value.reason) == ("resource_exhausted", "staging_memory")
+    assert core.stats()["batches_refused"] == 1 and list(core.journal.staging_dir.iterdir()) == []

@@ -397,3 +397,32 @@ def test_config_staging_memory_limit_reaches_the_core(kit, tmp_path) -> None:
         path.write_text(f"{head}staging_memory_limit = {limit}\n{sep}{tail}")
         core = core_from_config(load_config(path))
         assert core.config.staging_memory_limit == limit
+
+
+def test_refusals_and_errors_from_pipelined_checks_reach_the_client(kit, running, monkeypatch) -> None:
+    """In-process server with every envelope pipelined (tests/shuffler/conftest.py): a staging refusal that
+    surfaces in a later add() or in finish(), and a bug in a worker's check, get their status codes, the service
+    stays up, and nothing is consumed."""
+    import errno
+
+    import shuffler.core as coremod
+    import shuffler.envelope as envmod
+
+    real_mmap, real_verify = coremod.mmap.mmap, envmod.OuterOpener.verify
+    monkeypatch.setattr(coremod.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOMEM, "no")))
+    with pytest.raises(ShufflerError) as info:
+        _submit(kit, running, [kit.seal(i) for i in range(4)])
+    assert (info.value.code, info.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "staging_memory")
+    monkeypatch.setattr(coremod.mmap, "mmap", real_mmap)
+
+    def broken(self, decrypted):
+        raise RuntimeError("bug in verify")
+
+    monkeypatch.setattr(envmod.OuterOpener, "verify", broken)
+    with pytest.raises(ShufflerError) as info:
+        _submit(kit, running, [kit.seal(i) for i in range(4)])
+    assert info.value.code == grpc.StatusCode.INTERNAL
+    monkeypatch.setattr(envmod.OuterOpener, "verify", real_verify)
+    assert _submit(kit, running, [kit.seal(i) for i in range(4)]).n_accepted == 4
+    assert _health(kit, running.address) == health_pb2.HealthCheckResponse.SERVING
+    assert list(running.core.journal.staging_dir.iterdir()) == []
