@@ -90,8 +90,11 @@ class OutputDigest:
 
     def update(self, inner: bytes | memoryview) -> None:
         """Add the next inner ciphertext in output order."""
+        if self.version == 2:
+            self.update_hashed(len(inner), hashlib.sha256(inner).digest())
+            return
         self._h.update(_LEN.pack(len(inner)))
-        self._h.update(hashlib.sha256(inner).digest() if self.version == 2 else inner)
+        self._h.update(inner)
         self.count += 1
 
     def update_hashed(self, length: int, inner_sha256: bytes) -> None:

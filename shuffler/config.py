@@ -113,8 +113,9 @@ def _seconds(doc: dict[str, Any], key: str, default: float, where: Path) -> floa
     return float(v)
 
 
-def _int(doc: dict[str, Any], key: str, lo: int, hi: int, where: Path) -> int:
-    v = doc[key]
+def _int(doc: dict[str, Any], key: str, lo: int, hi: int, where: Path, *, default: int | None = None) -> int:
+    """``doc[key]`` (or ``default`` for an optional key that is absent), an integer in [lo, hi]."""
+    v = doc[key] if default is None else doc.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise ConfigError(f"{where}: {key} must be an integer in [{lo}, {hi}], got {v!r}")
     return v
@@ -196,21 +197,14 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
         key_epoch=_int(doc, "key_epoch", 0, 2**32 - 1, path),
         k=_int(doc, "k", 1, 10**9, path),
         max_envelope_bytes=_int(doc, "max_envelope_bytes", 1024, 2**31 - 65536, path),
-        max_batch_reports=_int(
-            {"max_batch_reports": doc.get("max_batch_reports", 100_000)}, "max_batch_reports", 1, 10**6, path
-        ),
+        max_batch_reports=_int(doc, "max_batch_reports", 1, 10**6, path, default=100_000),
         submit_idle_timeout=_seconds(doc, "submit_idle_timeout", 60.0, path),
         staging_memory_limit=_int(
-            {"staging_memory_limit": doc.get("staging_memory_limit", DEFAULT_STAGING_MEMORY_LIMIT)},
-            "staging_memory_limit",
-            0,
-            MAX_STAGING_MEMORY_LIMIT,
-            path,
+            doc, "staging_memory_limit", 0, MAX_STAGING_MEMORY_LIMIT, path, default=DEFAULT_STAGING_MEMORY_LIMIT
         ),
         retain_staging_buffer=flags["retain_staging_buffer"],
         heap_tuning=flags["heap_tuning"],
-        verify_threads=_int({"verify_threads": doc.get("verify_threads", 1)}, "verify_threads", 0,
-                            MAX_VERIFY_THREADS, path),
+        verify_threads=_int(doc, "verify_threads", 0, MAX_VERIFY_THREADS, path, default=1),
         hpke_key=_path(doc, "hpke_key", base, path),
         signing_key=_path(doc, "signing_key", base, path),
         enrolment=_path(doc, "enrolment", base, path),

@@ -30,9 +30,9 @@ import secrets
 import struct
 import threading
 from array import array
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -987,12 +987,7 @@ class BatchBuilder:
         pool = self.core.verify_pool
         if pool is None or len(envelope) < PIPELINE_MIN_ENVELOPE_BYTES:
             self.settle()  # earlier reports first: acceptance stays in arrival order
-            try:
-                report = self._opener.verify(decrypted)
-            except env.EnvelopeError as exc:
-                self.drops[exc.reason] += 1
-                return
-            self._accept(report)
+            self._conclude(lambda: self._opener.verify(decrypted))
             return
         # Pipelined: the signature check runs on a worker while this thread receives and decrypts the next
         # envelopes; results are taken in arrival order, so what is accepted, and where, is exactly as above.
@@ -1009,8 +1004,12 @@ class BatchBuilder:
         """Wait for the oldest pending signature check and accept or drop its report."""
         future, size = self._pending.popleft()
         self._pending_bytes -= size
+        self._conclude(future.result)
+
+    def _conclude(self, checked: Callable[[], env.OpenedReport]) -> None:
+        """Count the drop if the signature check failed, else accept or drop the verified report."""
         try:
-            report = future.result()
+            report = checked()
         except env.EnvelopeError as exc:
             self.drops[exc.reason] += 1
             return
