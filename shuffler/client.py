@@ -235,7 +235,7 @@ class SubmitStream:
             raise ValueError(f"envelope_length must be a positive int, got {envelope_length!r}")
         self._client = client
         #: target bytes per packed Submit message (within the channel's message limit)
-        self.batch_bytes = min(wire.PACKED_MESSAGE_BYTES, client._send_limit)
+        self.batch_bytes = wire.PACKED_MESSAGE_BYTES
         self._binding = (round_id, key_epoch, bytes(model_digest))
         self._count = count
         self._envelope_length = envelope_length or 0

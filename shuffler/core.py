@@ -31,7 +31,7 @@ import struct
 import threading
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,17 +76,19 @@ _WRITE_CHUNK = 64 << 20
 _DIRECT_ALIGN = 4096
 #: Upper bound accepted for ``verify_threads``.
 MAX_VERIFY_THREADS = 64
-#: Pipelined signature checks (``verify_threads`` >= 1): a submit waits for the oldest check once more than
-#: this many reports, or (with at least two in flight) more than this many plaintext bytes, are in flight; so
-#: at most 16 reports and 32 MiB, or one report if it alone is larger.
+#: Pipelined signature checks (``verify_threads`` >= 1): the checks of one received message form a job. After
+#: handing a job to the pool, a submit waits for the oldest jobs until at most this many reports and bytes of
+#: plaintext are in flight, or a single job (one message: at most ``wire.PACKED_MESSAGE_BYTES`` of packed
+#: envelopes, or one envelope of at most ``max_envelope_bytes``).
 PIPELINE_MAX_REPORTS = 16
 PIPELINE_MAX_BYTES = 32 << 20
-#: Smaller envelopes are checked inline even with ``verify_threads`` >= 1: handing a report to a worker and
-#: taking the GIL back costs tens of microseconds, which outweighs the overlap for small reports. Measured with
-#: the in-process core on the project's 2-core VM (retained staging buffer, median of 8 batches): 100 KiB
-#: 0.24 s pipelined against 0.21 s inline per 1,000 reports; 192 KiB 0.14 against 0.17 s and 1 MiB 0.22
-#: against 0.27 s per 600 and 300 reports. The threshold leaves a margin above that crossover.
-PIPELINE_MIN_ENVELOPE_BYTES = 256 << 10
+#: A job with less plaintext is checked inline even with ``verify_threads`` >= 1: handing a job to a worker and
+#: taking the GIL back costs tens of microseconds, which outweighs the overlap for a small job. Measured with
+#: one report per job, in-process core, the project's 2-core VM (retained staging buffer, median of 8 batches):
+#: 100 KiB 0.24 s pipelined against 0.21 s inline per 1,000 reports; 192 KiB 0.14 against 0.17 s and 1 MiB 0.22
+#: against 0.27 s per 600 and 300 reports. A packed message (about 256 KiB of envelopes) is one job, so small
+#: reports share one hand-off: two 100 KiB reports, or dozens of a few KiB.
+PIPELINE_MIN_JOB_BYTES = 192 << 10
 #: errnos that mean "no space": a rolled-back commit with one of these is reported as disk_full
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
@@ -772,12 +774,14 @@ class BatchBuilder:
     only the one before the commit. Each accepted report's SHA-256 (computed for its signature check) is kept
     at its slot, 32 bytes per slot, so that the output digest needs no second pass over the reports.
 
-    With ``verify_threads`` >= 1, an envelope of at least ``PIPELINE_MIN_ENVELOPE_BYTES`` is decrypted on the
-    calling thread and its signature check (SHA-256 + Ed25519, GIL-free) goes to the core's verify pool; the
-    checked reports are taken oldest first, and everything after the check (enrolment, replay, one report per
-    signer, the slot) happens on the calling thread in arrival order, exactly as with inline checks. A report
-    is therefore staged in its own add() if its check is already done, or up to 16 envelopes later, or in
-    :meth:`finish`; :meth:`settle` waits for all. The pool is the core's, shared by concurrent submits.
+    Signature checks are done per job: the envelopes of one received message (:meth:`add_many`; :meth:`add`
+    is a job of one). Each envelope is decrypted on the calling thread. With ``verify_threads`` >= 1, a job of
+    at least ``PIPELINE_MIN_JOB_BYTES`` of plaintext has its signature checks (SHA-256 + Ed25519, GIL-free)
+    done on the core's verify pool; jobs are concluded oldest first, and everything after the check (enrolment,
+    replay, one report per signer, the slot) happens on the calling thread in arrival order, exactly as with
+    inline checks. A report is therefore staged in its own call if its job is already done, or a few messages
+    later, or in :meth:`finish`; :meth:`settle` waits for all. The pool is the core's, shared by concurrent
+    submits.
     """
 
     def __init__(self, core: ShufflerCore, header: Header, *, replay_only: bool) -> None:
@@ -803,8 +807,9 @@ class BatchBuilder:
         self._perm: array | None = None
         #: SHA-256 of the inner ciphertext at each slot (32 bytes per slot, slot order), for the output digest
         self._slot_hashes: bytearray | None = None
-        #: signature checks in flight on the core's verify pool, oldest first, with their plaintext sizes
-        self._pending: deque[tuple[Future[env.OpenedReport], int]] = deque()
+        #: signature-check jobs in flight on the core's verify pool, oldest first: (future, reports, bytes)
+        self._pending: deque[tuple[Future[list[env.OpenedReport | env.EnvelopeError]], int, int]] = deque()
+        self._pending_reports = 0
         self._pending_bytes = 0
         if not replay_only:
             # Created empty at the header on both paths (it is the output-to-be); it holds no report data until
@@ -951,12 +956,19 @@ class BatchBuilder:
         return _request_digest(self.header, self._envelope_hashes)
 
     def add(self, envelope: bytes) -> None:
-        """Process one envelope: verify and stage it, or count why it was dropped."""
+        """Process one envelope: verify and stage it, or count why it was dropped (:meth:`add_many` of one)."""
+        self.add_many((envelope,))
+
+    def add_many(self, envelopes: Sequence[bytes]) -> None:
+        """Process the envelopes of one received message, in order: verify and stage each, or count why it was
+        dropped. Their signature checks form one job (inline, or on the verify pool if the job is large enough).
+        """
         if self._done:
             raise RuntimeError("batch already finished")
-        cfg = self.core.config
-        self.received += 1
-        if self.received > self.header.expected_count:
+        room = self.header.expected_count - self.received
+        self._check_job(self._decrypt_all(envelopes[:room] if len(envelopes) > room else envelopes))
+        if len(envelopes) > room:
+            self.received += 1
             self.settle()  # a staging refusal pending behind a signature check takes precedence, as inline
             with self.core._lock:
                 self.core.counters["batches_refused"] += 1
@@ -967,53 +979,75 @@ class BatchBuilder:
                 "count_mismatch",
                 f"more envelopes than the header's expected_count {self.header.expected_count}",
             )
-        self._envelope_hashes.append(envelope_fingerprint(envelope))
-        if self.replay_only:
+
+    def _decrypt_all(self, envelopes: Sequence[bytes]) -> list[env.DecryptedReport]:
+        """Count the envelopes in, drop what fails the length checks or the outer HPKE open, return the rest."""
+        cfg = self.core.config
+        out: list[env.DecryptedReport] = []
+        for envelope in envelopes:
+            self.received += 1
+            self._envelope_hashes.append(envelope_fingerprint(envelope))
+            if self.replay_only:
+                continue
+            if len(envelope) == 0:  # the submitter's placeholder for a report it does not have (keeps the count)
+                self.drops["empty"] += 1
+            elif len(envelope) > cfg.max_envelope_bytes:
+                self.drops["oversized"] += 1
+            elif self.header.envelope_length and len(envelope) != self.header.envelope_length:
+                self.drops["wrong_length"] += 1
+            else:
+                try:
+                    out.append(self._opener.decrypt(envelope))
+                except env.EnvelopeError as exc:
+                    self.drops[exc.reason] += 1
+        return out
+
+    def _verify_job(self, job: list[env.DecryptedReport]) -> list[env.OpenedReport | env.EnvelopeError]:
+        """The signature checks of one job, in order; a failed check is returned, not raised (anything other
+        than an :class:`~shuffler.envelope.EnvelopeError` is a bug and propagates)."""
+        results: list[env.OpenedReport | env.EnvelopeError] = []
+        for decrypted in job:
+            try:
+                results.append(self._opener.verify(decrypted))
+            except env.EnvelopeError as exc:
+                results.append(exc)
+        return results
+
+    def _check_job(self, job: list[env.DecryptedReport]) -> None:
+        if not job:
             return
-        if len(envelope) == 0:  # the submitter's placeholder for a report it does not have (keeps the count)
-            self.drops["empty"] += 1
-            return
-        if len(envelope) > cfg.max_envelope_bytes:
-            self.drops["oversized"] += 1
-            return
-        if self.header.envelope_length and len(envelope) != self.header.envelope_length:
-            self.drops["wrong_length"] += 1
-            return
-        try:
-            decrypted = self._opener.decrypt(envelope)
-        except env.EnvelopeError as exc:
-            self.drops[exc.reason] += 1
-            return
+        size = sum(len(d.outer_plaintext) for d in job)
         pool = self.core.verify_pool
-        if pool is None or len(envelope) < PIPELINE_MIN_ENVELOPE_BYTES:
+        if pool is None or size < PIPELINE_MIN_JOB_BYTES:
             self.settle()  # earlier reports first: acceptance stays in arrival order
-            self._conclude(lambda: self._opener.verify(decrypted))
+            self._conclude(self._verify_job(job))
             return
-        # Pipelined: the signature check runs on a worker while this thread receives and decrypts the next
-        # envelopes; results are taken in arrival order, so what is accepted, and where, is exactly as above.
-        self._pending.append((pool.submit(self._opener.verify, decrypted), len(decrypted.outer_plaintext)))
-        self._pending_bytes += len(decrypted.outer_plaintext)
+        # Pipelined: the job's signature checks run on a worker while this thread receives and decrypts the next
+        # messages; jobs are concluded in arrival order, so what is accepted, and where, is exactly as inline.
+        self._pending.append((pool.submit(self._verify_job, job), len(job), size))
+        self._pending_reports += len(job)
+        self._pending_bytes += size
         while self._pending and (
             self._pending[0][0].done()
-            or len(self._pending) > PIPELINE_MAX_REPORTS
-            or (len(self._pending) > 1 and self._pending_bytes > PIPELINE_MAX_BYTES)
+            or (len(self._pending) > 1
+                and (self._pending_reports > PIPELINE_MAX_REPORTS or self._pending_bytes > PIPELINE_MAX_BYTES))
         ):
             self._take_pending()
 
     def _take_pending(self) -> None:
-        """Wait for the oldest pending signature check and accept or drop its report."""
-        future, size = self._pending.popleft()
+        """Wait for the oldest pending job and accept or drop its reports."""
+        future, n, size = self._pending.popleft()
+        self._pending_reports -= n
         self._pending_bytes -= size
-        self._conclude(future.result)
+        self._conclude(future.result())
 
-    def _conclude(self, checked: Callable[[], env.OpenedReport]) -> None:
-        """Count the drop if the signature check failed, else accept or drop the verified report."""
-        try:
-            report = checked()
-        except env.EnvelopeError as exc:
-            self.drops[exc.reason] += 1
-            return
-        self._accept(report)
+    def _conclude(self, results: list[env.OpenedReport | env.EnvelopeError]) -> None:
+        """Count a drop for each failed signature check, else accept or drop the verified report, in order."""
+        for result in results:
+            if isinstance(result, env.EnvelopeError):
+                self.drops[result.reason] += 1
+            else:
+                self._accept(result)
 
     def settle(self) -> None:
         """Wait for every signature check in flight and accept or drop its report, in arrival order (no-op when
@@ -1119,9 +1153,10 @@ class BatchBuilder:
     def abort(self) -> None:
         """Discard the staging buffer and the staging file (idempotent)."""
         self._done = True
-        for future, _ in self._pending:
+        for future, _, _ in self._pending:
             future.cancel()  # one already running finishes on its own plaintext; nothing reads its result
         self._pending.clear()
+        self._pending_reports = 0
         self._pending_bytes = 0
         self._perm = None
         self._slot_hashes = None

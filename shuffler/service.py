@@ -121,16 +121,16 @@ def _submit_request(raw: bytes) -> "pb.SubmitRequest | _EnvelopeMessage | _Batch
     return pb.SubmitRequest.FromString(raw)
 
 
-def fetch_group_bytes(max_envelope_bytes: int) -> int:
-    """Bytes of inner ciphertexts packed into one Fetch message: small ones are grouped (per-message costs
-    dominate otherwise), a large one travels alone; always within the channel limit set from
-    ``max_envelope_bytes``."""
-    return min(wire.PACKED_MESSAGE_BYTES, max_envelope_bytes)
+def message_limit(max_envelope_bytes: int) -> int:
+    """The gRPC message limit for a given envelope limit: just above the larger of the largest allowed envelope
+    and a packed message (``wire.PACKED_MESSAGE_BYTES``), so that small envelopes and inner ciphertexts can
+    always be packed into messages of that size, whatever the envelope limit."""
+    return max(max_envelope_bytes, wire.PACKED_MESSAGE_BYTES) + FRAMING_SLACK
 
 
 def grpc_options(max_envelope_bytes: int) -> list[tuple[str, int]]:
-    """Channel/server options: message limits just above the largest allowed envelope."""
-    limit = max_envelope_bytes + FRAMING_SLACK
+    """Channel/server options: send and receive limits of :func:`message_limit`."""
+    limit = message_limit(max_envelope_bytes)
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
@@ -204,7 +204,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         self.allowed = set(client_common_names) if client_common_names else None
         self._submit_slots = threading.BoundedSemaphore(max(1, max_concurrent_submits))
         self.submit_idle_timeout = submit_idle_timeout
-        self._fetch_group = fetch_group_bytes(core.config.max_envelope_bytes)
+        self._fetch_group = wire.PACKED_MESSAGE_BYTES
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         if self.allowed is None:
@@ -253,8 +253,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
                 if item == "envelope":
                     builder.add(req.envelope)  # bytes or a memoryview into the received message
                 elif item == "batch":
-                    for envelope in req.batch.envelopes:
-                        builder.add(envelope)
+                    builder.add_many(list(req.batch.envelopes))
                 elif item != "keepalive":  # a keepalive only resets the idle timer (done by _watched)
                     raise Refused(
                         "invalid_argument", "not_envelope", "only envelopes, batches and keepalives may follow the header"
@@ -409,7 +408,7 @@ def serve(config_path: str | os.PathLike[str], *, port_file: str | os.PathLike[s
     """Run the service until SIGTERM/SIGINT, then stop gracefully. Returns the exit code."""
     config = load_config(config_path)
     if config.heap_tuning:  # before the first message is allocated (see shuffler/heap.py)
-        tune_heap(config.max_envelope_bytes + FRAMING_SLACK)
+        tune_heap(message_limit(config.max_envelope_bytes))
     else:
         log.info("heap tuning off (heap_tuning = false)")
     core = core_from_config(config)

@@ -34,6 +34,7 @@ from shuffler import tls
 from shuffler.attestation import DROP_REASONS
 from shuffler.client import ShufflerClient, ShufflerError
 from shuffler.envelope import ENVELOPE_OVERHEAD, model_digest, seal
+from shuffler.service import message_limit
 
 from ._fixtures_adv import (  # noqa: TID252
     FETCH,
@@ -407,7 +408,7 @@ def envelope_too_large_for_the_channel_becomes_a_counted_drop(ctx: Ctx) -> Drop:
 @case
 def oversized_beyond_message_limit(ctx: Ctx) -> Refusal:
     envs, payloads = ctx.honest()
-    huge = secrets.token_bytes(MAX_ENVELOPE + 4096)  # above max_envelope_bytes + framing slack
+    huge = secrets.token_bytes(message_limit(MAX_ENVELOPE) + 4096)  # above the service's gRPC message limit
     msgs = [header_msg(ctx.kit, 5, round_id=ctx.r)] + [envelope_msg(e) for e in envs[:2] + [huge] + envs[2:]]
     return Refusal(lambda: ctx.raw_submit(msgs), grpc.StatusCode.RESOURCE_EXHAUSTED, None, envs, payloads)
 

@@ -1014,12 +1014,15 @@ def _hostile_mix(kit, round_id: int) -> list[bytes]:
     ]
 
 
+@pytest.mark.parametrize("groups", [None, (3, 1, 5, 3)])
 @pytest.mark.parametrize("verify_threads", [1, 2])
 def test_pipelined_checks_accept_the_same_reports_at_the_same_slots_as_inline(kit, tmp_path: Path, monkeypatch,
-                                                                               verify_threads: int) -> None:
+                                                                               verify_threads: int,
+                                                                               groups: tuple[int, ...] | None) -> None:
     """Acceptance, drop counts and slot assignment do not depend on where signatures are checked: the same
-    envelopes and the same permutation give byte-identical output inline and pipelined (with one or two
-    workers, whose checks may finish out of order)."""
+    envelopes and the same permutation give byte-identical output inline (one add() per envelope) and pipelined
+    (with one or two workers, whose checks may finish out of order), whether the envelopes arrive one per
+    message or several per message (add_many: one job per message)."""
     from array import array
 
     from shuffler.core import BatchBuilder
@@ -1057,12 +1060,20 @@ def test_pipelined_checks_accept_the_same_reports_at_the_same_slots_as_inline(ki
         started, finished[:] = itertools.count(), []
         try:
             assert (c.verify_pool is None) is (vt == 0)
-            sealed = _run(c, kit, envs, round_id=3)
+            if vt and groups:
+                b = c.begin(kit.header(len(envs), round_id=3))
+                at = 0
+                for n in groups:
+                    b.add_many(envs[at : at + n])
+                    at += n
+                sealed = b.finish()
+            else:
+                sealed = _run(c, kit, envs, round_id=3)
             results.append((list(c.read_batch(sealed.batch_id)), _verify(kit, sealed)))
         finally:
             c.close()
     assert len(finished) == 10  # every envelope but the junk and the wrong-epoch one was checked
-    if verify_threads > 1:
+    if verify_threads > 1 and not groups:
         assert finished != sorted(finished)  # checks did complete out of order
     (out0, att0), (out1, att1) = results
     # the same ciphertexts at the same positions: the same reports won and went to the same slots
@@ -1119,11 +1130,11 @@ def test_only_large_envelopes_are_pipelined(core: ShufflerCore, kit, monkeypatch
     envelope after large ones waits for their checks, so acceptance stays in arrival order."""
     import shuffler.core as coremod
 
-    monkeypatch.setattr(coremod, "PIPELINE_MIN_ENVELOPE_BYTES", 256 << 10)
+    monkeypatch.setattr(coremod, "PIPELINE_MIN_JOB_BYTES", 256 << 10)
     submitted: list[int] = []
     real_submit = core.verify_pool.submit
     monkeypatch.setattr(core.verify_pool, "submit",
-                        lambda fn, d: (submitted.append(len(d.outer_plaintext)), real_submit(fn, d))[1])
+                        lambda fn, job: (submitted.extend(len(d.outer_plaintext) for d in job), real_submit(fn, job))[1])
     assert _verify(kit, _run(core, kit, [kit.seal(i) for i in range(4)])).n_accepted == 4
     assert submitted == []
     big = 300 << 10
@@ -1148,7 +1159,7 @@ def test_abort_with_checks_in_flight_releases_everything(core: ShufflerCore, kit
     for i in range(4):
         b.add(kit.seal(i))
     assert len(b._pending) == 4 and b.n_accepted == 0
-    futures = [f for f, _ in b._pending]
+    futures = [f for f, _, _ in b._pending]
     b.abort()
     gate.set()
     # the one check that was running (a single worker) finishes; the three queued behind it never start
@@ -1216,3 +1227,55 @@ def test_a_staging_refusal_behind_pending_checks_wins_over_count_mismatch(core: 
         b.add(kit.seal(kit.k))
     assert (info.value.code, info.value.reason) == ("resource_exhausted", "staging_memory")
     assert core.stats()["batches_refused"] == 1 and list(core.journal.staging_dir.iterdir()) == []
+
+
+def test_a_message_is_one_job_and_small_jobs_are_checked_inline(core: ShufflerCore, kit, monkeypatch) -> None:
+    """With the production threshold, the envelopes of one message go to the pool as one job if their plaintext
+    reaches PIPELINE_MIN_JOB_BYTES, and are checked inline otherwise; either way the outcome is in order."""
+    import shuffler.core as coremod
+
+    monkeypatch.setattr(coremod, "PIPELINE_MIN_JOB_BYTES", 192 << 10)
+    jobs: list[int] = []
+    real_submit = core.verify_pool.submit
+    monkeypatch.setattr(core.verify_pool, "submit", lambda fn, job: (jobs.append(len(job)), real_submit(fn, job))[1])
+    small = [kit.seal(i, size=1024) for i in range(4)]
+    b = core.begin(kit.header(4))
+    b.add_many(small)  # 4 KiB of plaintext: inline
+    assert jobs == [] and b.n_accepted == 4
+    assert _verify(kit, b.finish()).n_accepted == 4
+    # 3 x 70 KiB in one message reach the threshold together, though none does alone; a replay inside the job
+    # and a junk envelope (dropped before decryption, so not in the job) keep their places
+    size = 70 << 10
+    e = [kit.seal(i, round_id=2, size=size) for i in range(4)]
+    b = core.begin(kit.header(6, round_id=2))
+    b.add_many([e[0], b"junk", e[1], e[0]])
+    b.add_many([e[2], e[3]])  # 140 KiB: inline, after the pending job is concluded
+    assert jobs == [3]
+    att = _verify(kit, b.finish())
+    assert att.n_accepted == 4 and att.dropped["replay"] == 1 and att.dropped["malformed"] == 1
+
+
+def test_a_message_beyond_the_expected_count_is_refused_after_its_first_envelopes(core: ShufflerCore, kit,
+                                                                                  monkeypatch) -> None:
+    """add_many with more envelopes than the header left room for: the ones that fit are processed first (a
+    staging refusal among them wins, as with one add() per envelope), then count_mismatch aborts the batch."""
+    import errno
+
+    import shuffler.core as coremod
+
+    envs = [kit.seal(i) for i in range(kit.k + 1)]
+    b = core.begin(kit.header(kit.k))
+    with pytest.raises(Refused) as info:
+        b.add_many(envs)
+    assert (info.value.code, info.value.reason) == ("invalid_argument", "count_mismatch")
+    assert b.received == kit.k + 1 and b.n_accepted == kit.k  # the first k were checked and staged
+    assert b.staging_buffer is None and list(core.journal.staging_dir.iterdir()) == []
+    with monkeypatch.context() as m:
+        m.setattr(coremod.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOMEM, "no")))
+        b = core.begin(kit.header(kit.k))
+        with pytest.raises(Refused) as info:
+            b.add_many(envs)
+        assert (info.value.code, info.value.reason) == ("resource_exhausted", "staging_memory")
+    assert core.stats()["batches_refused"] == 2
+    # nothing was recorded: the same round and reports seal afterwards
+    assert _verify(kit, _run(core, kit, envs[: kit.k])).n_accepted == kit.k

@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from shuffler import shuffler_pb2 as pb
+from shuffler import wire
 from shuffler.client import ShufflerError
 from shuffler.core import Header
 from shuffler.config import load_config
@@ -117,7 +118,9 @@ def test_kill_after_ack_before_fetch_serves_the_attested_bytes(kit, shuffler) ->
 
 
 def test_kill_mid_fetch_then_fetch_again_is_identical(kit, shuffler) -> None:
-    size = 256 * 1024  # items larger than the HTTP/2 window, so the server is still sending when it dies
+    # items larger than the HTTP/2 window, so the server is still sending when it dies, and larger than half a
+    # packed message, so that each travels alone
+    size = wire.PACKED_MESSAGE_BYTES // 2 + 64 * 1024
     envs, payloads = _honest(kit, 2, n=8, size=size)
     att = _submit(kit, shuffler, envs, 2)
     # no BDP probing: the receive window stays at its 64 KiB default, so the client cannot have buffered the
@@ -127,7 +130,7 @@ def test_kill_mid_fetch_then_fetch_again_is_identical(kit, shuffler) -> None:
             pb.FetchRequest(batch_id=att.batch_id).SerializeToString(), timeout=RPC_TIMEOUT
         )
         first = [list(pb.FetchResponse.FromString(next(call)).inner) for _ in range(2)]
-        assert [len(m) for m in first] == [1, 1]  # items above the packing size travel one per message
+        assert [len(m) for m in first] == [1, 1]  # items above half the packing size travel one per message
         prefix = [m[0] for m in first]
         shuffler.kill()
         got = 2

@@ -426,3 +426,51 @@ def test_refusals_and_errors_from_pipelined_checks_reach_the_client(kit, running
     assert _submit(kit, running, [kit.seal(i) for i in range(4)]).n_accepted == 4
     assert _health(kit, running.address) == health_pb2.HealthCheckResponse.SERVING
     assert list(running.core.journal.staging_dir.iterdir()) == []
+
+
+def test_small_envelopes_travel_packed_even_with_a_tight_envelope_limit(kit, tmp_path, monkeypatch) -> None:
+    """The gRPC message limit is max(max_envelope_bytes, the packing size) + slack, so a shuffler configured for
+    small envelopes still receives them packed, one signature-check job per message, and streams its output
+    packed; a message above that limit is still refused."""
+    from .conftest import write_config  # noqa: TID252
+
+    from shuffler import wire
+    from shuffler.config import load_config
+    from shuffler.core import BatchBuilder
+    from shuffler.service import build_server, core_from_config, message_limit
+
+    max_envelope = 4096
+    cfg = load_config(write_config(kit, tmp_path / "shuffler.toml", max_envelope_bytes=max_envelope))
+    core = core_from_config(cfg)
+    server, port, _ = build_server(cfg, core, max_workers=4)
+    jobs: list[int] = []
+    real_add_many = BatchBuilder.add_many
+    monkeypatch.setattr(BatchBuilder, "add_many", lambda self, envs: (jobs.append(len(envs)), real_add_many(self, envs))[1])
+    try:
+        address = f"127.0.0.1:{port}"
+        envs = [kit.seal(i, size=1000) for i in range(kit.n_clients)]
+        with ShufflerClient(address, root_certificate=kit.ca, client_certificate=kit.app_cert, client_key=kit.app_key,
+                            shuffler_verify_key=kit.verify_key, max_message_bytes=max_envelope) as c:
+            att = c.submit(round_id=1, key_epoch=kit.key_epoch, model_digest=kit.digest, envelopes=envs)
+        assert jobs == [len(envs)]  # all envelopes in one packed message, checked as one job
+        assert att.n_accepted == len(envs)
+        with _channel(kit, address) as ch:
+            fetch = ch.unary_stream("/shuffledp.shuffler.v1.Shuffler/Fetch", request_serializer=None,
+                                    response_deserializer=None)
+            messages = [list(pb.FetchResponse.FromString(m).inner)
+                        for m in fetch(pb.FetchRequest(batch_id=att.batch_id).SerializeToString(), timeout=10)]
+            assert [len(m) for m in messages] == [len(envs)]  # one packed Fetch message
+            # a message beyond the limit is refused by gRPC itself, before any handler runs
+            submit = ch.stream_unary("/shuffledp.shuffler.v1.Shuffler/Submit", request_serializer=None,
+                                     response_deserializer=None)
+            huge = wire.encode_bytes_field(2, bytes(message_limit(max_envelope) + 16))
+            head = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=1, key_epoch=kit.key_epoch, round_id=2,
+                                                           model_digest=kit.digest, expected_count=kit.k))
+            with pytest.raises(grpc.RpcError) as info:
+                submit(iter([head.SerializeToString(), huge]), timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert message_limit(max_envelope) == wire.PACKED_MESSAGE_BYTES + 1024
+        assert message_limit(8 << 20) == (8 << 20) + 1024
+    finally:
+        server.stop(grace=None).wait()
+        core.close()
