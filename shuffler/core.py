@@ -82,13 +82,13 @@ MAX_VERIFY_THREADS = 64
 #: envelopes, or one envelope of at most ``max_envelope_bytes``).
 PIPELINE_MAX_REPORTS = 16
 PIPELINE_MAX_BYTES = 32 << 20
-#: A job with less plaintext is checked inline even with ``verify_threads`` >= 1: handing a job to a worker and
-#: taking the GIL back costs tens of microseconds, which outweighs the overlap for a small job. Measured with
-#: one report per job, in-process core, the project's 2-core VM (retained staging buffer, median of 8 batches):
-#: 100 KiB 0.24 s pipelined against 0.21 s inline per 1,000 reports; 192 KiB 0.14 against 0.17 s and 1 MiB 0.22
-#: against 0.27 s per 600 and 300 reports. A packed message (about 256 KiB of envelopes) is one job, so small
-#: reports share one hand-off: two 100 KiB reports, or dozens of a few KiB.
-PIPELINE_MIN_JOB_BYTES = 192 << 10
+#: A job with less plaintext is checked inline even with ``verify_threads`` >= 1: handing it to a worker and
+#: taking the GIL back costs more than the overlap saves for a small job. Measured over mTLS with
+#: bench_shuffler (1,000 x 100 KiB, packed two per message, three alternating pairs): with the threshold at
+#: 192 KiB (those pairs pipelined) the shuffler spent 0.42-0.46 CPU-s per submit against 0.35-0.37 at 256 KiB
+#: (checked inline), and submit took 0.41-0.45 s against 0.35-0.37 s. One 1 MiB envelope per job gains (session
+#: 5: submit medians 1.62-1.73 s pipelined against 1.77-1.87 s inline).
+PIPELINE_MIN_JOB_BYTES = 256 << 10
 #: errnos that mean "no space": a rolled-back commit with one of these is reported as disk_full
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 

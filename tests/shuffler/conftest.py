@@ -104,7 +104,7 @@ class Kit:
 def pipelined_signature_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every envelope of these tests takes the pipelined path (signature checks on the core's verify pool).
 
-    In production only messages with at least ``PIPELINE_MIN_JOB_BYTES`` (192 KiB) of plaintext are pipelined,
+    In production only messages with at least ``PIPELINE_MIN_JOB_BYTES`` (256 KiB) of plaintext are pipelined,
     and the test envelopes are small, so without this the in-process cores and servers here would only ever
     check inline. The inline path is covered by ``verify_threads = 0`` tests in test_core.py and by the service tests
     that run the shuffler as a subprocess.

@@ -1234,7 +1234,7 @@ def test_a_message_is_one_job_and_small_jobs_are_checked_inline(core: ShufflerCo
     reaches PIPELINE_MIN_JOB_BYTES, and are checked inline otherwise; either way the outcome is in order."""
     import shuffler.core as coremod
 
-    monkeypatch.setattr(coremod, "PIPELINE_MIN_JOB_BYTES", 192 << 10)
+    monkeypatch.setattr(coremod, "PIPELINE_MIN_JOB_BYTES", 256 << 10)
     jobs: list[int] = []
     real_submit = core.verify_pool.submit
     monkeypatch.setattr(core.verify_pool, "submit", lambda fn, job: (jobs.append(len(job)), real_submit(fn, job))[1])
@@ -1243,13 +1243,13 @@ def test_a_message_is_one_job_and_small_jobs_are_checked_inline(core: ShufflerCo
     b.add_many(small)  # 4 KiB of plaintext: inline
     assert jobs == [] and b.n_accepted == 4
     assert _verify(kit, b.finish()).n_accepted == 4
-    # 3 x 70 KiB in one message reach the threshold together, though none does alone; a replay inside the job
+    # 3 x 90 KiB in one message reach the threshold together, though none does alone; a replay inside the job
     # and a junk envelope (dropped before decryption, so not in the job) keep their places
-    size = 70 << 10
+    size = 90 << 10
     e = [kit.seal(i, round_id=2, size=size) for i in range(4)]
     b = core.begin(kit.header(6, round_id=2))
     b.add_many([e[0], b"junk", e[1], e[0]])
-    b.add_many([e[2], e[3]])  # 140 KiB: inline, after the pending job is concluded
+    b.add_many([e[2], e[3]])  # 180 KiB: inline, after the pending job is concluded
     assert jobs == [3]
     att = _verify(kit, b.finish())
     assert att.n_accepted == 4 and att.dropped["replay"] == 1 and att.dropped["malformed"] == 1
