@@ -101,7 +101,9 @@ class ShufflerClient:
         self._timeout = timeout
         #: envelopes that submit() did not send because they exceed the message limit (cumulative)
         self.skipped_oversized = 0
-        # the largest envelope gRPC lets through: the send limit minus the field's tag and length varint
+        # the largest envelope this client sends (larger ones become placeholders): max_message_bytes plus the
+        # framing slack, minus the field's tag and length varint. The channel itself allows
+        # message_limit(max_message_bytes), so that packed messages always fit.
         self._send_limit = max_message_bytes + FRAMING_SLACK - 16
 
     def close(self) -> None:

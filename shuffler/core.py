@@ -78,8 +78,8 @@ _DIRECT_ALIGN = 4096
 MAX_VERIFY_THREADS = 64
 #: Pipelined signature checks (``verify_threads`` >= 1): the checks of one received message form a job. After
 #: handing a job to the pool, a submit waits for the oldest jobs until at most this many reports and bytes of
-#: plaintext are in flight, or a single job (one message: at most ``wire.PACKED_MESSAGE_BYTES`` of packed
-#: envelopes, or one envelope of at most ``max_envelope_bytes``).
+#: plaintext are in flight, or a single job (one message: at most the service's message limit,
+#: ``max(max_envelope_bytes, wire.PACKED_MESSAGE_BYTES)`` plus framing).
 PIPELINE_MAX_REPORTS = 16
 PIPELINE_MAX_BYTES = 32 << 20
 #: A job with less plaintext is checked inline even with ``verify_threads`` >= 1: handing it to a worker and
@@ -808,7 +808,7 @@ class BatchBuilder:
         #: SHA-256 of the inner ciphertext at each slot (32 bytes per slot, slot order), for the output digest
         self._slot_hashes: bytearray | None = None
         #: signature-check jobs in flight on the core's verify pool, oldest first: (future, reports, bytes)
-        self._pending: deque[tuple[Future[list[env.OpenedReport | env.EnvelopeError]], int, int]] = deque()
+        self._pending: deque[tuple[Future[list[env.OpenedReport | str]], int, int]] = deque()
         self._pending_reports = 0
         self._pending_bytes = 0
         if not replay_only:
@@ -955,6 +955,11 @@ class BatchBuilder:
     def request_digest(self) -> bytes:
         return _request_digest(self.header, self._envelope_hashes)
 
+    @property
+    def room(self) -> int:
+        """Envelopes the header's ``expected_count`` still allows (0 once it is reached)."""
+        return max(0, self.header.expected_count - self.received)
+
     def add(self, envelope: bytes) -> None:
         """Process one envelope: verify and stage it, or count why it was dropped (:meth:`add_many` of one)."""
         self.add_many((envelope,))
@@ -1002,15 +1007,17 @@ class BatchBuilder:
                     self.drops[exc.reason] += 1
         return out
 
-    def _verify_job(self, job: list[env.DecryptedReport]) -> list[env.OpenedReport | env.EnvelopeError]:
-        """The signature checks of one job, in order; a failed check is returned, not raised (anything other
-        than an :class:`~shuffler.envelope.EnvelopeError` is a bug and propagates)."""
-        results: list[env.OpenedReport | env.EnvelopeError] = []
+    def _verify_job(self, job: list[env.DecryptedReport]) -> list[env.OpenedReport | str]:
+        """The signature checks of one job, in order: the verified report, or the drop reason of a failed check
+        (a string, not the exception, whose traceback would keep this frame and the job's plaintexts alive until
+        the cyclic garbage collector runs). Anything other than an
+        :class:`~shuffler.envelope.EnvelopeError` is a bug and propagates."""
+        results: list[env.OpenedReport | str] = []
         for decrypted in job:
             try:
                 results.append(self._opener.verify(decrypted))
             except env.EnvelopeError as exc:
-                results.append(exc)
+                results.append(exc.reason)
         return results
 
     def _check_job(self, job: list[env.DecryptedReport]) -> None:
@@ -1041,11 +1048,11 @@ class BatchBuilder:
         self._pending_bytes -= size
         self._conclude(future.result())
 
-    def _conclude(self, results: list[env.OpenedReport | env.EnvelopeError]) -> None:
+    def _conclude(self, results: list[env.OpenedReport | str]) -> None:
         """Count a drop for each failed signature check, else accept or drop the verified report, in order."""
         for result in results:
-            if isinstance(result, env.EnvelopeError):
-                self.drops[result.reason] += 1
+            if isinstance(result, str):
+                self.drops[result] += 1
             else:
                 self._accept(result)
 

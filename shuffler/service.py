@@ -27,6 +27,7 @@ Per-envelope failures are not errors: they are counted drops, reported per reaso
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -53,7 +54,7 @@ __all__ = ["SERVICE_NAME", "STATUS_FOR", "ShufflerServicer", "build_server", "se
 
 log = logging.getLogger("shuffler.service")
 SERVICE_NAME = "shuffledp.shuffler.v1.Shuffler"
-#: Slack above max_envelope_bytes for protobuf framing of one SubmitRequest.
+#: Slack above message_limit's base (the larger of max_envelope_bytes and a packed message) for protobuf framing.
 FRAMING_SLACK = 1024
 
 STATUS_FOR: dict[str, grpc.StatusCode] = {
@@ -82,20 +83,16 @@ class _EnvelopeMessage:
         return "envelope"
 
 
-class _EnvelopeList:
-    __slots__ = ("envelopes",)
-
-    def __init__(self, envelopes: list[memoryview]) -> None:
-        self.envelopes = envelopes
-
-
 class _BatchMessage:
-    """A ``SubmitRequest{batch}`` decoded without copying its envelopes (see :func:`_submit_request`)."""
+    """A ``SubmitRequest{batch}`` in canonical form, kept as a view of the received buffer: its envelopes are
+    sliced out (without copying) only when taken, and only as many as the batch has room for, so a message of
+    many tiny items cannot make the service build one Python object per item (see :func:`batch_envelopes`)."""
 
-    __slots__ = ("batch",)
+    __slots__ = ("raw", "count")
 
-    def __init__(self, envelopes: list[memoryview]) -> None:
-        self.batch = _EnvelopeList(envelopes)
+    def __init__(self, raw: memoryview, count: int) -> None:
+        self.raw = raw
+        self.count = count
 
     @staticmethod
     def WhichOneof(name: str) -> str:  # noqa: N802 - mirrors the protobuf message API
@@ -115,10 +112,17 @@ def _submit_request(raw: bytes) -> "pb.SubmitRequest | _EnvelopeMessage | _Batch
         return _EnvelopeMessage(envelope)  # type: ignore[arg-type]
     batch = wire.decode_single_bytes_field(view, 4)
     if batch is not None:
-        items = wire.decode_repeated_bytes_field(batch, 1)
-        if items is not None:
-            return _BatchMessage(items)  # type: ignore[arg-type]
+        count = wire.count_repeated_bytes_field(batch, 1)
+        if count is not None:
+            return _BatchMessage(batch, count)  # type: ignore[arg-type]
     return pb.SubmitRequest.FromString(raw)
+
+
+def batch_envelopes(request: "pb.SubmitRequest | _BatchMessage", limit: int) -> list[bytes | memoryview]:
+    """The first ``limit`` envelopes of a Submit batch message (all of them if it holds fewer)."""
+    if isinstance(request, _BatchMessage):
+        return list(itertools.islice(wire.iter_repeated_bytes_field(request.raw, 1), limit))
+    return list(itertools.islice(request.batch.envelopes, limit))
 
 
 def message_limit(max_envelope_bytes: int) -> int:
@@ -253,7 +257,9 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
                 if item == "envelope":
                     builder.add(req.envelope)  # bytes or a memoryview into the received message
                 elif item == "batch":
-                    builder.add_many(list(req.batch.envelopes))
+                    # at most one beyond the room left: that one is refused (count_mismatch), the rest never
+                    # become objects
+                    builder.add_many(batch_envelopes(req, builder.room + 1))
                 elif item != "keepalive":  # a keepalive only resets the idle timer (done by _watched)
                     raise Refused(
                         "invalid_argument", "not_envelope", "only envelopes, batches and keepalives may follow the header"

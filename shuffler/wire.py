@@ -19,6 +19,8 @@ __all__ = [
     "encode_repeated_bytes_field",
     "decode_single_bytes_field",
     "decode_repeated_bytes_field",
+    "count_repeated_bytes_field",
+    "iter_repeated_bytes_field",
 ]
 
 
@@ -102,21 +104,43 @@ def decode_single_bytes_field(raw: bytes | memoryview, field_number: int) -> byt
     return raw[span[0] :]
 
 
-def decode_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> list[bytes | memoryview] | None:
-    """The values if ``raw`` is one or more ``bytes`` fields ``field_number`` and nothing else, else ``None``.
-
-    Each value is a slice of ``raw`` (a copy for ``bytes``, a zero-copy view for a ``memoryview``).
-    """
+def count_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> int | None:
+    """How many values ``raw`` holds if it is one or more ``bytes`` fields ``field_number`` and nothing else,
+    else ``None`` (use the full parser). Walks the encoding without slicing anything out of it."""
     tag = (field_number << 3) | 2
-    out: list[bytes | memoryview] = []
+    count = 0
     pos = 0
     while pos < len(raw):
         span = _field_at(raw, pos, tag)
         if span is None:
             return None
-        out.append(raw[span[0] : span[1]])
+        count += 1
         pos = span[1]
-    return out or None
+    return count or None
+
+
+def iter_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> Iterator[bytes | memoryview]:
+    """The values of ``raw``, in order, one at a time: a slice each (a copy for ``bytes``, a zero-copy view for a
+    ``memoryview``). Raises ``ValueError`` at the first part that is not a ``bytes`` field ``field_number``
+    (check the whole buffer first with :func:`count_repeated_bytes_field`)."""
+    tag = (field_number << 3) | 2
+    pos = 0
+    while pos < len(raw):
+        span = _field_at(raw, pos, tag)
+        if span is None:
+            raise ValueError(f"not a canonical repeated bytes field {field_number} at offset {pos}")
+        yield raw[span[0] : span[1]]
+        pos = span[1]
+
+
+def decode_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> list[bytes | memoryview] | None:
+    """The values if ``raw`` is one or more ``bytes`` fields ``field_number`` and nothing else, else ``None``.
+
+    Each value is a slice of ``raw`` (a copy for ``bytes``, a zero-copy view for a ``memoryview``).
+    """
+    if count_repeated_bytes_field(raw, field_number) is None:
+        return None
+    return list(iter_repeated_bytes_field(raw, field_number))
 
 
 def encode_repeated_bytes_field(field_number: int, items: list[bytes | memoryview]) -> bytes:

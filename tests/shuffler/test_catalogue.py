@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shuffler import shuffler_pb2 as pb
-from shuffler import tls
+from shuffler import tls, wire
 from shuffler.attestation import DROP_REASONS
 from shuffler.client import ShufflerClient, ShufflerError
 from shuffler.envelope import ENVELOPE_OVERHEAD, model_digest, seal
@@ -585,6 +585,16 @@ def expected_count_above_sent(ctx: Ctx) -> Refusal:
 def expected_count_below_sent(ctx: Ctx) -> Refusal:
     envs, payloads = ctx.honest()
     msgs = [header_msg(ctx.kit, 3, round_id=ctx.r)] + [envelope_msg(e) for e in envs]
+    return Refusal(lambda: ctx.raw_submit(msgs), grpc.StatusCode.INVALID_ARGUMENT, "count_mismatch", envs, payloads)
+
+
+@case
+def packed_flood_beyond_count(ctx: Ctx) -> Refusal:
+    # one packed message: the announced envelopes, then 100,000 two-byte placeholders (only one more than the
+    # count is ever sliced out; it is refused)
+    envs, payloads = ctx.honest()
+    flood = wire.encode_bytes_field(4, wire.encode_repeated_bytes_field(1, list(envs) + [b""] * 100_000))
+    msgs = [header_msg(ctx.kit, len(envs), round_id=ctx.r), flood]
     return Refusal(lambda: ctx.raw_submit(msgs), grpc.StatusCode.INVALID_ARGUMENT, "count_mismatch", envs, payloads)
 
 

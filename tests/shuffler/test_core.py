@@ -1247,12 +1247,16 @@ def test_a_message_is_one_job_and_small_jobs_are_checked_inline(core: ShufflerCo
     # and a junk envelope (dropped before decryption, so not in the job) keep their places
     size = 90 << 10
     e = [kit.seal(i, round_id=2, size=size) for i in range(4)]
-    b = core.begin(kit.header(6, round_id=2))
+    b = core.begin(kit.header(7, round_id=2))
     b.add_many([e[0], b"junk", e[1], e[0]])
-    b.add_many([e[2], e[3]])  # 180 KiB: inline, after the pending job is concluded
+    # 180 KiB plus a small report of client 1: inline, after the pending job is concluded, so client 1's large
+    # report was accepted first and the small one is the duplicate (the other way round, the batch would be
+    # refused for mixed lengths)
+    b.add_many([e[2], e[3], kit.seal(1, round_id=2)])
     assert jobs == [3]
     att = _verify(kit, b.finish())
-    assert att.n_accepted == 4 and att.dropped["replay"] == 1 and att.dropped["malformed"] == 1
+    assert att.n_accepted == 4 and att.inner_length > size
+    assert {k: v for k, v in att.dropped.items() if v} == {"replay": 1, "malformed": 1, "duplicate_signer": 1}
 
 
 def test_a_message_beyond_the_expected_count_is_refused_after_its_first_envelopes(core: ShufflerCore, kit,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,17 +90,43 @@ def test_repeated_decode_rejects_anything_else() -> None:
 
 
 def test_submit_deserializer_batch_fast_path() -> None:
-    from shuffler.service import _submit_request
+    from shuffler.service import _submit_request, batch_envelopes
 
     items = [b"\x01" * 300, b"", b"\x02" * 5]
     req = _submit_request(pb.SubmitRequest(batch=pb.EnvelopeBatch(envelopes=items)).SerializeToString())
     assert req.WhichOneof("item") == "batch"
-    assert [bytes(x) for x in req.batch.envelopes] == items
-    assert all(isinstance(x, memoryview) for x in req.batch.envelopes)  # sliced, not copied
+    taken = batch_envelopes(req, 10)
+    assert [bytes(x) for x in taken] == items
+    assert all(isinstance(x, memoryview) for x in taken)  # sliced, not copied
+    assert [bytes(x) for x in batch_envelopes(req, 2)] == items[:2]  # only as many as asked for
     # a non-canonical batch (an unknown field inside) goes through the generated parser, which skips it
     odd = encode_bytes_field(4, encode_repeated_bytes_field(1, items) + b"\x10\x01")
     parsed = _submit_request(odd)
-    assert parsed.WhichOneof("item") == "batch" and list(parsed.batch.envelopes) == items
+    assert parsed.WhichOneof("item") == "batch" and batch_envelopes(parsed, 10) == items
+    assert batch_envelopes(parsed, 1) == items[:1]
+
+
+def test_a_batch_of_many_tiny_items_is_not_materialised() -> None:
+    """A packed message of 100,000 empty envelopes (2 bytes each on the wire) is counted without slicing, and
+    only as many items as the batch has room for become objects."""
+    import tracemalloc
+
+    from shuffler import wire
+    from shuffler.service import _submit_request, batch_envelopes
+
+    raw = encode_bytes_field(4, b"\x0a\x00" * 100_000)
+    tracemalloc.start()
+    try:
+        req = _submit_request(raw)
+        assert req.WhichOneof("item") == "batch" and req.count == 100_000
+        assert len(batch_envelopes(req, 4)) == 4
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024  # one memoryview per item would be about 19 MB
+    assert wire.count_repeated_bytes_field(b"\x0a\x00" * 3 + b"\x08\x01", 1) is None  # a varint at the end
+    with pytest.raises(ValueError, match="offset 6"):
+        list(wire.iter_repeated_bytes_field(b"\x0a\x00" * 3 + b"\x08\x01", 1))
 
 
 def test_packed_keeps_order_and_the_limit() -> None:
