@@ -104,6 +104,13 @@ class Refused(Exception):
         self.reason = reason
 
 
+def _require_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int (not a bool) in ``[low, high]`` (``>= low`` if no high)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class CoreConfig:
     """What the core needs. Keys are raw bytes; ``enrolment`` maps client id -> Ed25519 public key."""
@@ -126,39 +133,14 @@ class CoreConfig:
     verify_threads: int = 1
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.verify_threads, bool)
-            or not isinstance(self.verify_threads, int)
-            or not 0 <= self.verify_threads <= MAX_VERIFY_THREADS
-        ):
-            raise ValueError(f"verify_threads must be an int in [0, {MAX_VERIFY_THREADS}], got {self.verify_threads!r}")
+        _require_int("verify_threads", self.verify_threads, 0, MAX_VERIFY_THREADS)
         if not isinstance(self.retain_staging_buffer, bool):
             raise ValueError(f"retain_staging_buffer must be a bool, got {self.retain_staging_buffer!r}")
-        if (
-            isinstance(self.staging_memory_limit, bool)
-            or not isinstance(self.staging_memory_limit, int)
-            or not 0 <= self.staging_memory_limit <= MAX_STAGING_MEMORY_LIMIT
-        ):
-            raise ValueError(
-                f"staging_memory_limit must be an int in [0, {MAX_STAGING_MEMORY_LIMIT}], "
-                f"got {self.staging_memory_limit!r}"
-            )
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"k must be an int >= 1, got {self.k!r}")
-        if not isinstance(self.key_epoch, int) or not 0 <= self.key_epoch < 2**32:
-            raise ValueError(f"key_epoch must be an int in [0, 2**32), got {self.key_epoch!r}")
-        if not isinstance(self.max_envelope_bytes, int) or self.max_envelope_bytes < env.ENVELOPE_OVERHEAD:
-            raise ValueError(
-                f"max_envelope_bytes must be an int >= {env.ENVELOPE_OVERHEAD}, got {self.max_envelope_bytes!r}"
-            )
-        if (
-            isinstance(self.max_batch_reports, bool)
-            or not isinstance(self.max_batch_reports, int)
-            or not 1 <= self.max_batch_reports <= MAX_BATCH_REPORTS_CAP
-        ):
-            raise ValueError(
-                f"max_batch_reports must be an int in [1, {MAX_BATCH_REPORTS_CAP}], got {self.max_batch_reports!r}"
-            )
+        _require_int("staging_memory_limit", self.staging_memory_limit, 0, MAX_STAGING_MEMORY_LIMIT)
+        _require_int("k", self.k, 1)
+        _require_int("key_epoch", self.key_epoch, 0, 2**32 - 1)
+        _require_int("max_envelope_bytes", self.max_envelope_bytes, env.ENVELOPE_OVERHEAD)
+        _require_int("max_batch_reports", self.max_batch_reports, 1, MAX_BATCH_REPORTS_CAP)
         if len(self.hpke_private_key) != 32 or len(self.signing_private_key) != 32:
             raise ValueError("hpke_private_key and signing_private_key must be 32 raw bytes each")
         if not self.enrolment:

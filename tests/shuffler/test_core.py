@@ -362,6 +362,14 @@ def test_core_config_validation(kit, tmp_path: Path) -> None:
         kit.core_config(tmp_path / "j", enrolment={})
     with pytest.raises(ValueError, match="max_envelope_bytes"):
         kit.core_config(tmp_path / "j", max_envelope_bytes=10)
+    # every integer field refuses a bool (True is an int to Python) and says what is allowed
+    for field, allowed in (("key_epoch", r"in \[0, 4294967295\]"), ("k", ">= 1"),
+                           ("max_envelope_bytes", ">= 214"), ("max_batch_reports", r"in \[1, 1000000\]"),
+                           ("staging_memory_limit", r"in \[0, 1099511627776\]"), ("verify_threads", r"in \[0, 64\]")):
+        with pytest.raises(ValueError, match=rf"{field} must be an int {allowed}, got True"):
+            kit.core_config(tmp_path / "j", **{field: True})
+    with pytest.raises(ValueError, match=r"key_epoch must be an int in \[0, 4294967295\], got 4294967296"):
+        kit.core_config(tmp_path / "j", key_epoch=2**32)
     assert isinstance(kit.core_config(tmp_path / "j"), CoreConfig)
 
 
