@@ -63,6 +63,7 @@ __all__ = [
     "ResumeError",
     "envelope_of",
     "sample_nodes",
+    "wait_for_nodes",
     "RESUME_KEYS",
 ]
 
@@ -165,6 +166,22 @@ class RoundOutcome:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RoundOutcome:
         return cls(**dict(data))
+
+
+def wait_for_nodes(grid: GridLike, min_nodes: int, *, node_wait: float, settle: float) -> list[int]:
+    """The connected node ids, sorted, once at least ``min_nodes`` are connected and their count has not changed
+    for ``settle`` seconds, or whatever is connected after ``node_wait`` seconds (the caller decides whether that
+    is enough). Polls ``grid.get_node_ids()`` every 0.5 s at most."""
+    deadline = time.monotonic() + node_wait
+    last_count, stable_since = -1, time.monotonic()
+    while True:
+        nodes = sorted(set(int(n) for n in grid.get_node_ids()))
+        now = time.monotonic()
+        if len(nodes) != last_count:
+            last_count, stable_since = len(nodes), now
+        if (len(nodes) >= min_nodes and now - stable_since >= settle) or now >= deadline:
+            return nodes
+        time.sleep(min(0.5, max(0.0, deadline - now)))
 
 
 def sample_nodes(node_ids: Sequence[int], fraction: float, rng: secrets.SystemRandom | None = None) -> list[int]:
@@ -412,18 +429,10 @@ class RoundEngine:
         for a moment: Flower registers simulated nodes progressively, and a first round sent to the first 1,000
         of 1,437 nodes would leave the others out of it.
         """
-        deadline = time.monotonic() + self.node_wait
         settle = 0.0 if self._settled else min(3.0, self.node_wait)
-        last_count, stable_since = -1, time.monotonic()
-        while True:
-            nodes = sorted(set(int(n) for n in self.grid.get_node_ids()))
-            now = time.monotonic()
-            if len(nodes) != last_count:
-                last_count, stable_since = len(nodes), now
-            if (len(nodes) >= self.cfg.min_reports and now - stable_since >= settle) or now >= deadline:
-                self._settled = True
-                return nodes
-            time.sleep(min(0.5, max(0.0, deadline - now)))
+        nodes = wait_for_nodes(self.grid, self.cfg.min_reports, node_wait=self.node_wait, settle=settle)
+        self._settled = True
+        return nodes
 
     def _collect_into_stream(self, messages: list[Any], round_id: int, digest: bytes, out: RoundOutcome) -> Any | None:
         """Send the round's messages and stream each reply's envelope to the shuffler as it arrives.

@@ -33,7 +33,7 @@ from clients.report import decode_report
 from server.config import parse_run_config
 from server.evaluation import CentralEvaluator
 from server.optim import ReportAccumulator, ServerOptimizer, num_parameters
-from server.rounds import sample_nodes
+from server.rounds import sample_nodes, wait_for_nodes
 
 __all__ = ["app", "ROUNDS_FILE"]
 
@@ -45,20 +45,6 @@ NODE_WAIT = 120.0  # as server.job.run_job's default node_wait
 
 log = logging.getLogger("shuffledp.noshuffle")
 app = ServerApp()
-
-
-def _connected_nodes(grid: Grid, min_reports: int, settle: float) -> list[int]:
-    """Same policy as RoundEngine._connected_nodes: wait for min-reports nodes, stable for ``settle`` s."""
-    deadline = time.monotonic() + NODE_WAIT
-    last, since = -1, time.monotonic()
-    while True:
-        nodes = sorted(set(int(n) for n in grid.get_node_ids()))
-        now = time.monotonic()
-        if len(nodes) != last:
-            last, since = len(nodes), now
-        if (len(nodes) >= min_reports and now - since >= settle) or now >= deadline:
-            return nodes
-        time.sleep(min(0.5, max(0.0, deadline - now)))
 
 
 class PlainRounds:
@@ -77,7 +63,7 @@ class PlainRounds:
         cfg, grid = self.cfg, self.grid
         seconds: dict[str, float] = {}
         t0 = time.perf_counter()
-        nodes = _connected_nodes(grid, cfg.min_reports, settle=settle)
+        nodes = wait_for_nodes(grid, cfg.min_reports, node_wait=NODE_WAIT, settle=settle)  # the product's policy
         sampled = sample_nodes(nodes, cfg.fraction)
         t1 = time.perf_counter()
         seconds["select"] = t1 - t0

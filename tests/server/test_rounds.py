@@ -334,3 +334,33 @@ def test_report_rows_match_the_ledger(h: Any) -> None:
         assert mine["epsilon"] == theirs["epsilons"]["clones"]["value"]
         assert mine["n_reports"] == theirs["n_reports"]
     json.dumps(rows, allow_nan=False)
+
+
+def test_wait_for_nodes_waits_for_a_stable_count_and_gives_up_at_the_deadline(monkeypatch) -> None:
+    """The node-wait policy shared by the ServerApp and the no-shuffle baseline app, on a fake clock: nodes
+    register progressively; the wait returns once min_nodes are there and the count has been stable for
+    ``settle`` seconds, or with whatever is connected at ``node_wait``."""
+    import server.rounds as rounds_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(rounds_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(rounds_mod.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+
+    class Registering:
+        def __init__(self, counts: list[int]) -> None:
+            self.counts, self.calls = counts, 0
+
+        def get_node_ids(self) -> list[int]:
+            n = self.counts[min(self.calls, len(self.counts) - 1)]
+            self.calls += 1
+            return list(range(n)) + [0]  # duplicates are counted once
+
+    # 2, 5, 8 nodes, then 8 for good: min 4 is reached at 5, but the count changes again; it returns 8 nodes
+    # once they have been stable for 1.5 s (polls every 0.5 s)
+    grid = Registering([2, 5, 8])
+    assert rounds_mod.wait_for_nodes(grid, 4, node_wait=60, settle=1.5) == list(range(8))
+    assert clock[0] == pytest.approx(2.5)
+    # never enough nodes: it returns what is there at the deadline
+    clock[0] = 0.0
+    assert rounds_mod.wait_for_nodes(Registering([3]), 4, node_wait=2.0, settle=0.0) == [0, 1, 2]
+    assert clock[0] == pytest.approx(2.0)
