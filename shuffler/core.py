@@ -952,7 +952,7 @@ class BatchBuilder:
         """
         if self._done:
             raise RuntimeError("batch already finished")
-        room = self.header.expected_count - self.received
+        room = self.room
         self._check_job(self._decrypt_all(envelopes[:room] if len(envelopes) > room else envelopes))
         if len(envelopes) > room:
             self.received += 1

@@ -20,9 +20,9 @@ the 64 MiB heap it lives in, plus fragmentation. So it is an option of the shuff
 and of the ServerApp's shuffler connection (run config ``heap-tuning``), on by default and reported (the
 shuffler's log; a progress line of the ServerApp). ``mallopt`` is documented MT-unsafe (it updates
 process-wide parameters without every arena's lock); the only effect of a concurrent allocation is that it may
-still see the old thresholds, so calling it after gRPC's threads exist is harmless. If the operator already set glibc's malloc parameters through the
-environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``), or the C library is
-not glibc, nothing is changed and :class:`HeapTuning` says why.
+still see the old thresholds, so calling it after gRPC's threads exist is harmless. If the operator already set
+glibc's malloc parameters through the environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
+``GLIBC_TUNABLES``), or the C library is not glibc, nothing is changed and :class:`HeapTuning` says why.
 
 This module touches no report data and no randomness; it only changes where the allocator gets memory from.
 """

@@ -208,7 +208,6 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         self.allowed = set(client_common_names) if client_common_names else None
         self._submit_slots = threading.BoundedSemaphore(max(1, max_concurrent_submits))
         self.submit_idle_timeout = submit_idle_timeout
-        self._fetch_group = wire.PACKED_MESSAGE_BYTES
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         if self.allowed is None:
@@ -301,7 +300,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             return
         try:
             # FetchResponse{inner: [...]}: consecutive inner ciphertexts, packed up to the group size
-            for group in wire.packed(chunks, self._fetch_group):
+            for group in wire.packed(chunks, wire.PACKED_MESSAGE_BYTES):
                 yield wire.encode_repeated_bytes_field(1, group)
         except Exception as exc:  # noqa: BLE001 - e.g. a sealed output damaged on disk; never report data
             log.error("fetch: internal error (%s)", type(exc).__name__)

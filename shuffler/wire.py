@@ -104,33 +104,34 @@ def decode_single_bytes_field(raw: bytes | memoryview, field_number: int) -> byt
     return raw[span[0] :]
 
 
-def count_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> int | None:
-    """How many values ``raw`` holds if it is one or more ``bytes`` fields ``field_number`` and nothing else,
-    else ``None`` (use the full parser). Walks the encoding without slicing anything out of it."""
-    tag = (field_number << 3) | 2
-    count = 0
-    pos = 0
-    while pos < len(raw):
-        span = _field_at(raw, pos, tag)
-        if span is None:
-            return None
-        count += 1
-        pos = span[1]
-    return count or None
-
-
-def iter_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> Iterator[bytes | memoryview]:
-    """The values of ``raw``, in order, one at a time: a slice each (a copy for ``bytes``, a zero-copy view for a
-    ``memoryview``). Raises ``ValueError`` at the first part that is not a ``bytes`` field ``field_number``
-    (check the whole buffer first with :func:`count_repeated_bytes_field`)."""
+def _spans(raw: bytes | memoryview, field_number: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each value of ``raw`` read as repeated ``bytes`` field ``field_number``, in order; raises
+    ``ValueError`` at the first part that is not such a field (one walk shared by the functions below)."""
     tag = (field_number << 3) | 2
     pos = 0
     while pos < len(raw):
         span = _field_at(raw, pos, tag)
         if span is None:
             raise ValueError(f"not a canonical repeated bytes field {field_number} at offset {pos}")
-        yield raw[span[0] : span[1]]
+        yield span
         pos = span[1]
+
+
+def count_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> int | None:
+    """How many values ``raw`` holds if it is one or more ``bytes`` fields ``field_number`` and nothing else,
+    else ``None`` (use the full parser). Walks the encoding without slicing anything out of it."""
+    try:
+        return sum(1 for _ in _spans(raw, field_number)) or None
+    except ValueError:
+        return None
+
+
+def iter_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> Iterator[bytes | memoryview]:
+    """The values of ``raw``, in order, one at a time: a slice each (a copy for ``bytes``, a zero-copy view for a
+    ``memoryview``). Raises ``ValueError`` at the first part that is not a ``bytes`` field ``field_number``
+    (check the whole buffer first with :func:`count_repeated_bytes_field`)."""
+    for start, end in _spans(raw, field_number):
+        yield raw[start:end]
 
 
 def decode_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> list[bytes | memoryview] | None:
@@ -138,9 +139,10 @@ def decode_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> l
 
     Each value is a slice of ``raw`` (a copy for ``bytes``, a zero-copy view for a ``memoryview``).
     """
-    if count_repeated_bytes_field(raw, field_number) is None:
+    try:
+        return list(iter_repeated_bytes_field(raw, field_number)) or None
+    except ValueError:
         return None
-    return list(iter_repeated_bytes_field(raw, field_number))
 
 
 def encode_repeated_bytes_field(field_number: int, items: list[bytes | memoryview]) -> bytes:
