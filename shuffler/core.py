@@ -439,6 +439,10 @@ class ShufflerCore:
             if rec.get("type") == "batch":
                 self._load_record(rec)
         self._rng = secrets.SystemRandom()
+        #: builders begun and not yet finished or aborted; :meth:`close` waits for them (graceful stop)
+        self._open_builders = 0
+        self._closing = False
+        self._drained = threading.Condition(self._lock)
         #: runs BatchBuilder's signature checks off the submitting thread (None: config.verify_threads == 0)
         self.verify_pool: ThreadPoolExecutor | None = (
             ThreadPoolExecutor(max_workers=config.verify_threads, thread_name_prefix="shuffler-verify")
@@ -497,7 +501,22 @@ class ShufflerCore:
                 self.counters["batches_refused"] += 1
             log.info("batch refused at the header: %s", exc.reason)
             raise
-        return BatchBuilder(self, header, replay_only=(header.key_epoch, header.round_id) in self._by_binding)
+        with self._lock:
+            if self._closing:
+                raise Refused("unavailable", "shutting_down", "the shuffler is stopping; retry with its successor")
+            self._open_builders += 1
+        try:
+            return BatchBuilder(self, header, replay_only=(header.key_epoch, header.round_id) in self._by_binding)
+        except BaseException:
+            self._builder_closed()
+            raise
+
+    def _builder_closed(self) -> None:
+        """A builder was finished or aborted (called once per builder)."""
+        with self._lock:
+            self._open_builders -= 1
+            if self._open_builders == 0:
+                self._drained.notify_all()
 
     def _check_header(self, header: Header) -> None:
         if not self.healthy:
@@ -726,7 +745,23 @@ class ShufflerCore:
         if buf is not None:
             buf.close()
 
-    def close(self) -> None:
+    def close(self, *, drain_timeout: float = 10.0) -> bool:
+        """Refuse new batches, wait up to ``drain_timeout`` seconds for the open ones to finish or abort, then
+        shut the verify pool and close the journal. Returns False if batches were still open at the deadline
+        (they then fail: nothing of theirs is committed, since the journal is closed under them).
+
+        The service calls this after ``server.stop(grace)``, whose cancelled Submit handlers are still
+        unwinding; without the wait they found the pool shut and the journal closed mid-batch.
+        """
+        if drain_timeout < 0 or drain_timeout != drain_timeout:
+            raise ValueError(f"drain_timeout must be >= 0 seconds, got {drain_timeout!r}")
+        with self._lock:
+            self._closing = True
+            drained = self._drained.wait_for(lambda: self._open_builders == 0, timeout=drain_timeout)
+            still_open = self._open_builders
+        if not drained:
+            log.warning("close: %d batch(es) still open after %g s; closing the journal under them", still_open,
+                        drain_timeout)
         if self.verify_pool is not None:
             self.verify_pool.shutdown(wait=True, cancel_futures=True)
         with self._spare_lock:
@@ -734,6 +769,7 @@ class ShufflerCore:
         if spare is not None:
             spare.close()
         self.journal.close()
+        return drained
 
 
 class BatchBuilder:
@@ -1141,7 +1177,9 @@ class BatchBuilder:
 
     def abort(self) -> None:
         """Discard the staging buffer and the staging file (idempotent)."""
-        self._done = True
+        if not self._done:
+            self._done = True
+            self.core._builder_closed()
         for future, _, _ in self._pending:
             future.cancel()  # one already running finishes on its own plaintext; nothing reads its result
         self._pending.clear()

@@ -1291,3 +1291,59 @@ def test_a_message_beyond_the_expected_count_is_refused_after_its_first_envelope
     assert core.stats()["batches_refused"] == 2
     # nothing was recorded: the same round and reports seal afterwards
     assert _verify(kit, _run(core, kit, envs[: kit.k])).n_accepted == kit.k
+
+
+def test_close_waits_for_an_open_batch_and_refuses_new_ones(kit, tmp_path: Path) -> None:
+    """Graceful stop: a batch still open when the core is closed is committed normally (the journal stays open
+    until it finishes), and a batch begun after close started is refused UNAVAILABLE."""
+    import threading
+    import time
+
+    jdir = tmp_path / "journal"
+    core = ShufflerCore(kit.core_config(jdir))
+    b = core.begin(kit.header(5))
+    for i in range(5):
+        b.add(kit.seal(i))
+    result: list[bool] = []
+    closer = threading.Thread(target=lambda: result.append(core.close(drain_timeout=30.0)))
+    closer.start()
+    deadline = time.monotonic() + 5
+    while not core._closing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(Refused) as exc:
+        core.begin(kit.header(5, round_id=2))
+    assert (exc.value.code, exc.value.reason) == ("unavailable", "shutting_down")
+    closer.join(0.2)
+    assert closer.is_alive()  # still waiting for the open batch
+    sealed = b.finish()
+    closer.join(5)
+    assert not closer.is_alive() and result == [True]
+    reopened = ShufflerCore(kit.core_config(jdir))
+    try:
+        assert reopened.lookup(sealed.batch_id).statement == sealed.statement
+        assert len(list(reopened.read_batch(sealed.batch_id))) == 5
+    finally:
+        reopened.close()
+
+
+def test_close_gives_up_on_a_batch_left_open_past_the_drain_timeout(kit, tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    jdir = tmp_path / "journal"
+    core = ShufflerCore(kit.core_config(jdir))
+    with pytest.raises(ValueError, match="drain_timeout"):
+        core.close(drain_timeout=-1)
+    b = core.begin(kit.header(5))
+    for i in range(5):
+        b.add(kit.seal(i))
+    with caplog.at_level(logging.WARNING, logger="shuffler.core"):
+        assert core.close(drain_timeout=0.05) is False
+    assert "1 batch(es) still open" in caplog.text
+    with pytest.raises(Refused) as exc:  # the journal was closed under it: nothing is committed
+        b.finish()
+    assert (exc.value.code, exc.value.reason) == ("unavailable", "journal_failed")
+    reopened = ShufflerCore(kit.core_config(jdir))
+    try:
+        assert reopened.stats()["batches_sealed"] == 0
+        assert list(reopened.journal.staging_dir.iterdir()) == []
+    finally:
+        reopened.close()
