@@ -10,38 +10,26 @@
 
 ``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family, an upper bound at
 ``delta``. A round charged but whose update was lost in a crash has ``accuracy = loss = null``.
-Both files are written to a temporary file and renamed into place.
+Both files are written with ``shuffler.journal.write_file_durably`` (temporary file, fsync, rename, directory
+fsync).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from shuffler.journal import write_file_durably
 
 __all__ = ["write_report", "write_plot", "REPORT_FILE", "PLOT_FILE"]
 
 REPORT_FILE = "report.json"
 PLOT_FILE = "accuracy_epsilon.png"
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _json_safe(value: Any) -> Any:
@@ -75,7 +63,7 @@ def write_report(
     }
     target = Path(path)
     text = json.dumps(_json_safe(document), indent=2, allow_nan=False) + "\n"
-    _atomic_write_bytes(target, text.encode("utf-8"))
+    write_file_durably(target, text.encode("utf-8"))
     return target
 
 
@@ -105,15 +93,9 @@ def write_plot(path: str | os.PathLike[str], rounds: Sequence[Mapping[str, Any]]
     if title:
         ax1.set_title(title, fontsize=9)
     fig.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=str(target.parent), prefix=f".{target.name}.", suffix=".png")
-    os.close(fd)
+    png = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, target)
+        fig.savefig(png, format="png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return write_file_durably(path, png.getvalue())

@@ -31,10 +31,11 @@ import logging
 import os
 import secrets
 import struct
+import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Journal", "JournalCorrupt", "JournalFailed", "JournalWriteError", "fsync_dir"]
+__all__ = ["Journal", "JournalCorrupt", "JournalFailed", "JournalWriteError", "fsync_dir", "write_file_durably"]
 
 _MAGIC = b"SJR1"
 _HEAD = struct.Struct(">4sI32s")
@@ -62,6 +63,42 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_file_durably(
+    path: str | os.PathLike[str], data: bytes, *, mode: int | None = None, overwrite: bool = True
+) -> Path:
+    """Create or replace ``path`` with ``data`` so that a crash leaves the old content or the new, never a mix.
+
+    The data goes to a temporary file in the same directory (created 0600, then ``chmod mode`` if given), which
+    is fsynced and renamed over ``path``; the directory is fsynced after the rename. With ``overwrite=False``
+    the temporary file is hard-linked to ``path`` instead: ``link`` fails with :class:`FileExistsError` if the
+    name exists, so there is no window between a check and the rename in which another writer's file (a key,
+    say) could be replaced. The parent directory is created if missing. Returns ``path``.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if overwrite:
+            os.replace(tmp, target)
+        else:
+            os.link(tmp, target)
+            os.unlink(tmp)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(target.parent)
+    return target
 
 
 class Journal:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 
 from shuffler import tls
+from shuffler.journal import write_file_durably
 
 __all__ = [
     "KeyKind",
@@ -97,22 +97,10 @@ def public_from_private(raw: bytes, kind: KeyKind) -> bytes:
 
 
 def _atomic_write(path: Path, data: bytes, mode: int, *, overwrite: bool) -> None:
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} already exists; refusing to overwrite a key file")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        write_file_durably(path, data, mode=mode, overwrite=overwrite)
+    except FileExistsError:
+        raise FileExistsError(f"{path} already exists; refusing to overwrite a key file") from None
 
 
 def save_private_key(path: str | os.PathLike[str], raw: bytes, kind: KeyKind, *, overwrite: bool = False) -> None:

@@ -32,7 +32,6 @@ import itertools
 import logging
 import os
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -49,6 +48,7 @@ from shuffler import wire
 from shuffler.config import ServiceConfig, load_config
 from shuffler.core import DISK_FULL_ERRNOS, CoreConfig, Header, Refused, ShufflerCore
 from shuffler.heap import tune_heap
+from shuffler.journal import write_file_durably
 from shuffler.journal import JournalWriteError
 
 __all__ = ["SERVICE_NAME", "STATUS_FOR", "ShufflerServicer", "build_server", "serve", "grpc_options"]
@@ -403,13 +403,6 @@ def build_server(
     return server, port, health_servicer
 
 
-def _write_port_file(path: Path, port: int) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(f"{port}\n")
-    os.replace(tmp, path)
-
-
 def serve(config_path: str | os.PathLike[str], *, port_file: str | os.PathLike[str] | None = None) -> int:
     """Run the service until SIGTERM/SIGINT, then stop gracefully. Returns the exit code."""
     config = load_config(config_path)
@@ -438,7 +431,7 @@ def serve(config_path: str | os.PathLike[str], *, port_file: str | os.PathLike[s
         len(core._sealed),
     )
     if port_file is not None:
-        _write_port_file(Path(port_file), port)
+        write_file_durably(port_file, f"{port}\n".encode())
     while not stop.wait(0.5):
         pass
     log.info("shuffler stopping (signal received)")

@@ -125,3 +125,45 @@ def test_failed_append_is_rolled_back_and_nothing_is_committed_later(tmp_path: P
     with pytest.raises(JournalFailed, match="refuses further appends"):
         j.append({"i": 4})
     j.close()
+
+
+def test_write_file_durably_replaces_with_mode_and_fsyncs_the_directory(tmp_path: Path, monkeypatch) -> None:
+    import os
+    import stat
+
+    import shuffler.journal as journal
+
+    synced: list[Path] = []
+    real = journal.fsync_dir
+    monkeypatch.setattr(journal, "fsync_dir", lambda d: (synced.append(Path(d)), real(d)))
+    target = tmp_path / "sub" / "file.bin"
+    journal.write_file_durably(target, b"old", mode=0o640)
+    journal.write_file_durably(target, b"new", mode=0o640)
+    assert target.read_bytes() == b"new"
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o640
+    assert synced == [target.parent, target.parent]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["file.bin"]  # no temporary file left
+
+
+def test_write_file_durably_without_overwrite_never_replaces_a_file_that_appears_meanwhile(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """overwrite=False links the finished temporary file into place, so a file that another writer created
+    after any check (here: right after the temporary file was made) is kept, and the call fails."""
+    import tempfile
+
+    import shuffler.journal as journal
+
+    target = tmp_path / "key.pem"
+    real_mkstemp = tempfile.mkstemp
+
+    def racing_mkstemp(*args, **kwargs):
+        made = real_mkstemp(*args, **kwargs)
+        target.write_bytes(b"the other writer's key")
+        return made
+
+    monkeypatch.setattr(journal.tempfile, "mkstemp", racing_mkstemp)
+    with pytest.raises(FileExistsError):
+        journal.write_file_durably(target, b"mine", overwrite=False)
+    assert target.read_bytes() == b"the other writer's key"
+    assert [p.name for p in tmp_path.iterdir()] == ["key.pem"]
