@@ -69,7 +69,7 @@ def _run_keys(args: list[str]) -> int:
     if ns.verb == "client":
         try:
             _, pub = create_client_key(ns.out, ns.client_id)
-        except (ValueError, FileExistsError) as exc:
+        except (ValueError, OSError) as exc:  # OSError: the key exists, or the directory cannot be written
             sys.stderr.write(f"shuffledp keys client: {exc}\n")
             return 2
         sys.stdout.write(f"wrote the signing key pair of {ns.client_id}; give only {pub} to the operator\n")
@@ -77,7 +77,7 @@ def _run_keys(args: list[str]) -> int:
     if ns.verb == "enrol":
         try:
             enrol_client(ns.enrolment, ns.client_id, ns.public_key)
-        except (ValueError, FileNotFoundError) as exc:
+        except (ValueError, OSError) as exc:
             sys.stderr.write(f"shuffledp keys enrol: {exc}\n")
             return 2
         sys.stdout.write(f"enrolled {ns.client_id} in {ns.enrolment}\n")
@@ -90,7 +90,7 @@ def _run_keys(args: list[str]) -> int:
             k=ns.k,
             max_envelope_bytes=ns.max_envelope_bytes or DEFAULT_MAX_ENVELOPE_BYTES,
         )
-    except (ValueError, FileExistsError) as exc:
+    except (ValueError, OSError) as exc:
         sys.stderr.write(f"shuffledp keys: {exc}\n")
         return 2
     sys.stdout.write(f"wrote key directory {d.root} ({ns.clients} enrolled clients); config {d.config}\n")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import math
 import mmap
 import os
 import queue
@@ -441,7 +442,8 @@ class ShufflerCore:
         self._rng = secrets.SystemRandom()
         #: builders begun and not yet finished or aborted; :meth:`close` waits for them (graceful stop)
         self._open_builders = 0
-        self._closing = False
+        self._closing = False  # close() began: no new batches
+        self._closed = False  # the journal is closed: no commits
         self._drained = threading.Condition(self._lock)
         #: runs BatchBuilder's signature checks off the submitting thread (None: config.verify_threads == 0)
         self.verify_pool: ThreadPoolExecutor | None = (
@@ -745,30 +747,34 @@ class ShufflerCore:
         if buf is not None:
             buf.close()
 
-    def close(self, *, drain_timeout: float = 10.0) -> bool:
+    def close(self, *, drain_timeout: float = 5.0) -> bool:
         """Refuse new batches, wait up to ``drain_timeout`` seconds for the open ones to finish or abort, then
-        shut the verify pool and close the journal. Returns False if batches were still open at the deadline
-        (they then fail: nothing of theirs is committed, since the journal is closed under them).
+        shut the verify pool and close the journal. Returns False if batches were still open at the deadline.
 
-        The service calls this after ``server.stop(grace)``, whose cancelled Submit handlers are still
-        unwinding; without the wait they found the pool shut and the journal closed mid-batch.
+        The service calls this after ``server.stop(grace)``: gRPC has then cancelled the calls still running,
+        but their handler threads may still be unwinding, and one may be committing. The journal is closed under
+        the core's lock, which a commit holds throughout, so a commit either completes before it (the batch is
+        sealed; an identical resubmission later gets its attestation back) or finds the core closed and is
+        refused (``shutting_down``, nothing committed). A batch still open at the deadline ends the same way,
+        or with a cancelled signature check.
         """
-        if drain_timeout < 0 or drain_timeout != drain_timeout:
-            raise ValueError(f"drain_timeout must be >= 0 seconds, got {drain_timeout!r}")
+        if not 0 <= drain_timeout < math.inf:
+            raise ValueError(f"drain_timeout must be a finite number of seconds >= 0, got {drain_timeout!r}")
         with self._lock:
             self._closing = True
             drained = self._drained.wait_for(lambda: self._open_builders == 0, timeout=drain_timeout)
             still_open = self._open_builders
         if not drained:
-            log.warning("close: %d batch(es) still open after %g s; closing the journal under them", still_open,
-                        drain_timeout)
+            log.warning("close: %d batch(es) still open after %g s; they will be refused", still_open, drain_timeout)
         if self.verify_pool is not None:
             self.verify_pool.shutdown(wait=True, cancel_futures=True)
         with self._spare_lock:
             spare, self._spare_buffer = self._spare_buffer, None
         if spare is not None:
             spare.close()
-        self.journal.close()
+        with self._lock:  # not while a commit holds it; a later commit sees _closed and is refused
+            self._closed = True
+            self.journal.close()
         return drained
 
 
@@ -1151,6 +1157,8 @@ class BatchBuilder:
                         "binding_used",
                         f"a different batch was already sealed for key epoch {key[0]}, round {key[1]}",
                     )
+                if core._closed:
+                    raise Refused("unavailable", "shutting_down", "the shuffler stopped before this batch was sealed")
                 if self.replay_only:
                     raise RuntimeError("replay-only builder without a sealed batch")
                 if len(self._lengths) > 1:

@@ -65,31 +65,49 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: link() errors of filesystems without hard links (vfat, exFAT, some FUSE and SMB mounts)
+_NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK})
+#: fsync() errors of directories on filesystems that do not sync directories (some FUSE, 9p, vboxsf mounts)
+_NO_DIR_SYNC_ERRNOS = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+
 def write_file_durably(
     path: str | os.PathLike[str], data: bytes, *, mode: int | None = None, overwrite: bool = True
 ) -> Path:
     """Create or replace ``path`` with ``data`` so that a crash leaves the old content or the new, never a mix.
 
     The data goes to a temporary file in the same directory (created 0600, then ``chmod mode`` if given), which
-    is fsynced and renamed over ``path``; the directory is fsynced after the rename. With ``overwrite=False``
-    the temporary file is hard-linked to ``path`` instead: ``link`` fails with :class:`FileExistsError` if the
-    name exists, so there is no window between a check and the rename in which another writer's file (a key,
-    say) could be replaced. The parent directory is created if missing. Returns ``path``.
+    is fsynced and renamed over ``path``; the directory is then fsynced (skipped, with a debug log, where the
+    filesystem does not sync directories). With ``overwrite=False`` the temporary file is hard-linked to
+    ``path`` instead: ``link`` fails if the name exists, so there is no window between a check and the rename
+    in which another writer's file (a key, say) could be replaced. Where the filesystem has no hard links, the
+    file is created with ``O_CREAT | O_EXCL`` and written in place: still never replacing anything, but a
+    crash mid-write can leave it short. The parent directory is created if missing. Returns ``path``.
+
+    Raises :class:`FileExistsError` (``filename`` = ``path``) if ``overwrite`` is false and ``path`` exists.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    linked = True
     try:
-        if mode is not None:
-            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
+            if mode is not None:
+                os.fchmod(fh.fileno(), mode)
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         if overwrite:
             os.replace(tmp, target)
         else:
-            os.link(tmp, target)
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                raise FileExistsError(errno.EEXIST, "exists; not overwritten", str(target)) from None
+            except OSError as exc:
+                if exc.errno not in _NO_LINK_ERRNOS:
+                    raise
+                linked = False
             os.unlink(tmp)
     except BaseException:
         try:
@@ -97,8 +115,32 @@ def write_file_durably(
         except FileNotFoundError:
             pass
         raise
-    fsync_dir(target.parent)
+    if not linked:
+        _create_exclusive(target, data, 0o600 if mode is None else mode)
+    try:
+        fsync_dir(target.parent)
+    except OSError as exc:
+        if exc.errno not in _NO_DIR_SYNC_ERRNOS:
+            raise
+        log.debug("write_file_durably: the filesystem of %s does not sync directories", target.parent)
     return target
+
+
+def _create_exclusive(target: Path, data: bytes, mode: int) -> None:
+    """``write_file_durably(overwrite=False)`` without hard links: create ``target`` exclusively and write it."""
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, "exists; not overwritten", str(target)) from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), mode)  # open()'s mode is masked by the umask
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
 
 
 class Journal:

@@ -99,7 +99,9 @@ def public_from_private(raw: bytes, kind: KeyKind) -> bytes:
 def _atomic_write(path: Path, data: bytes, mode: int, *, overwrite: bool) -> None:
     try:
         write_file_durably(path, data, mode=mode, overwrite=overwrite)
-    except FileExistsError:
+    except FileExistsError as exc:
+        if exc.filename != str(path):  # e.g. a parent path that is a regular file
+            raise
         raise FileExistsError(f"{path} already exists; refusing to overwrite a key file") from None
 
 

@@ -138,8 +138,9 @@ class ShufflerProcess:
         except FileNotFoundError:
             return ""
 
-    def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM and wait (SIGKILL after ``timeout``). Returns the exit code."""
+    def stop(self, timeout: float = 25.0) -> int:
+        """SIGTERM and wait (SIGKILL after ``timeout``). Returns the exit code. The default leaves room for the
+        service's graceful stop: 10 s of gRPC grace, then up to 5 s for open batches (ShufflerCore.close)."""
         if self.proc is None:
             return 0
         if self.proc.poll() is None:

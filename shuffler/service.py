@@ -13,8 +13,9 @@ RESOURCE_EXHAUSTED     expected_count above max_batch_reports; disk_full (not en
                        many concurrent Submits); a message above the gRPC size limit (gRPC)
 DEADLINE_EXCEEDED      submit_idle: a Submit stream sent nothing for submit_idle_timeout seconds
 UNAVAILABLE            journal_failed: a failed journal append could not be rolled back; health is
-                       NOT_SERVING and every further Submit is refused; shutting_down: a Submit that reached
-                       the core after a graceful stop began
+                       NOT_SERVING and every further Submit is refused. (shutting_down is the core's refusal
+                       once ShufflerCore.close began; the service closes the core only after gRPC has
+                       cancelled every call, so its clients see gRPC's own UNAVAILABLE or CANCELLED)
 NOT_FOUND              fetch of an unknown batch id
 PERMISSION_DENIED      mTLS peer certificate CN not in ``client_common_names``
 INTERNAL               a request that is not a protobuf (gRPC's "Exception deserializing request!");

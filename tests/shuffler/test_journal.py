@@ -167,3 +167,47 @@ def test_write_file_durably_without_overwrite_never_replaces_a_file_that_appears
         journal.write_file_durably(target, b"mine", overwrite=False)
     assert target.read_bytes() == b"the other writer's key"
     assert [p.name for p in tmp_path.iterdir()] == ["key.pem"]
+
+
+def test_write_file_durably_without_hard_links_still_never_replaces(tmp_path: Path, monkeypatch) -> None:
+    """On a filesystem without hard links (link fails EPERM, as on vfat) overwrite=False creates the file
+    exclusively instead: it is written with its mode, an existing file is kept, and no temporary file remains."""
+    import errno
+    import os
+    import stat
+
+    import shuffler.journal as journal
+
+    def no_link(src, dst):
+        raise PermissionError(errno.EPERM, "Operation not permitted", src, None, dst)
+
+    monkeypatch.setattr(journal.os, "link", no_link)
+    target = tmp_path / "k.pem"
+    journal.write_file_durably(target, b"secret", mode=0o600, overwrite=False)
+    assert target.read_bytes() == b"secret" and stat.S_IMODE(os.stat(target).st_mode) == 0o600
+    with pytest.raises(FileExistsError) as exc:
+        journal.write_file_durably(target, b"other", mode=0o600, overwrite=False)
+    assert exc.value.filename == str(target)
+    assert target.read_bytes() == b"secret"
+    assert [p.name for p in tmp_path.iterdir()] == ["k.pem"]
+
+
+def test_write_file_durably_tolerates_a_filesystem_that_cannot_sync_directories(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    import shuffler.journal as journal
+
+    def einval(_d):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(journal, "fsync_dir", einval)
+    journal.write_file_durably(tmp_path / "a", b"x")
+    assert (tmp_path / "a").read_bytes() == b"x"
+
+    def eio(_d):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(journal, "fsync_dir", eio)
+    with pytest.raises(OSError) as exc:  # a real I/O error is not swallowed
+        journal.write_file_durably(tmp_path / "b", b"y")
+    assert exc.value.errno == errno.EIO

@@ -148,3 +148,12 @@ def test_cli_client_and_enrol_keep_client_private_keys_on_the_device(tmp_path: P
     assert cli_main(["keys", "client", "--out", str(device), "--client-id", "phone-2"]) == 0
     keys.enrol_client(enrolment, "phone-2", device / "phone-2.pub")
     assert sorted(keys.load_enrolment(enrolment)) == ["phone-1", "phone-2"]
+
+
+def test_a_key_path_under_a_regular_file_is_not_reported_as_an_existing_key(tmp_path: Path) -> None:
+    from shuffler.keys import save_public_key
+
+    (tmp_path / "notadir").write_text("")
+    with pytest.raises(OSError) as exc:
+        save_public_key(tmp_path / "notadir" / "k.pub", bytes(32), "ed25519")
+    assert "refusing to overwrite a key file" not in str(exc.value)
