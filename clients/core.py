@@ -14,7 +14,8 @@ Signature (what the ClientApp and the server's tests with a fake Grid call)::
 
 It raises :class:`clients.messages.RequestError` for a malformed request and :class:`PinnedMismatchError` when
 the request's eps0 or clip-l1 differ from the pinned values (the server is the adversary: the client never lets
-it choose its privacy parameters). Otherwise it returns the envelope: the report computed at ``arrays``
+it choose its privacy parameters). Those decisions never depend on the data (see :func:`make_payload`: a local
+computation that fails is reported as the zero update). Otherwise it returns the envelope: the report computed at ``arrays``
 (average gradient, or model delta after E local epochs), clipped to L1 ``clip_l1``, randomized with the exact
 discrete Laplace mechanism (eps0-LDP for any two inputs), encoded (clients.report), and sealed with
 ``shuffler.envelope.seal`` (inner to the server key, outer to the pinned shuffler key, binding round id, key
@@ -24,6 +25,7 @@ epoch and ``arrays_digest(arrays)``, signed with the client key).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -47,6 +49,8 @@ __all__ = [
     "make_payload",
     "make_envelope",
 ]
+
+_log = logging.getLogger("shuffledp.client")
 
 
 class PinnedMismatchError(ValueError):
@@ -213,6 +217,22 @@ def compute_update(arrays: Sequence[np.ndarray], cfg: TrainConfig, x: np.ndarray
     return flatten_arrays(parts)
 
 
+def _check_model_fits_data(arrays: Sequence[np.ndarray], x: np.ndarray) -> None:
+    """The request checks that need the model: it is a logreg or mlp with finite parameters
+    (:func:`clients.models.model_from_arrays`), and its input width is the data's feature count (a property of
+    the dataset, not of any record). Raises :class:`RequestError`."""
+    from clients.models import model_from_arrays
+
+    try:
+        model_from_arrays(arrays)
+    except ValueError as exc:
+        raise RequestError(f"the model cannot be used: {exc}") from None
+    width = int(np.asarray(arrays[0]).shape[1])
+    x = np.asarray(x)
+    if x.ndim != 2 or x.shape[1] != width:
+        raise RequestError(f"the model takes {width} features; this client's data has shape {x.shape}")
+
+
 def _parse(config: TrainConfig | Mapping[str, Any], pinned: PinnedSettings) -> TrainConfig:
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_mapping(config)
     # exact equality: the pinned values are the contract; any difference is refused, not "close enough"
@@ -232,12 +252,31 @@ def make_payload(
     *,
     rng: ChaCha20Rng | None = None,
 ) -> bytes:
-    """The encoded report (before sealing): compute, clip, randomize, encode."""
+    """The encoded report (before sealing): compute, clip, randomize, encode.
+
+    Whether this returns or raises never depends on the client's data. Every check that can refuse a request
+    (config, pinned values, model shape and finiteness, feature count) runs before the data is used. After
+    that, a computation that fails or produces non-finite values (a model chosen so that the logits overflow
+    for some inputs only, a learning rate that makes local SGD diverge on some data) is replaced by the zero
+    update, which is then clipped and randomized like any other. An error reply there would reach the server
+    outside the mechanism, from a known node, with P[error | x] in {0, 1}: an infinite privacy loss that
+    shuffling cannot hide. The report stays eps0-LDP because any function of the data followed by the
+    mechanism is (post-processing of the input side). Such a substitution is logged on the client only, by
+    exception type.
+    """
     cfg = _parse(config, pinned)
     if len(arrays) == 0:
         raise RequestError("the request carries no model arrays")
     x, y = data
-    vec = compute_update(arrays, cfg, x, y)
+    _check_model_fits_data(arrays, x)
+    try:
+        vec = compute_update(arrays, cfg, x, y)
+        failure = None if np.all(np.isfinite(vec)) else "non-finite values"
+    except Exception as exc:  # noqa: BLE001 - data-dependent failures must not change the reply (docstring)
+        failure = type(exc).__name__
+    if failure is not None:
+        _log.warning("the local update failed (%s); reporting the zero update, randomized as usual", failure)
+        vec = np.zeros(sum(int(np.asarray(a).size) for a in arrays), dtype=np.float64)
     rnd = pinned.randomizer()
     if rng is not None:
         rnd = DiscreteLaplaceRandomizer(pinned.eps0, pinned.clip_l1, log2_grid=pinned.log2_grid, rng=rng)

@@ -247,3 +247,59 @@ def test_key_files_are_read_once_per_identity_and_again_after_a_change(tmp_path,
     os.chmod(ck, 0o644)
     with pytest.raises(ClientSetupError, match="cannot load"):
         _load_keys(*args)
+
+
+def _pinned(keys) -> PinnedSettings:
+    load = shuffler_keys.load_private_key
+    return PinnedSettings(
+        eps0=EPS0, clip_l1=CLIP, client_key=load(keys.client_key(0)),
+        server_public_key=shuffler_keys.load_public_key(keys.server_hpke_pub),
+        shuffler_public_key=shuffler_keys.load_public_key(keys.shuffler_hpke_pub),
+        partition_id=0, num_partitions=N_PART,
+    )
+
+
+def test_whether_a_report_is_sent_never_depends_on_the_data(keys) -> None:
+    """A server that picks a model whose logits overflow only when some record's feature exceeds a threshold,
+    or a model with fewer classes than some record's label, must not learn that from an error reply: the
+    client reports the zero update instead, randomized as usual (same rng -> byte-identical report)."""
+    from clients.noise import ChaCha20Rng
+    from clients.randomizer import DiscreteLaplaceRandomizer
+
+    def zero_report(dim: int) -> bytes:  # what the mechanism makes of the zero update with the same rng
+        return DiscreteLaplaceRandomizer(EPS0, CLIP, rng=ChaCha20Rng(bytes(32))).encode(np.zeros(dim))
+
+    pinned = _pinned(keys)
+    w, b = initial_arrays("logreg", 64, 10)
+    w = np.zeros_like(w)
+    w[0, 40] = np.float32(3.4e38 / 20.0)  # logit 0 overflows float32 iff x[:, 40] > 20
+    calm = np.zeros((4, 64), np.float32)
+    calm[:, 40] = 10.0
+    hot = calm.copy()
+    hot[3, 40] = 30.0  # one record differs
+    y = np.arange(4) % 10
+    for cfg in (_cfg(1), _cfg(1, report="delta", local_epochs=1, batch_size=2)):
+        fine = make_payload([w, b], cfg, pinned, (calm, y), rng=ChaCha20Rng(bytes(32)))
+        assert len(fine) == len(zero_report(650)) and fine != zero_report(650)  # a real update
+        assert make_payload([w, b], cfg, pinned, (hot, y), rng=ChaCha20Rng(bytes(32))) == zero_report(650)
+    # a label (9) beyond a 5-class model: torch raises inside the loss; the report is the zero update's
+    w5, b5 = initial_arrays("logreg", 64, 5)
+    y9 = np.array([0, 1, 2, 9])
+    assert make_payload([w5, b5], _cfg(1), pinned, (calm, y9), rng=ChaCha20Rng(bytes(32))) == zero_report(325)
+    # and through the ClientApp: a report, not an error
+    ctx = _ctx(keys)
+    r = train_shuffled(_msg([w5, b5], _cfg(1)), ctx)
+    assert not r.has_error()
+
+
+def test_request_checks_that_need_no_data_still_refuse(keys, model) -> None:
+    pinned = _pinned(keys)
+    x = np.zeros((3, 64), np.float32)
+    y = np.arange(3)
+    bad = [a.copy() for a in model]
+    bad[0][0, 0] = np.inf
+    with pytest.raises(RequestError, match="non-finite"):
+        make_payload(bad, _cfg(1), pinned, (x, y))
+    narrow = initial_arrays("logreg", 32, 10)
+    with pytest.raises(RequestError, match="32 features"):
+        make_payload(narrow, _cfg(1), pinned, (x, y))
