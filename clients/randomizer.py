@@ -139,6 +139,11 @@ class DiscreteLaplaceRandomizer:
         if log2_grid is None:
             _, e = math.frexp(self.clip)  # clip = m * 2**e, m in [0.5, 1): floor(log2 clip) = e - 1
             g = e - 1 - DEFAULT_GRID_BITS
+            if g > LOG2_GRID_MAX:
+                raise ValueError(
+                    f"clip_l1 must be < 2**{LOG2_GRID_MAX + DEFAULT_GRID_BITS + 1} for the default grid (the report "
+                    f"format's grid exponent is at most {LOG2_GRID_MAX}), got {clip_l1!r}"
+                )
             g = max(g, LOG2_GRID_MIN)
             while g < LOG2_GRID_MAX and not self._grid_ok(g)[0]:
                 g += 1

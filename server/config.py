@@ -317,4 +317,10 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
     )
     if not config.output_dir.strip():
         raise ConfigError("run config 'output-dir' must be a non-empty path")
+    from clients.randomizer import DiscreteLaplaceRandomizer
+
+    try:  # the clients' mechanism must exist for these values, or every report of the run would fail
+        DiscreteLaplaceRandomizer(config.eps0, config.clip_l1)
+    except ValueError as exc:
+        raise ConfigError(f"run config 'eps0' / 'clip-l1' give no usable client mechanism: {exc}") from None
     return config

@@ -146,6 +146,7 @@ class RoundOutcome:
     status: str
     reason: str = ""
     n_sampled: int = 0
+    n_not_pushed: int = 0  # messages the grid could not deliver (no id): no slot, no reply expected
     n_replies: int = 0
     n_error_replies: int = 0
     n_malformed_replies: int = 0
@@ -449,11 +450,14 @@ class RoundEngine:
         nothing it does not know. The server keeps only a SHA-256 of each envelope (for de-duplication).
         """
         cfg = self.cfg
-        ids = [str(i) for i in self.grid.push_messages(messages)]
+        # A SuperLink returns "" for a message it could not store (e.g. its node left after get_node_ids): that
+        # message has no slot. One slot per distinct id actually pushed, so the count announced to the shuffler
+        # is exactly the number of slots sent (else the whole batch is refused as count_mismatch).
+        outstanding = {str(i) for i in self.grid.push_messages(messages) if i}
+        out.n_not_pushed = len(messages) - len(outstanding)
         del messages
-        outstanding = set(ids)
         stream = self.shuffler.open_submit(
-            round_id=round_id, key_epoch=cfg.key_epoch, model_digest=digest, count=len(ids),
+            round_id=round_id, key_epoch=cfg.key_epoch, model_digest=digest, count=len(outstanding),
             envelope_length=self.envelope_length, timeout=cfg.reply_timeout + SUBMIT_MARGIN_SECONDS,
         )
         counts = {"error": 0, "malformed": 0, "duplicate": 0}

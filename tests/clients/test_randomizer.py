@@ -236,3 +236,12 @@ def test_released_noise_has_the_claimed_parameter() -> None:
     assert stats.chisquare(counts, probs / probs.sum() * d).pvalue > alpha
     # and the scale is 2K/eps0 grid units, i.e. 2C/eps0: var = 2t/(1-t)^2 ~ 2 * 6**2
     assert np.var(z) == pytest.approx(2 * math.exp(-s) / (-math.expm1(-s)) ** 2, rel=0.05)
+
+
+def test_a_clip_too_large_for_the_report_format_is_refused_at_construction() -> None:
+    from clients.randomizer import DiscreteLaplaceRandomizer
+
+    ok = DiscreteLaplaceRandomizer(1.0, 2.0**41 * (1 - 2**-52))
+    assert ok.log2_grid == 20 and len(ok.encode(np.zeros(3))) > 0  # the largest clip still encodes
+    with pytest.raises(ValueError, match=r"clip_l1 must be < 2\*\*41"):
+        DiscreteLaplaceRandomizer(1.0, 2.0**41)

@@ -87,3 +87,9 @@ def test_mnist_needs_a_path() -> None:
     with pytest.raises(ConfigError, match="data-dir"):
         parse_run_config({"dataset": "mnist"})
     assert parse_run_config({"dataset": "mnist", "data-dir": "data/mnist"}).dataset == "mnist"
+
+
+@pytest.mark.parametrize("over", [{"clip-l1": 2**45}, {"eps0": 100.0}])
+def test_privacy_values_without_a_client_mechanism_are_refused_at_startup(over: dict) -> None:
+    with pytest.raises(ConfigError, match="no usable client mechanism"):
+        parse_run_config(over)

@@ -364,3 +364,25 @@ def test_wait_for_nodes_waits_for_a_stable_count_and_gives_up_at_the_deadline(mo
     clock[0] = 0.0
     assert rounds_mod.wait_for_nodes(Registering([3]), 4, node_wait=2.0, settle=0.0) == [0, 1, 2]
     assert clock[0] == pytest.approx(2.0)
+
+
+def test_messages_the_grid_could_not_push_get_no_slot(h: Any) -> None:
+    """A SuperLink returns "" for each message it could not store. Those have no slot: the count announced to
+    the shuffler is the number of messages pushed, so the batch is sealed (not refused as count_mismatch) and
+    the honest reports count."""
+    grid = h.grid([h.honest()] * h.N)
+    push = grid.push_messages
+
+    def lossy(messages: Any) -> list[str]:
+        ids = push(messages)
+        for i in (1, 4):  # two messages not stored: no id, and no reply will ever come
+            grid.pending.pop(ids[i], None)
+            ids[i] = ""
+        return ids
+
+    grid.push_messages = lossy  # type: ignore[method-assign]
+    engine = h.engine(h.config(), grid)
+    out = engine.run_round(1)
+    assert out.status == "applied", out.reason
+    assert (out.n_not_pushed, out.n_replies, out.n_reports) == (2, h.N - 2, h.N - 2)
+    assert _stats(h)["batches_refused"] == 0 and _stats(h)["reports_accepted"] == h.N - 2
