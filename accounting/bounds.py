@@ -760,6 +760,33 @@ def _dominating_round(n: int, eps0: float, *, lower: bool) -> tuple[int, float]:
 HETEROGENEOUS_INTERVAL = 1e-4
 
 
+def _heterogeneous_clone_interval(clones: Any, items: list[tuple[int, float, int]], total: int, variant: str) -> float:
+    """Grid interval for composing clone PLDs of different (n, eps0) groups.
+
+    The finest of the groups' :func:`accounting.clones.suggested_interval` (each keeps its own discretisation
+    error below ``INTERVAL_RELATIVE_ERROR``), but no finer than the composed Chernoff window, ``sum_g T_g m1_g +
+    18 sqrt(sum_g T_g s1_g^2)`` as in ``suggested_interval``, divided by ``MAX_COMPOSED_GRID``, and than each
+    group's loss span (at most ``2 eps0``) divided by the same. Without the floor, a round with large n (losses
+    near 1e-6) next to one with small n (losses up to eps0) asked for hundreds of millions of grid points and
+    raised. A coarser interval keeps the pessimistic discretisation an upper bound; its error is at most one
+    interval per round, small against the composed width.
+    """
+    finest = min(clones.suggested_interval(eps0, n, total, variant) for n, eps0, _ in items)
+    mean = 0.0
+    var = 0.0
+    span = 0.0
+    for n, eps0, count in items:
+        m1, s1 = clones.clone_loss_moments(eps0, n, variant)
+        mean += count * m1
+        var += count * s1 * s1
+        span = max(span, 2.0 * eps0)
+    floor = max(mean + 18.0 * math.sqrt(var), span) / clones.MAX_COMPOSED_GRID
+    if floor <= finest:
+        return finest
+    scale = 10.0 ** (math.floor(math.log10(floor)) - 2)  # 3 significant digits, rounded UP (never finer)
+    return float(f"{math.ceil(floor / scale) * scale:.3g}")
+
+
 def _heterogeneous_epsilon(
     family: str, items: list[tuple[int, float, int]], total: int, delta: float, allow_approximate: bool
 ) -> tuple[float, dict[str, Any]]:
@@ -782,7 +809,7 @@ def _heterogeneous_epsilon(
     if family in _VARIANT:
         variant = _VARIANT[family]
         clones = _clones()
-        interval = min(clones.suggested_interval(eps0, n, total, variant) for n, eps0, _ in items)
+        interval = _heterogeneous_clone_interval(clones, items, total, variant)
         plds = [
             (clones.clone_pld(eps0, n, variant, value_discretization_interval=interval, pessimistic=True), c)
             for n, eps0, c in items
@@ -793,7 +820,10 @@ def _heterogeneous_epsilon(
             "interval": interval,
         }
     if family == "rr-lower":
-        interval = min(_rr_interval(eps0, n, total) for n, eps0, _ in items)
+        # no finer than the widest group's loss span (at most 2 eps0) over MAX_COMPOSED_GRID: a coarser optimistic
+        # grid only lowers the value, so it stays a lower bound (as for clones, see _heterogeneous_clone_interval)
+        span = max(2.0 * eps0 for _, eps0, _ in items)
+        interval = max(min(_rr_interval(eps0, n, total) for n, eps0, _ in items), span / _clones().MAX_COMPOSED_GRID)
         plds = [(_rr_lower_pld(eps0, n, total, interval), c) for n, eps0, c in items]
         return _pld_epsilon(pld.compose(plds), delta, lower=True), {
             "method": "pld",

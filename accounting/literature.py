@@ -21,6 +21,7 @@ tolerances named below.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -338,11 +339,7 @@ def rr_lower_epsilon(eps0: float, n: int, delta: float) -> float:
     hi = float(np.max(np.abs(rr.loss)))  # delta(eps) = 0 at the largest loss
     if _rr_delta_from(rr, hi) > delta:  # pragma: no cover - cannot happen: no mass above the largest loss
         raise ArithmeticError("rr-lower: delta at the largest privacy loss is not 0")
-    return float(
-        optimize.brentq(
-            lambda e: _rr_delta_from(rr, e) / delta - 1.0, 0.0, hi, xtol=ROOT_XTOL, rtol=ROOT_RTOL, maxiter=500
-        )
-    )
+    return _certified_root(lambda e: _rr_delta_from(rr, e), delta, 0.0, hi, upper=False)
 
 
 def _log_moment(log_p0: np.ndarray, x: np.ndarray) -> float:
@@ -452,8 +449,24 @@ def no_shuffle_epsilon(eps0: float, rounds: int, delta: float) -> float:
     top = rounds * eps0
     if no_shuffle_delta(eps0, rounds, 0.0) <= delta:
         return 0.0
-    return float(
-        optimize.brentq(
-            lambda e: no_shuffle_delta(eps0, rounds, e) / delta - 1.0, 0.0, top, xtol=ROOT_XTOL, rtol=ROOT_RTOL
-        )
-    )
+    return _certified_root(lambda e: no_shuffle_delta(eps0, rounds, e), delta, 0.0, top, upper=True)
+
+
+def _certified_root(delta_of: Callable[[float], float], delta: float, lo: float, hi: float, *, upper: bool) -> float:
+    """The epsilon where the decreasing ``delta_of`` crosses ``delta`` (brentq on ``[lo, hi]``), moved to the
+    certified side: ``delta_of(eps) <= delta`` for an upper bound, ``>= delta`` for a lower bound. brentq returns
+    a point within its tolerance on either side of the root; this steps it outward by that tolerance, doubling,
+    until the side holds (``hi`` satisfies the upper side and ``lo`` the lower side, so it ends).
+    """
+    eps = float(optimize.brentq(lambda e: delta_of(e) / delta - 1.0, lo, hi, xtol=ROOT_XTOL, rtol=ROOT_RTOL,
+                                maxiter=500))
+    step = ROOT_XTOL + ROOT_RTOL * abs(eps)
+    if upper:
+        while eps < hi and delta_of(eps) > delta:
+            eps = min(hi, eps + step)
+            step *= 2.0
+    else:
+        while eps > lo and delta_of(eps) < delta:
+            eps = max(lo, eps - step)
+            step *= 2.0
+    return eps

@@ -293,3 +293,28 @@ def test_compose_validates_before_changing_the_history() -> None:
     assert acc.state_dict()["rounds"] == [{"n": 1000, "eps0": 2.0}]
     assert acc.epsilon().value == before
     assert not acc.would_exceed(ShuffleRound(1000, 2.0), 100.0)
+
+
+@pytest.mark.parametrize(
+    "big, small",
+    [
+        (ShuffleRound(10**8, 0.1), ShuffleRound(2, 0.1)),
+        (ShuffleRound(10**7, 0.5), ShuffleRound(3, 0.5)),
+        (ShuffleRound(10**6, 0.01), ShuffleRound(100, 5.0)),
+        (ShuffleRound(10**9, 1e-3), ShuffleRound(10, 2.0)),
+    ],
+)
+def test_rounds_of_very_different_sizes_compose_without_running_out_of_grid(big, small) -> None:
+    """A large-n round (losses near 1e-6) next to a small-n one (losses up to eps0) used to ask for hundreds of
+    millions of grid points and raise, crashing a server that asked would_exceed. The composition must be at
+    least its larger single round, at most the no-shuffle value, and above the rr lower bound."""
+    acct = ShuffleAccountant(family="clones", target_delta=1e-6)
+    acct.compose(big)
+    assert acct.would_exceed(small, budget_epsilon=1e-9) is True
+    acct.compose(small)
+    both = acct.epsilon()
+    assert both.kind == "upper" and math.isfinite(both.value)
+    single = max(bounds.epsilon("clones", r.eps0, r.n, 1e-6).value for r in (big, small))
+    assert single <= both.value <= big.eps0 + small.eps0
+    lower = bounds.epsilon_for_rounds("rr-lower", [big, small], 1e-6)
+    assert lower.kind == "lower" and lower.value <= both.value

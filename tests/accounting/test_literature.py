@@ -412,3 +412,20 @@ def test_rr_lower_renyi_small_divergence_keeps_relative_accuracy() -> None:
             bwd += a0**lam * a1 ** (1 - lam)
         exact = float(max(mpmath.log(fwd), mpmath.log(bwd)) / (lam - 1))
     assert lit.rr_lower_renyi(eps0, n, lam) == pytest.approx(exact, rel=1e-8)
+
+
+def test_root_found_epsilons_are_on_the_certified_side() -> None:
+    """brentq lands within its tolerance on either side of the root; the reported epsilon must meet delta:
+    delta(eps) <= delta for the no-shuffle upper bound, >= delta for the rr lower bound (before the fix about
+    half of these settings were on the wrong side, by up to 1.7e-5 relative in delta)."""
+    import itertools
+
+    from accounting import literature as lit
+
+    for eps0, rounds, delta in itertools.product([0.5, 2.0, 8.0], [1, 5, 50], [1e-3, 1e-9]):
+        eps = lit.no_shuffle_epsilon(eps0, rounds, delta)
+        assert lit.no_shuffle_delta(eps0, rounds, eps) <= delta, (eps0, rounds, delta)
+    for eps0, n, delta in itertools.product([0.5, 2.0, 8.0], [10, 1000, 100000], [1e-3, 1e-9]):
+        eps = lit.rr_lower_epsilon(eps0, n, delta)
+        if eps > 0:
+            assert lit._rr_delta_from(lit.rr_shuffle_loss(eps0, n), eps) >= delta, (eps0, n, delta)
