@@ -115,8 +115,8 @@ def _check_n(n: Any) -> int:
         raise TypeError(
             f"n (number of shuffled reports) must be an integer >= 1, got {type(n).__name__} {n!r}"
         ) from None
-    if value < 1:
-        raise ValueError(f"n (number of shuffled reports) must be an integer >= 1, got {value}")
+    if not 1 <= value <= N_MAX:
+        raise ValueError(f"n (number of shuffled reports) must be an integer in [1, {N_MAX:.0e}], got {value}")
     return int(value)
 
 

@@ -151,8 +151,21 @@ def _cmd_epsilon(args: argparse.Namespace, out: TextIO) -> int:
         "n": args.n,
         "delta": args.delta,
         "rounds": args.rounds,
+        **_cap_fields(bound),
     }
     return _emit(obj, args.json, out, lambda: _single_result(obj, out))
+
+
+def _cap_fields(bound: Any) -> dict[str, Any]:
+    """Say when the value is the no-shuffle cap rather than the family's own value (bounds.py module docstring):
+    still an upper bound, but not what the family computed (e.g. clones at a delta below its truncation mass)."""
+    if not bound.details.get("capped_by_no_shuffle"):
+        return {}
+    uncapped = bound.details.get("uncapped")
+    return {
+        "capped_by_no_shuffle": True,
+        "uncapped": uncapped if uncapped is None or math.isfinite(uncapped) else str(uncapped),
+    }
 
 
 def _cmd_delta(args: argparse.Namespace, out: TextIO) -> int:
@@ -170,6 +183,7 @@ def _cmd_delta(args: argparse.Namespace, out: TextIO) -> int:
         "n": args.n,
         "epsilon": args.epsilon,
         "rounds": args.rounds,
+        **_cap_fields(bound),
     }
     return _emit(obj, args.json, out, lambda: _single_result(obj, out))
 

@@ -159,7 +159,7 @@ def test_fmt_over_rounds_is_an_upper_bound_of_the_single_round() -> None:
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"n": 0}, ValueError, "n \\(number of shuffled reports\\) must be an integer >= 1"),
+        ({"n": 0}, ValueError, "n \\(number of shuffled reports\\) must be an integer in \\[1, 1e\\+09\\]"),
         ({"n": 2.5}, TypeError, "integer"),
         ({"n": True}, TypeError, "integer"),
         ({"eps0": 0.0}, ValueError, "eps0 must be a finite real number > 0"),

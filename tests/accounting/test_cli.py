@@ -292,3 +292,20 @@ def test_extreme_parameters_leak_no_runtime_warning(args: tuple[str, ...], capsy
         warnings.simplefilter("error", RuntimeWarning)
         obj = ok_json_in_process(capsys, "account", *args)
     assert math.isfinite(obj["value"])
+
+
+def test_a_value_replaced_by_the_no_shuffle_cap_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """At delta below the clone PLD's truncation mass, clones' own epsilon is infinite and the no-shuffle cap
+    (T eps0) is reported: still an upper bound, but the output must say it is the cap, not clones' value."""
+    capped = ok_json_in_process(capsys, "account", "epsilon", "--eps0", "1", "--n", "1e4", "--delta", "1e-16",
+                                "--rounds", "2")
+    assert capped["kind"] == "upper" and capped["value"] == pytest.approx(2.0)
+    assert capped["capped_by_no_shuffle"] is True and capped["uncapped"] == "inf"
+    plain = ok_json_in_process(capsys, "account", "epsilon", "--eps0", "1", "--n", "1e4", "--delta", "1e-6",
+                               "--rounds", "2")
+    assert "capped_by_no_shuffle" not in plain and plain["value"] < 0.1
+
+
+def test_n_beyond_the_documented_range_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"\[1, 1e\+09\]"):
+        bounds.epsilon("girgis", 1.0, 10**15, 1e-6)
