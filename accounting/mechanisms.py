@@ -22,6 +22,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+from accounting import EPS0_MAX
+
 __all__ = [
     "LocalRandomizer",
     "LaplaceRandomizer",
@@ -37,6 +39,15 @@ def _positive_finite(name: str, value: Any) -> float:
     out = float(value)
     if not math.isfinite(out) or out <= 0.0:
         raise ValueError(f"{name} must be a finite real number > 0, got {out!r}")
+    return out
+
+
+def _eps0(value: Any) -> float:
+    """``value`` as an LDP parameter: finite, > 0 and at most :data:`accounting.EPS0_MAX` (the range every bound
+    accepts; beyond it, e^{eps0} powers in the chi^2 and mu_3 formulas overflow)."""
+    out = _positive_finite("eps0", value)
+    if out > EPS0_MAX:
+        raise ValueError(f"eps0 must be <= {EPS0_MAX:g} (accounting.EPS0_MAX), got {out!r}")
     return out
 
 
@@ -64,7 +75,7 @@ class LocalRandomizer:
     eps0: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "eps0", _positive_finite("eps0", self.eps0))
+        object.__setattr__(self, "eps0", _eps0(self.eps0))
 
 
 @dataclass(frozen=True)
@@ -88,10 +99,10 @@ class LaplaceRandomizer:
         object.__setattr__(self, "clip_l1", _positive_finite("clip_l1 (L1 clip C)", self.clip_l1))
         object.__setattr__(self, "noise_scale", _positive_finite("noise_scale (Laplace scale b)", self.noise_scale))
         object.__setattr__(self, "dimension", _integer_at_least("dimension d", self.dimension, 1))
-        if not math.isfinite(self.eps0):
+        if not self.eps0 <= EPS0_MAX:
             raise ValueError(
-                "clip_l1 / noise_scale is too large: eps0 = 2C/b overflows "
-                f"(C={self.clip_l1!r}, b={self.noise_scale!r})"
+                f"clip_l1 / noise_scale is too large: eps0 = 2C/b must be <= {EPS0_MAX:g} (accounting.EPS0_MAX), "
+                f"got C={self.clip_l1!r}, b={self.noise_scale!r}"
             )
 
     @property
@@ -102,7 +113,7 @@ class LaplaceRandomizer:
     @classmethod
     def for_eps0(cls, eps0: float, clip_l1: float, dimension: int = 1) -> LaplaceRandomizer:
         """The Laplace randomizer with L1 clip ``clip_l1`` that is exactly ``eps0``-LDP: ``b = 2C/eps0``."""
-        eps0 = _positive_finite("eps0", eps0)
+        eps0 = _eps0(eps0)
         clip = _positive_finite("clip_l1 (L1 clip C)", clip_l1)
         return cls(clip_l1=clip, noise_scale=2.0 * clip / eps0, dimension=dimension)
 
@@ -120,7 +131,7 @@ class KaryRandomizedResponse:
     k: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "eps0", _positive_finite("eps0", self.eps0))
+        object.__setattr__(self, "eps0", _eps0(self.eps0))
         object.__setattr__(self, "k", _integer_at_least("k (alphabet size)", self.k, 2))
 
     @property
@@ -173,7 +184,7 @@ class BinaryRandomizedResponse:
     eps0: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "eps0", _positive_finite("eps0", self.eps0))
+        object.__setattr__(self, "eps0", _eps0(self.eps0))
 
     @property
     def flip_probability(self) -> float:

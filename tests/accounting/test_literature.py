@@ -429,3 +429,18 @@ def test_root_found_epsilons_are_on_the_certified_side() -> None:
         eps = lit.rr_lower_epsilon(eps0, n, delta)
         if eps > 0:
             assert lit._rr_delta_from(lit.rr_shuffle_loss(eps0, n), eps) >= delta, (eps0, n, delta)
+
+
+def test_randomizer_descriptions_refuse_eps0_beyond_the_accepted_range() -> None:
+    """Beyond EPS0_MAX the chi^2 / mu_3 formulas overflowed (OverflowError at eps0 ~ 360) and a Laplace scale
+    could describe eps0 = 2e5 without complaint; now each refuses at construction and says the range."""
+    from accounting import EPS0_MAX
+    from accounting.mechanisms import BinaryRandomizedResponse, KaryRandomizedResponse, LaplaceRandomizer
+
+    assert math.isfinite(KaryRandomizedResponse(EPS0_MAX, 3).chi2)
+    assert math.isfinite(BinaryRandomizedResponse(EPS0_MAX).mu3)
+    for make in (lambda: KaryRandomizedResponse(360.0, 3), lambda: BinaryRandomizedResponse(720.0),
+                 lambda: LaplaceRandomizer(clip_l1=1.0, noise_scale=1e-5),
+                 lambda: LaplaceRandomizer.for_eps0(101.0, 1.0)):
+        with pytest.raises(ValueError, match="100"):
+            make()
