@@ -91,12 +91,7 @@ def write_file_durably(
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     linked = True
     try:
-        with os.fdopen(fd, "wb") as fh:
-            if mode is not None:
-                os.fchmod(fh.fileno(), mode)
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        _write_synced(fd, data, mode)
         if overwrite:
             os.replace(tmp, target)
         else:
@@ -126,6 +121,16 @@ def write_file_durably(
     return target
 
 
+def _write_synced(fd: int, data: bytes, mode: int | None) -> None:
+    """Set ``mode`` (if given; a creation mode is masked by the umask), write ``data``, fsync, close ``fd``."""
+    with os.fdopen(fd, "wb") as fh:
+        if mode is not None:
+            os.fchmod(fh.fileno(), mode)
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def _create_exclusive(target: Path, data: bytes, mode: int) -> None:
     """``write_file_durably(overwrite=False)`` without hard links: create ``target`` exclusively and write it."""
     try:
@@ -133,11 +138,7 @@ def _create_exclusive(target: Path, data: bytes, mode: int) -> None:
     except FileExistsError:
         raise FileExistsError(errno.EEXIST, "exists; not overwritten", str(target)) from None
     try:
-        with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fh.fileno(), mode)  # open()'s mode is masked by the umask
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        _write_synced(fd, data, mode)
     except BaseException:
         target.unlink(missing_ok=True)
         raise

@@ -49,8 +49,7 @@ from shuffler import wire
 from shuffler.config import ServiceConfig, load_config
 from shuffler.core import DISK_FULL_ERRNOS, CoreConfig, Header, Refused, ShufflerCore
 from shuffler.heap import tune_heap
-from shuffler.journal import write_file_durably
-from shuffler.journal import JournalWriteError
+from shuffler.journal import JournalWriteError, write_file_durably
 
 __all__ = ["SERVICE_NAME", "STATUS_FOR", "ShufflerServicer", "build_server", "serve", "grpc_options"]
 
