@@ -395,9 +395,9 @@ def test_many_groups_are_bucketed_on_the_safe_side() -> None:
 def test_dominating_round_moves_in_the_safe_direction() -> None:
     for n, eps0 in [(1, 0.1), (10, 1.0), (12_345, 2.5), (10**6, 9.99)]:
         n_up, e_up = bounds._dominating_round(n, eps0, lower=False)
-        assert n_up <= n and e_up >= eps0 and n_up >= n / bounds.HETEROGENEOUS_GRID_RATIO - 1
+        assert n_up <= n and e_up >= eps0 and n_up >= n / bounds.HETEROGENEOUS_N_GRID_RATIO - 1
         n_lo, e_lo = bounds._dominating_round(n, eps0, lower=True)
-        assert n_lo >= n and e_lo <= eps0 and e_lo >= eps0 / bounds.HETEROGENEOUS_GRID_RATIO
+        assert n_lo >= n and e_lo <= eps0 and e_lo >= eps0 / bounds.HETEROGENEOUS_EPS0_GRID_RATIO
 
 
 def test_eps0_above_the_supported_maximum_is_rejected_with_the_limit() -> None:
@@ -536,3 +536,38 @@ def test_rr_lower_at_huge_composed_losses_stays_below_the_upper_families() -> No
     assert lower.kind == "lower"
     assert lower.value <= bounds.epsilon("clones", 20.0, 100, 1e-6, 1000).value
     assert lower.value <= lit.no_shuffle_epsilon(20.0, 1000, 1e-6)
+
+
+# ------------------------------------------------------------------ bucketing keeps small n exact, eps0 finely
+
+
+def test_bucketing_keeps_every_n_below_200_exact() -> None:
+    # Each n below 1 / (ratio - 1) = 200 is the only integer of its grid cell: rounding it to the cell's
+    # floor (n - 1 before) made a 5-group history 1.6% looser than composing the groups as they are.
+    for n in list(range(1, 200)) + [12_345, 10**6]:
+        n_up, _ = bounds._dominating_round(n, 1.0, lower=False)
+        n_lo, _ = bounds._dominating_round(n, 1.0, lower=True)
+        if n < 200:
+            assert n_up == n and n_lo == n
+        else:  # still merged on the grid, in the safe direction
+            assert n / bounds.HETEROGENEOUS_N_GRID_RATIO <= n_up <= n <= n_lo <= n * bounds.HETEROGENEOUS_N_GRID_RATIO
+    rounds = [ShuffleRound(n, 1.0) for n in (20, 50, 100, 150, 190)]
+    items = [(r.n, r.eps0, 1) for r in rounds]
+    for family in ("clones", "rr-lower"):
+        b = bounds.epsilon_for_rounds(family, rounds, 1e-6)
+        assert b.details["bucketed"]["groups_before"] == 5
+        unbucketed, _ = bounds._heterogeneous_epsilon(family, items, 5, 1e-6, False)
+        assert b.value == pytest.approx(unbucketed, rel=1e-12)
+
+
+def test_bucketing_moves_a_large_eps0_history_by_well_under_one_percent() -> None:
+    # Worst case for eps0: every eps0 just above a grid point, so each is rounded up by almost a full step.
+    # The value reacts by about eps0/2 times the relative step: 2.5% at eps0 = 8 with the n grid's 0.5% step.
+    ratio = bounds.HETEROGENEOUS_EPS0_GRID_RATIO
+    eps0 = ratio ** math.floor(math.log(8.0) / math.log(ratio)) * (1.0 + 1e-9)
+    rounds = [ShuffleRound(10**5 + k, eps0) for k in (1, 3, 5, 7, 9)]
+    items = [(r.n, r.eps0, 1) for r in rounds]
+    b = bounds.epsilon_for_rounds("clones", rounds, 1e-6)
+    assert b.details["bucketed"]["groups_before"] == 5
+    unbucketed, _ = bounds._heterogeneous_epsilon("clones", items, 5, 1e-6, False)
+    assert unbucketed <= b.value <= unbucketed * 1.01
