@@ -571,3 +571,37 @@ def test_bucketing_moves_a_large_eps0_history_by_well_under_one_percent() -> Non
     assert b.details["bucketed"]["groups_before"] == 5
     unbucketed, _ = bounds._heterogeneous_epsilon("clones", items, 5, 1e-6, False)
     assert unbucketed <= b.value <= unbucketed * 1.01
+
+
+# ------------------------------------------------------------------ heterogeneous two-point PLDs: relative grid
+
+
+@pytest.mark.parametrize("eps0, rounds", [(1e-5, 10), (1e-5, 1000), (1e-3, 1000), (0.1, 1000)])
+def test_heterogeneous_no_shuffle_is_close_to_the_exact_composition_at_small_eps0(eps0: float, rounds: int) -> None:
+    # Two eps0 groups a hair apart: the exact (KOV) value of 2T rounds at the larger eps0 is the reference.
+    # A fixed 1e-4 grid made this 20x (T = 10) to 96x (T = 1000) the reference at eps0 = 1e-5, 33% at 1e-3.
+    hist = [ShuffleRound(1000, eps0)] * rounds + [ShuffleRound(1000, eps0 * (1 + 1e-7))] * rounds
+    b = bounds.epsilon_for_rounds("no-shuffle", hist, 1e-6)
+    exact = lit.no_shuffle_epsilon(eps0 * (1 + 1e-7), 2 * rounds, 1e-6)
+    assert b.details["groups"] == 2
+    assert exact <= b.value <= exact * (1.0 + 4e-3)  # an upper bound, within INTERVAL_RELATIVE_ERROR
+
+
+def test_heterogeneous_fmt_is_close_to_the_homogeneous_value_at_large_n() -> None:
+    # n = 1e7: per-round FMT epsilons ~1e-3, below the old fixed grid's resolution (6.1% looser than the
+    # homogeneous value then); the homogeneous value also optimises its delta split, so it is a lower reference.
+    hist = [ShuffleRound(10**7, 1.0)] * 1000 + [ShuffleRound(10**7 + 1, 1.0)] * 1000
+    b = bounds.epsilon_for_rounds("fmt", hist, 1e-6)
+    same = bounds.epsilon("fmt", 1.0, 10**7, 1e-6, 2000).value
+    assert b.kind == "upper" and b.details["interval"] < bounds.HETEROGENEOUS_INTERVAL
+    assert same <= b.value <= same * 1.01
+
+
+def test_heterogeneous_pair_interval_keeps_the_composed_grid_bounded() -> None:
+    # eps 1e-5 next to eps 10 over many rounds: the relative target alone would ask for ~1e10 grid points.
+    from accounting import clones
+
+    h = bounds._heterogeneous_pair_interval([(1e-5, 1000), (10.0, 1000)])
+    width = 1000 * 10.0 * math.tanh(5.0) + 18.0 * math.sqrt(1000 * (100.0 - (10.0 * math.tanh(5.0)) ** 2)) + 20.0
+    assert width / h <= clones.MAX_COMPOSED_GRID
+    assert bounds._heterogeneous_pair_interval([(1.0, 10)]) == bounds.HETEROGENEOUS_INTERVAL
