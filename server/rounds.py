@@ -349,6 +349,15 @@ class RoundEngine:
                 "the configuration changed since the checkpoint in settings that a resume must keep: "
                 + ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
             )
+        old_budget, new_budget = ckpt.config.get("budget-epsilon"), current.get("budget-epsilon")
+        if old_budget != new_budget:
+            # Allowed (an operator may extend or tighten a run), never silent: the ledger keeps the cumulative
+            # epsilon of every round whatever the budget, and from here on the run stops at the new budget.
+            log.warning(
+                "budget-epsilon changed since the checkpoint (round %d): %r -> %r; the ledger's cumulative "
+                "epsilon is unaffected, the run now stops at the new budget",
+                ckpt.round, old_budget, new_budget,
+            )
         if [tuple(a.shape) for a in ckpt.arrays] != self.shapes:
             raise ResumeError(
                 f"the checkpoint's model has shapes {[tuple(a.shape) for a in ckpt.arrays]}, this run's model "

@@ -263,6 +263,21 @@ def test_resume_refuses_a_changed_privacy_setting(h: Any) -> None:
         resumed.restore()
 
 
+def test_resume_with_a_changed_budget_is_allowed_and_logged(h: Any, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = h.config(**{"budget-epsilon": 1e6})
+    engine = h.engine(cfg, h.grid([h.honest()] * h.N))
+    engine.restore()
+    engine.run_round(1)
+    engine.ledger.close()
+    engine.store.close()
+    resumed = h.engine(h.config(**{"budget-epsilon": 2e6}), h.grid([h.honest()] * h.N))
+    with caplog.at_level("WARNING", logger="shuffledp.server"):
+        assert resumed.restore() == 2
+    assert any("budget-epsilon changed" in r.getMessage() and "1000000.0 -> 2000000.0" in r.getMessage()
+               for r in caplog.records)
+    assert len(resumed.accountant.rounds) == 1  # the spent round is still charged
+
+
 def test_envelope_of_keeps_bytes_only_and_classifies_the_rest(h: Any) -> None:
     grid = h.grid([h.honest(), h.refusing, h.garbage_record])
     engine = h.engine(h.config(), grid)
