@@ -88,6 +88,10 @@ class PinnedSettings:
             raise ClientSetupError(
                 f"partition-id must be in [0, num-partitions={self.num_partitions}), got {self.partition_id}"
             )
+        try:  # settings the randomizer refuses (eps0 above its cap, a clip beyond the report format, a bad grid)
+            self.randomizer()  # are a setup error, found before any request uses the data
+        except (TypeError, ValueError) as exc:
+            raise ClientSetupError(f"pinned eps0={self.eps0!r}, clip-l1={self.clip_l1!r}: {exc}") from None
 
     def randomizer(self) -> DiscreteLaplaceRandomizer:
         return _randomizer(self.eps0, self.clip_l1, self.log2_grid)
@@ -269,6 +273,9 @@ def make_payload(
         raise RequestError("the request carries no model arrays")
     x, y = data
     _check_model_fits_data(arrays, x)
+    rnd = pinned.randomizer()
+    if rng is not None:
+        rnd = DiscreteLaplaceRandomizer(pinned.eps0, pinned.clip_l1, log2_grid=pinned.log2_grid, rng=rng)
     try:
         vec = compute_update(arrays, cfg, x, y)
         failure = None if np.all(np.isfinite(vec)) else "non-finite values"
@@ -277,9 +284,6 @@ def make_payload(
     if failure is not None:
         _log.warning("the local update failed (%s); reporting the zero update, randomized as usual", failure)
         vec = np.zeros(sum(int(np.asarray(a).size) for a in arrays), dtype=np.float64)
-    rnd = pinned.randomizer()
-    if rng is not None:
-        rnd = DiscreteLaplaceRandomizer(pinned.eps0, pinned.clip_l1, log2_grid=pinned.log2_grid, rng=rng)
     return rnd.encode(vec)
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from collections.abc import Callable
 from decimal import Decimal, localcontext
 from fractions import Fraction
@@ -64,7 +65,8 @@ class ChaCha20Rng:
     """A fast CSPRNG: the ChaCha20 keystream under a key from ``os.urandom`` (re-keyed every 2**36 bytes and
     in a forked child process, so a child never repeats its parent's stream).
 
-    ``key`` is for reproducible tests only; production code must leave it ``None``. Not thread-safe.
+    ``key`` is for reproducible tests only; production code must leave it ``None``. Thread-safe: one lock
+    serialises the keystream (the randomizer, and so this generator, is shared by every request of a process).
     """
 
     def __init__(self, key: bytes | None = None) -> None:
@@ -73,6 +75,7 @@ class ChaCha20Rng:
         self._fixed_key = key is not None
         self._key_source = bytes(key) if key is not None else None
         self._zeros = bytearray()
+        self._lock = threading.Lock()
         self._rekey()
 
     def _rekey(self) -> None:
@@ -92,20 +95,24 @@ class ChaCha20Rng:
         """``n`` keystream bytes as a fresh uint8 array."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        if self._pid != os.getpid() and not self._fixed_key:
-            # a forked child must never replay its parent's keystream (the noise of two clients would be equal)
-            self._rekey()
-        if self._used + n > _REKEY_BYTES:
-            if self._fixed_key:
-                raise RuntimeError("fixed-key test stream exhausted (2**36 bytes)")
-            self._rekey()
-        if len(self._zeros) < n:
-            self._zeros = bytearray(max(n, 1 << 16))
-        out = bytearray(n + 64)
-        written = self._enc.update_into(memoryview(self._zeros)[:n], out)
-        if written != n:  # ChaCha20 is a stream cipher: cryptography returns exactly n bytes
-            raise RuntimeError(f"ChaCha20 keystream returned {written} bytes, expected {n}")
-        self._used += n
+        if self._pid != os.getpid():
+            # a forked child has only the forking thread: a lock another parent thread held is replaced, not waited on
+            self._lock = threading.Lock()
+        with self._lock:
+            if self._pid != os.getpid() and not self._fixed_key:
+                # a forked child must never replay its parent's keystream (two clients' noise would be equal)
+                self._rekey()
+            if self._used + n > _REKEY_BYTES:
+                if self._fixed_key:
+                    raise RuntimeError("fixed-key test stream exhausted (2**36 bytes)")
+                self._rekey()
+            if len(self._zeros) < n:
+                self._zeros = bytearray(max(n, 1 << 16))
+            out = bytearray(n + 64)
+            written = self._enc.update_into(memoryview(self._zeros)[:n], out)
+            if written != n:  # ChaCha20 is a stream cipher: cryptography returns exactly n bytes
+                raise RuntimeError(f"ChaCha20 keystream returned {written} bytes, expected {n}")
+            self._used += n
         return np.frombuffer(out, dtype=np.uint8, count=n)
 
     def uint16(self, n: int) -> np.ndarray:

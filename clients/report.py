@@ -12,7 +12,7 @@ Layout (all fields little-endian; the length depends only on the dimension ``d``
                    the server never trusts it; the accountant is charged with the pinned eps0)
     20      4*d    y (int32[d]): the noisy integer vector, saturated to [-(2**31 - 1), 2**31 - 1]
 
-Why int32, saturating: ``y = q + z`` with ``|q| <= K < 2**30`` (the L1 radius in grid units) and ``z`` discrete
+Why int32, saturating: ``y = q + z`` with ``|q| <= K <= 2**30`` (the L1 radius in grid units) and ``z`` discrete
 Laplace noise of scale ``2K/eps0``. Clamping ``y`` to the int32 range is a deterministic function of the
 already-private output, i.e. post-processing, so it never weakens the eps0-LDP guarantee; it only biases the
 rare saturated coordinate. The randomizer refuses settings whose per-coordinate saturation probability is not

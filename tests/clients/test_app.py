@@ -202,6 +202,12 @@ def test_pinned_settings_resolution_errors(keys) -> None:
         pinned_from_configs({"partition-id": 2, "num-partitions": 2}, run)
     with pytest.raises(ClientSetupError, match="log2-grid"):
         pinned_from_configs(node, {**run, "log2-grid": 1.5})
+    # settings only the randomizer refuses are setup errors too, found before any request uses the data (they
+    # raised ValueError -> "bad request" after compute_update had run)
+    with pytest.raises(ClientSetupError, match="eps0=100.0.*<= 64"):
+        pinned_from_configs(node, {**run, "eps0": 100.0})
+    with pytest.raises(ClientSetupError, match="clip-l1=4398046511104.0"):
+        pinned_from_configs(node, {**run, "clip-l1": 2.0**42})
     dep = {"eps0": 1.0, "clip-l1": 1.0, "client-key": str(keys.root / "missing.key"),
            "server-public-key": str(keys.server_hpke_pub), "shuffler-public-key": str(keys.shuffler_hpke_pub),
            "partition-id": 0, "num-partitions": 1}

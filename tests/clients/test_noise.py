@@ -267,3 +267,32 @@ def test_forked_child_does_not_replay_the_parent_stream() -> None:
     proc.join(timeout=30)
     assert proc.exitcode == 0
     assert from_child != rng.random_bytes(32).tobytes()
+
+
+def test_concurrent_threads_share_one_stream_without_error_or_overlap() -> None:
+    # The randomizer (and its generator) is cached per process; a host running ClientApp calls on threads
+    # got RuntimeError('Already borrowed') from the shared encryptor before the lock.
+    import threading
+
+    rng = ChaCha20Rng(_key(7))
+    outs: list[list[bytes]] = [[], [], []]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(200):
+                outs[i].append(rng.random_bytes(1 << 14).tobytes())
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    # every call took a disjoint piece of one keystream: together they are exactly its first 3 * 200 * 16 KiB
+    got = sorted(b for o in outs for b in o)
+    stream = ChaCha20Rng(_key(7)).random_bytes(3 * 200 * (1 << 14)).tobytes()
+    want = sorted(stream[i : i + (1 << 14)] for i in range(0, len(stream), 1 << 14))
+    assert got == want
