@@ -236,6 +236,15 @@ def _known_families() -> tuple[str, ...] | None:
     return tuple(FAMILIES) + ("girgis-lower",)
 
 
+def _guarantee_families() -> tuple[str, ...] | None:
+    """The families that may enforce a budget: those whose every number is an upper bound."""
+    try:
+        from accounting import FAMILIES, FAMILY_KINDS
+    except ImportError:  # pragma: no cover - see _known_families
+        return None
+    return tuple(f for f in FAMILIES if FAMILY_KINDS.get(f) == "upper")
+
+
 def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> ServerConfig:
     """Validate Flower's run config and return a :class:`ServerConfig`.
 
@@ -252,8 +261,13 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
     known_families = _known_families()
 
     family = _str(raw, "accounting-family")
-    if known_families is not None and family not in known_families:
-        raise ConfigError(f"run config 'accounting-family' must be one of {list(known_families)}; got {family!r}")
+    guarantees = _guarantee_families()
+    if guarantees is not None and family not in guarantees:
+        raise ConfigError(
+            f"run config 'accounting-family' enforces the budget, so it must be an upper-bound family, one of "
+            f"{list(guarantees)}; got {family!r} (approximate and lower-bound families belong in "
+            "'comparison-families')"
+        )
     comparison = tuple(f for f in _families(raw, "comparison-families", known_families) if f != family)
 
     address = _str(raw, "shuffler-address").strip()

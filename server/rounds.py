@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from accounting import RefusedError
 from accounting.accountant import ShuffleAccountant
 from accounting.events import ShuffleRound
 from accounting.ledger import Ledger
@@ -70,7 +71,8 @@ __all__ = [
 log = logging.getLogger("shuffledp.server")
 
 #: Settings that must not change between a run and its resume (they change what the ledger means or what the
-#: checkpoint's arrays are).
+#: checkpoint's arrays are, or they live in the checkpoint's own state: the optimizer is restored with its
+#: learning rate and momentum, the accountant with its comparison families, so a new value would be ignored).
 RESUME_KEYS = (
     "eps0",
     "clip-l1",
@@ -81,7 +83,10 @@ RESUME_KEYS = (
     "pca-components",
     "target-delta",
     "accounting-family",
+    "comparison-families",
     "server-optimizer",
+    "server-lr",
+    "server-momentum",
     "key-epoch",
 )
 
@@ -230,7 +235,7 @@ class RoundEngine:
     Args:
         config: the validated run configuration.
         grid: a ``flwr.serverapp.Grid`` (or a fake with the same two methods).
-        shuffler: a ``ShufflerClient`` (or anything with ``submit``/``fetch``).
+        shuffler: a ``ShufflerClient`` (or anything with ``open_submit``/``fetch``).
         open_inner: opens one inner ciphertext for a round (holds the server's private key).
         evaluator: central evaluation ``arrays -> (loss, accuracy)``.
         initial_arrays: the model at round 0 (used only when no checkpoint exists).
@@ -537,11 +542,21 @@ class RoundEngine:
             self.on_round(outcome)
         return outcome
 
-    def _would_exceed(self, event: ShuffleRound) -> bool:
-        """The budget test of the default family (an upper bound); an infinite budget is never exceeded."""
-        if math.isinf(self.cfg.budget_epsilon):
-            return False
-        return bool(self.accountant.would_exceed(event, self.cfg.budget_epsilon))
+    def _budget_stop(self, event: ShuffleRound) -> str | None:
+        """Why composing ``event`` must not happen, or None: the default family's upper bound would exceed the
+        budget, or the family refuses the prospective rounds (e.g. ``fmt`` outside its validity region), which
+        no budget makes safe. Evaluated also for an infinite budget, so a refusal stops the run before anything
+        is sent or fetched (the value is cached and reused once the round is charged)."""
+        try:
+            exceeded = self.accountant.would_exceed(event, self.cfg.budget_epsilon)
+        except RefusedError as exc:
+            return f"the accounting family {self.cfg.accounting_family!r} cannot bound this round: {exc}"
+        if not exceeded:
+            return None
+        return (
+            f"it would exceed the privacy budget epsilon={self.cfg.budget_epsilon:g} at "
+            f"delta={self.cfg.target_delta:g} ({self.cfg.accounting_family})"
+        )
 
     def _epsilon_value(self) -> float:
         return float(self.accountant.epsilon().value)
@@ -571,12 +586,12 @@ class RoundEngine:
 
         # Budget, best case for this round (every sampled node reports): if even that exceeds, stop now.
         best_case = ShuffleRound(n=len(sampled), eps0=cfg.eps0)
-        if self._would_exceed(best_case):
+        stop = self._budget_stop(best_case)
+        if stop is not None:
             out.status = "stopped"
             out.reason = (
-                f"round {round_id} would exceed the privacy budget epsilon={cfg.budget_epsilon:g} at "
-                f"delta={cfg.target_delta:g} ({cfg.accounting_family}) even with all {len(sampled)} sampled "
-                f"reports; spent so far: epsilon={self._epsilon_value():.6g}"
+                f"round {round_id} is not run: {stop}, even with all {len(sampled)} sampled reports; spent so far: "
+                f"epsilon={self._epsilon_value():.6g}"
             )
             self.stopped = out
             return self._finish(out, save=False)
@@ -625,11 +640,12 @@ class RoundEngine:
             )
             return self._finish(out)
         event = ShuffleRound(n=n_attested, eps0=cfg.eps0)
-        if event != best_case and self._would_exceed(event):
+        stop = None if event == best_case else self._budget_stop(event)
+        if stop is not None:
             out.status = "stopped"
             out.reason = (
-                f"round {round_id} with the attested n={n_attested} would exceed the privacy budget "
-                f"epsilon={cfg.budget_epsilon:g}; the batch was not fetched (nothing released, nothing charged)"
+                f"round {round_id} with the attested n={n_attested}: {stop}; the batch was not fetched (nothing "
+                "released, nothing charged)"
             )
             self.stopped = out
             return self._finish(out)
@@ -643,30 +659,42 @@ class RoundEngine:
         t3 = time.perf_counter()
         out.seconds["account"] = t3 - t2
 
-        acc = ReportAccumulator(self.dim)
-        bad = 0
-        for inner in self.shuffler.fetch(attestation):
-            try:
-                payload = self.open_inner(bytes(inner), round_id)
-                acc.add(decode_report(payload, expected_dim=self.dim, expected_log2_grid=self.expected_log2_grid))
-            except Exception:  # noqa: BLE001 - one bad report is counted and skipped, never fatal
-                bad += 1
-        out.n_bad_reports = bad
-        out.n_applied = acc.count
-        t4 = time.perf_counter()
-        out.seconds["open_apply"] = t4 - t3
-        if acc.count:
-            mean = acc.mean()
-            # "delta" reports are w_local - w: the pseudo-gradient is their negated mean (FedOpt, Reddi et al.)
-            pseudo_gradient = mean if cfg.report == "gradient" else -mean
-            self.arrays = self.optimizer.step(self.arrays, pseudo_gradient)
-            out.status = "applied"
-            out.reason = "" if not bad else f"{bad} reports failed to open or decode and were skipped"
-        else:
-            out.status = "applied"
-            out.reason = f"charged, but none of the {n_attested} reports opened and decoded; the model is unchanged"
-        out.loss, out.accuracy = (float(v) for v in self.evaluator(self.arrays))
-        out.seconds["evaluate"] = time.perf_counter() - t4
+        applied = False
+        try:
+            acc = ReportAccumulator(self.dim)
+            bad = 0
+            for inner in self.shuffler.fetch(attestation):
+                try:
+                    payload = self.open_inner(bytes(inner), round_id)
+                    acc.add(decode_report(payload, expected_dim=self.dim, expected_log2_grid=self.expected_log2_grid))
+                except Exception:  # noqa: BLE001 - one bad report is counted and skipped, never fatal
+                    bad += 1
+            out.n_bad_reports = bad
+            out.n_applied = acc.count
+            t4 = time.perf_counter()
+            out.seconds["open_apply"] = t4 - t3
+            if acc.count:
+                mean = acc.mean()
+                # "delta" reports are w_local - w: the pseudo-gradient is their negated mean (FedOpt, Reddi et al.)
+                pseudo_gradient = mean if cfg.report == "gradient" else -mean
+                self.arrays = self.optimizer.step(self.arrays, pseudo_gradient)
+                applied = True
+                out.status = "applied"
+                out.reason = "" if not bad else f"{bad} reports failed to open or decode and were skipped"
+            else:
+                out.status = "applied"
+                out.reason = f"charged, but none of the {n_attested} reports opened and decoded; the model is unchanged"
+            out.loss, out.accuracy = (float(v) for v in self.evaluator(self.arrays))
+            out.seconds["evaluate"] = time.perf_counter() - t4
+        except BaseException as exc:
+            # The round is charged (accountant + ledger): the engine must not forget it, or a caller that goes on
+            # could reuse the id and a later checkpoint would disagree with the ledger. Not saved here (state may be
+            # half-updated); a restart reconciles from the ledger, as after a crash.
+            out.status = "applied" if applied else "lost"
+            out.reason = f"charged, but the round failed after the charge: {type(exc).__name__}"
+            self.history.append(out)
+            self.last_round = round_id
+            raise
         return self._finish(out)
 
     # -- the run -----------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ One interface, :class:`CheckpointStore`, with two implementations in the style o
   sealed report of a round and the shuffler refuses a binding it has already seen, so reusing an id would fail
   or, worse, release the same reports twice.
 
-How a resumed run reconciles the checkpoint with the privacy ledger is :func:`server.rounds.reconcile`'s job;
-this module only stores bytes reliably.
+How a resumed run reconciles the checkpoint with the privacy ledger is
+:meth:`server.rounds.RoundEngine.restore`'s job; this module only stores bytes reliably.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class Checkpoint:
     """Everything needed to continue a run after the round ``round`` has finished.
 
     Attributes:
-        round: the last round id whose processing finished (applied or skipped); 0 before the first round.
+        round: the last round id the run has used (applied, skipped, charged but lost, or started and abandoned,
+            as reconciled by ``RoundEngine.restore``); 0 before the first round.
         arrays: the model's parameters, in the model's order.
         optimizer: the server optimizer's scalars (:meth:`server.optim.ServerOptimizer.state_dict`).
         optimizer_buffers: the optimizer's arrays (momentum / Adam moments).
@@ -108,19 +109,24 @@ class Checkpoint:
                 f"not a shuffledp checkpoint of version {_VERSION} (format {meta.get('format')!r}, "
                 f"version {meta.get('version')!r})"
             )
-        arrays = arrays_from_bytes(blob)
-        n_model = int(meta["n_arrays"])
-        if len(arrays) < n_model:
-            raise CheckpointError(f"checkpoint holds {len(arrays)} arrays, its metadata promises {n_model}+")
-        return cls(
-            round=int(meta["round"]),
-            arrays=arrays[:n_model],
-            optimizer=meta["optimizer"],
-            optimizer_buffers=arrays[n_model:],
-            accountant=meta["accountant"],
-            history=list(meta["history"]),
-            config=dict(meta["config"]),
-        )
+        try:
+            arrays = arrays_from_bytes(blob)
+            n_model = int(meta["n_arrays"])
+            if len(arrays) < n_model:
+                raise CheckpointError(f"checkpoint holds {len(arrays)} arrays, its metadata promises {n_model}+")
+            return cls(
+                round=int(meta["round"]),
+                arrays=arrays[:n_model],
+                optimizer=meta["optimizer"],
+                optimizer_buffers=arrays[n_model:],
+                accountant=meta["accountant"],
+                history=list(meta["history"]),
+                config=dict(meta["config"]),
+            )
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, TypeError, OSError, EOFError) as exc:  # a corrupt blob or metadata
+            raise CheckpointError(f"the checkpoint is corrupt: {type(exc).__name__}: {exc}") from None
 
 
 class CheckpointStore(ABC):

@@ -60,7 +60,7 @@ def test_default_family_is_removed_from_comparisons() -> None:
         ("dataset", "cifar", "digits, mnist"),
         ("target-delta", 1.0, "'target-delta'"),
         ("server-momentum", 1.0, "'server-momentum'"),
-        ("accounting-family", "magic", "'accounting-family' must be one of"),
+        ("accounting-family", "magic", "'accounting-family' enforces the budget, so it must be an upper-bound family"),
         ("comparison-families", "clones,nope", "unknown accounting families ['nope']"),
         ("shuffler-address", "localhost", "'auto' or host:port"),
         ("shuffler-address", "host:70000", "'auto' or host:port"),

@@ -183,6 +183,56 @@ def test_budget_stops_before_the_round_that_would_exceed(h: Any) -> None:
     assert engine.accountant.epsilon().value <= cfg.budget_epsilon
 
 
+def test_a_refusing_default_family_stops_the_run_before_anything_is_sent(h: Any) -> None:
+    # fmt is an upper-bound family but holds only for eps0 <= log(n / (16 log(2/delta))); here n = N, eps0 = 8.
+    # Before, an infinite budget skipped the check: the batch was sealed and compose()d, then the ledger refused
+    # the round with LedgerError, on every resume again.
+    cfg = h.config(**{"accounting-family": "fmt", "num-server-rounds": 3})
+    grid = h.grid([h.honest()] * h.N)
+    engine = h.engine(cfg, grid)
+    history = engine.run()
+    assert [o.status for o in history] == ["stopped"]
+    assert "cannot bound this round" in history[0].reason and "fmt" in history[0].reason
+    assert grid.sent == [] and _ledger_rounds(engine) == [] and engine.accountant.rounds == ()
+    assert _stats(h)["batches_sealed"] == 0
+
+
+def test_only_upper_bound_families_may_enforce_the_budget(h: Any) -> None:
+    from server.config import ConfigError
+
+    for family in ("rr-lower", "ccg-gdp", "canonical-gdp", "girgis-lower"):
+        with pytest.raises(ConfigError, match="upper-bound family"):
+            h.config(**{"accounting-family": family})
+    assert h.config(**{"accounting-family": "no-shuffle"}).accounting_family == "no-shuffle"
+
+
+def test_a_failure_after_the_charge_is_remembered_and_the_state_stays_resumable(h: Any) -> None:
+    # Before, an exception after the ledger append left the round in the accountant and ledger but not in the
+    # history: the same id could be run again, and a later checkpoint disagreed with the ledger (unresumable).
+    cfg = h.config()
+    engine = h.engine(cfg, h.grid([h.honest()] * h.N))
+    engine.restore()
+
+    def failing_evaluator(arrays: Any) -> Any:
+        raise _Crash("evaluation failed")
+
+    good_evaluator, engine.evaluator = engine.evaluator, failing_evaluator
+    with pytest.raises(_Crash):
+        engine.run_round(1)
+    assert [(o.round, o.status) for o in engine.history] == [(1, "applied")]
+    assert "failed after the charge" in engine.history[0].reason
+    with pytest.raises(ValueError, match="never reused"):
+        engine.run_round(1)
+    engine.evaluator = good_evaluator
+    assert engine.run_round(2).status == "applied"
+    assert _ledger_rounds(engine) == [1, 2]
+    engine.ledger.close()
+    engine.store.close()
+    resumed = h.engine(cfg, h.grid([h.honest()] * h.N))
+    assert resumed.restore() == 3  # the checkpoint agrees with the ledger
+    assert [e.n for e in resumed.accountant.rounds] == [h.N, h.N]
+
+
 class _Crash(RuntimeError):
     pass
 
@@ -261,6 +311,13 @@ def test_resume_refuses_a_changed_privacy_setting(h: Any) -> None:
     resumed = h.engine(changed, h.grid([h.honest()] * h.N))
     with pytest.raises(ResumeError, match="eps0: 8.0 -> 2.0"):
         resumed.restore()
+    # settings the checkpoint restores from its own state would be silently ignored: refused as well
+    for key, value in (("server-lr", 0.01), ("server-momentum", 0.5), ("comparison-families", "girgis")):
+        resumed = h.engine(h.config(**{key: value}), h.grid([h.honest()] * h.N))
+        with pytest.raises(ResumeError, match=key):
+            resumed.restore()
+        resumed.ledger.close()
+        resumed.store.close()
 
 
 def test_resume_with_a_changed_budget_is_allowed_and_logged(h: Any, caplog: pytest.LogCaptureFixture) -> None:

@@ -5,10 +5,18 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import json
+
 import numpy as np
 import pytest
 
-from server.state import Checkpoint, CheckpointError, InMemoryCheckpointStore, SqliteCheckpointStore
+from server.state import (
+    Checkpoint,
+    CheckpointError,
+    InMemoryCheckpointStore,
+    SqliteCheckpointStore,
+    arrays_to_bytes,
+)
 
 
 def _ckpt(round_: int) -> Checkpoint:
@@ -88,3 +96,15 @@ def test_sqlite_survives_reopen_and_rejects_foreign_files(tmp_path: Path) -> Non
     with pytest.raises(CheckpointError, match="not a shuffledp checkpoint"):
         s3.load()
     s3.close()
+
+
+def test_a_corrupt_checkpoint_blob_or_metadata_is_a_checkpoint_error() -> None:
+    # restore() turns CheckpointError into ResumeError; a corrupt blob raised a raw ValueError before.
+    good = _ckpt(1)
+    meta = good.meta_json()
+    with pytest.raises(CheckpointError, match="corrupt"):
+        Checkpoint.from_parts(meta, b"not an npz archive")
+    broken = json.loads(meta)
+    del broken["history"]
+    with pytest.raises(CheckpointError, match="corrupt.*KeyError"):
+        Checkpoint.from_parts(json.dumps(broken), arrays_to_bytes(good.arrays + good.optimizer_buffers))
