@@ -411,7 +411,7 @@ def _read_output_buffered(path: Path, n: int, inner_length: int) -> Iterator[byt
 def stages_in_memory(expected_count: int, inner_length: int, staging_memory_limit: int) -> bool:
     """The staging path of a batch, a function of public sizes only: memory iff ``expected_count *
     inner_length <= staging_memory_limit`` (``inner_length = envelope_length - 166`` when the header announces
-    ``envelope_length``, else the length of the first accepted inner ciphertext). Never depends on load: a
+    ``envelope_length``, else the length of the first envelope that passes the length checks, minus 166). Never depends on load: a
     batch that cannot get its memory is refused (``staging_memory``), it does not fall back to disk."""
     return expected_count * inner_length <= staging_memory_limit
 
@@ -824,9 +824,9 @@ class BatchBuilder:
         self._done = False
         self.staging_fd = -1
         self.staging_path: Path | None = None
-        #: the memory path's slot buffer (None on the disk path, before the first accepted report, after seal)
+        #: the memory path's slot buffer (None on the disk path, before staging began, after seal)
         self.staging_buffer: mmap.mmap | None = None
-        #: True/False once the first report was accepted and the path was chosen; None before
+        #: True/False once staging began and the path was chosen; None before
         self.in_memory: bool | None = None
         self._perm: array | None = None
         #: SHA-256 of the inner ciphertext at each slot (32 bytes per slot, slot order), for the output digest
@@ -887,8 +887,18 @@ class BatchBuilder:
         else:
             buf.close()
 
+    def _begin_staging(self, inner_length: int) -> None:
+        """Fix the batch's inner length, stage (:meth:`_start_staging`) and draw the permutation: called once, at
+        the first envelope that passes the public length checks (``inner_length`` is its length minus the outer
+        layer's overhead), whether or not it later opens and verifies. Raises :class:`Refused` (already aborted).
+        """
+        self.inner_length = inner_length
+        self._start_staging()  # chooses memory or disk staging
+        self._perm = self.draw_permutation(self.header.expected_count)  # allocated lazily
+        self._slot_hashes = bytearray(32 * self.header.expected_count)
+
     def _start_staging(self) -> None:
-        """Choose the staging path for this batch, then allocate: called once, at the first accepted report.
+        """Choose the staging path for this batch, then allocate: called once, from :meth:`_begin_staging`.
 
         Raises :class:`Refused` (resource_exhausted: ``staging_memory`` or ``disk_full``); the batch is then
         counted as refused and everything it allocated is released.
@@ -954,7 +964,7 @@ class BatchBuilder:
                     "resource_exhausted",
                     "disk_full",
                     f"a batch of {self.header.expected_count} reports needs {need} bytes with the journal "
-                    f"reserve; {free} are free",
+                    "reserve; not enough is free",  # the host's free space is not the submitter's business
                 )
             try:
                 os.posix_fallocate(self.staging_fd, 0, size)
@@ -1025,6 +1035,11 @@ class BatchBuilder:
             elif self.header.envelope_length and len(envelope) != self.header.envelope_length:
                 self.drops["wrong_length"] += 1
             else:
+                if self.inner_length < 0 and len(envelope) >= env.ENVELOPE_OVERHEAD:
+                    # Staging starts at the first envelope that passes the public length checks, BEFORE it is
+                    # opened or verified: its cost (allocation, zero-fill, a disk_full refusal) must not tell the
+                    # submitter whether an envelope verifies. Raises Refused (the builder is then aborted).
+                    self._begin_staging(len(envelope) - (env.ENVELOPE_OVERHEAD - env.INNER_OVERHEAD))
                 try:
                     out.append(self._opener.decrypt(envelope))
                 except env.EnvelopeError as exc:
@@ -1108,11 +1123,6 @@ class BatchBuilder:
         self.report_ids.add(report.report_id)
         inner = report.inner
         self._lengths.add(len(inner))
-        if self.inner_length < 0:
-            self.inner_length = len(inner)
-            self._start_staging()  # chooses memory or disk staging; raises Refused (already aborted)
-            self._perm = self.draw_permutation(self.header.expected_count)  # allocated lazily
-            self._slot_hashes = bytearray(32 * self.header.expected_count)
         if len(inner) == self.inner_length and self._perm is not None and self._slot_hashes is not None:
             # slots are fixed-size: the j-th accepted report goes to slot perm[j], at perm[j] * inner_length
             slot = self._perm[self.n_accepted]

@@ -1213,28 +1213,29 @@ def test_verify_threads_is_validated(kit, tmp_path: Path) -> None:
             kit.core_config(tmp_path / "x", verify_threads=bad)
 
 
-def test_a_staging_refusal_behind_pending_checks_wins_over_count_mismatch(core: ShufflerCore, kit, monkeypatch) -> None:
-    """With checks in flight, an extra envelope first settles them: the refusal is the one inline checking gives
-    (staging_memory, retryable), not count_mismatch."""
+def test_staging_starts_before_the_first_envelope_is_verified(core: ShufflerCore, kit, monkeypatch) -> None:
+    """Staging (and a staging refusal) happens at the first envelope that passes the public length checks, before
+    any signature check: it cannot tell the submitter whether that envelope verifies. Before, it happened at the
+    first *accepted* report, so a refusal (or the zero-fill's delay) answered "this envelope is valid"."""
     import errno
-    import threading
 
     import shuffler.core as coremod
     import shuffler.envelope as envmod
 
-    gate = threading.Event()
+    checked: list[int] = []
     real_verify = envmod.OuterOpener.verify
-    monkeypatch.setattr(envmod.OuterOpener, "verify", lambda self, d: (gate.wait(5), real_verify(self, d))[1])
+    monkeypatch.setattr(envmod.OuterOpener, "verify", lambda self, d: (checked.append(1), real_verify(self, d))[1])
     monkeypatch.setattr(coremod.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOMEM, "no")))
-    b = core.begin(kit.header(kit.k))
-    for i in range(kit.k):
-        b.add(kit.seal(i))
-    assert len(b._pending) == kit.k
-    gate.set()
-    with pytest.raises(Refused) as info:
-        b.add(kit.seal(kit.k))
-    assert (info.value.code, info.value.reason) == ("resource_exhausted", "staging_memory")
-    assert core.stats()["batches_refused"] == 1 and list(core.journal.staging_dir.iterdir()) == []
+    tampered = bytearray(kit.seal(0))
+    tampered[-1] ^= 1  # fails the outer open: never accepted
+    for first in (kit.seal(0), bytes(tampered)):
+        b = core.begin(kit.header(kit.k))
+        b.add(b"")  # a placeholder passes no length check: nothing is staged yet
+        with pytest.raises(Refused) as info:
+            b.add(first)
+        assert (info.value.code, info.value.reason) == ("resource_exhausted", "staging_memory")
+    assert checked == []  # refused before any signature check, valid or not
+    assert core.stats()["batches_refused"] == 2 and list(core.journal.staging_dir.iterdir()) == []
 
 
 def test_a_message_is_one_job_and_small_jobs_are_checked_inline(core: ShufflerCore, kit, monkeypatch) -> None:
