@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from shuffler.envelope import ENVELOPE_OVERHEAD, INNER_OVERHEAD
+
 __all__ = [
     "ATTESTATION_FORMAT",
     "DROP_REASONS",
@@ -206,6 +208,19 @@ class Attestation:
             raise AttestationError(f"signed attestation statement is malformed: {exc}") from exc
         if not 0 <= att.n_accepted <= att.n_received or att.n_accepted < att.k:
             raise AttestationError("attestation counts are inconsistent (n_accepted vs n_received vs k)")
+        unknown = sorted(set(att.dropped) - set(DROP_REASONS))
+        if unknown or any(c < 0 for c in att.dropped.values()):
+            raise AttestationError(f"attestation drop counters are invalid (unknown reasons {unknown} or negative)")
+        if att.n_accepted + sum(att.dropped.values()) != att.n_received:
+            raise AttestationError(
+                f"attestation counts do not add up: {att.n_accepted} accepted + {sum(att.dropped.values())} dropped "
+                f"!= {att.n_received} received"
+            )
+        if att.envelope_length and att.inner_length != att.envelope_length - (ENVELOPE_OVERHEAD - INNER_OVERHEAD):
+            raise AttestationError(
+                f"attestation inner_length {att.inner_length} does not follow from envelope_length "
+                f"{att.envelope_length}"
+            )
         return att
 
     def to_dict(self) -> dict[str, str]:

@@ -170,10 +170,12 @@ class ShufflerClient:
                             envelope_length=envelope_length, timeout=self._timeout if timeout is None else timeout)
 
     def fetch(self, attestation: Attestation) -> Iterator[bytes]:
-        """Stream the batch's inner ciphertexts; verifies lengths, count and output digest (raises at the end)."""
+        """Stream the batch's inner ciphertexts; verifies lengths, count, that no report repeats (by its HPKE
+        encapsulated key) and the output digest (raises at the end)."""
         if not isinstance(attestation, Attestation) or not attestation.signature:
             raise TypeError("fetch needs an Attestation returned by submit() (or Attestation.verify)")
         digest = OutputDigest.for_attestation(attestation)
+        seen_enc: set[bytes] = set()  # each report has its own HPKE encapsulated key: a repeat is a duplicate
         try:
             for raw in self._fetch_raw(pb.FetchRequest(batch_id=attestation.batch_id), timeout=self._timeout):
                 items = wire.decode_repeated_bytes_field(raw, 1)
@@ -186,6 +188,11 @@ class ShufflerClient:
                         )
                     if digest.count >= attestation.n_accepted:
                         raise AttestationError("fetched more items than the attestation's n_accepted")
+                    enc = bytes(inner[: env.ENC_BYTES])
+                    if enc in seen_enc:
+                        # a shuffler that repeats reports inflates n_accepted, and so the amplification credited
+                        raise AttestationError("the fetched batch repeats an inner ciphertext (same encapsulated key)")
+                    seen_enc.add(enc)
                     digest.update(inner)
                     yield inner  # type: ignore[misc]
         except grpc.RpcError as exc:

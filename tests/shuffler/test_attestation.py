@@ -63,7 +63,7 @@ def _statement(fmt: str, output_digest: bytes) -> bytes:
     doc = json.loads(Attestation.build_statement(
         batch_id=secrets.token_bytes(16), protocol_version=1, key_epoch=0, round_id=5, model_digest=b"\x01" * 32,
         k=2, n_received=4, n_accepted=3, inner_length=300, output_digest=output_digest,
-        dropped={r: 0 for r in DROP_REASONS}))
+        dropped={r: int(r == "empty") for r in DROP_REASONS}))  # 3 accepted + 1 dropped = 4 received
     doc["format"] = fmt
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 

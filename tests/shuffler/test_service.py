@@ -474,3 +474,34 @@ def test_small_envelopes_travel_packed_even_with_a_tight_envelope_limit(kit, tmp
     finally:
         server.stop(grace=None).wait()
         core.close()
+
+
+def test_attestation_counts_must_add_up_and_lengths_must_follow(kit) -> None:
+    # Cheap cross-checks a malicious or faulty shuffler could otherwise slip past the server's accountant.
+    from shuffler.attestation import DROP_REASONS, Attestation, sign_statement
+
+    base = dict(batch_id=bytes(16), protocol_version=1, key_epoch=0, round_id=1, model_digest=kit.digest, k=2,
+                n_received=5, n_accepted=3, inner_length=100, output_digest=bytes(32),
+                dropped={DROP_REASONS[0]: 2}, envelope_length=266)
+
+    def verify(**changes: object) -> Attestation:
+        statement = Attestation.build_statement(**{**base, **changes})
+        return Attestation.verify(statement, sign_statement(statement, kit.signing_sk), kit.verify_key)
+
+    assert verify().n_accepted == 3  # 3 + 2 == 5; 266 - 166 == 100
+    with pytest.raises(AttestationError, match="do not add up"):
+        verify(n_accepted=4)  # 4 + 2 != 5: more accepted than the envelopes allow
+    with pytest.raises(AttestationError, match="does not follow from envelope_length"):
+        verify(inner_length=99)
+
+
+def test_fetch_refuses_a_batch_that_repeats_a_report(kit, running) -> None:
+    # A shuffler that serves one report twice inflates n_accepted (and the amplification the server credits).
+    envs = [kit.seal(i) for i in range(3)]
+    with kit.client(running.address) as c:
+        att = c.submit(round_id=1, key_epoch=0, model_digest=kit.digest, envelopes=envs)
+        items = c.fetch_all(att)
+        c._fetch_raw = lambda request, timeout=None: iter([pb.FetchResponse(inner=[items[0], items[0], items[1]])
+                                                          .SerializeToString()])
+        with pytest.raises(AttestationError, match="repeats an inner ciphertext"):
+            c.fetch_all(att)
