@@ -154,26 +154,33 @@ def server_options(max_envelope_bytes: int) -> list[tuple[str, int]]:
 class _IdleWatchdog:
     """Cancels a Submit whose client sends nothing for ``timeout`` seconds (status DEADLINE_EXCEEDED).
 
-    One thread per Submit polls the time of the last received message; a stalled stream would otherwise hold
-    a worker thread forever.
+    One thread per Submit polls how long the handler has been *waiting for the next message*; a stalled stream
+    would otherwise hold a worker thread forever. Time the shuffler spends itself (staging, zero-fill, waiting
+    for the core's lock, sealing and committing after the last message) never counts: the clock runs only while
+    the handler is blocked on the stream (:func:`_watched`).
     """
 
     def __init__(self, context: grpc.ServicerContext, timeout: float) -> None:
         self._context = context
         self._timeout = timeout
-        self.last = time.monotonic()
+        self.since = time.monotonic()
+        self.waiting = False
         self.fired = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="submit-idle", daemon=True)
         self._thread.start()
 
-    def touch(self) -> None:
-        self.last = time.monotonic()
+    def wait_begins(self) -> None:
+        self.since = time.monotonic()
+        self.waiting = True
+
+    def wait_ends(self) -> None:
+        self.waiting = False
 
     def _run(self) -> None:
         step = max(0.05, min(1.0, self._timeout / 4))
         while not self._stop.wait(step):
-            if time.monotonic() - self.last > self._timeout:
+            if self.waiting and time.monotonic() - self.since > self._timeout:
                 self.fired = True
                 details = f"submit_idle: no message for {self._timeout:g} s"
                 try:  # cancel with a specific status (grpc's server call object accepts one)
@@ -189,8 +196,15 @@ class _IdleWatchdog:
 
 
 def _watched(iterator: Iterator[pb.SubmitRequest], dog: _IdleWatchdog) -> Iterator[pb.SubmitRequest]:
-    for item in iterator:
-        dog.touch()
+    it = iter(iterator)
+    while True:
+        dog.wait_begins()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        finally:
+            dog.wait_ends()
         yield item
 
 

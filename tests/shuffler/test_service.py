@@ -505,3 +505,28 @@ def test_fetch_refuses_a_batch_that_repeats_a_report(kit, running) -> None:
                                                           .SerializeToString()])
         with pytest.raises(AttestationError, match="repeats an inner ciphertext"):
             c.fetch_all(att)
+
+
+def test_the_idle_timeout_counts_only_time_spent_waiting_for_the_stream(kit, tmp_path, monkeypatch) -> None:
+    """A slow seal after the last message (fsyncs of a large batch, a wait for the core's lock) is the
+    shuffler's own time: the idle watchdog used to fire during it (DEADLINE_EXCEEDED, although the batch was
+    sealed), which the ServerApp treats as fatal."""
+    import time
+
+    import shuffler.core as coremod
+
+    real_finish = coremod.BatchBuilder.finish
+
+    def slow_finish(self):  # type: ignore[no-untyped-def]
+        time.sleep(2.0)  # twice the idle timeout
+        return real_finish(self)
+
+    monkeypatch.setattr(coremod.BatchBuilder, "finish", slow_finish)
+    server, core, address = _service(kit, tmp_path, max_workers=4, idle=1.0)
+    try:
+        with kit.client(address) as c:
+            att = c.submit(round_id=1, key_epoch=0, model_digest=kit.digest, envelopes=[kit.seal(i) for i in range(4)])
+            assert att.n_accepted == 4 and len(c.fetch_all(att)) == 4
+    finally:
+        server.stop(grace=None).wait()
+        core.close()
