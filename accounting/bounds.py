@@ -779,12 +779,6 @@ def _dominating_round(n: int, eps0: float, *, lower: bool) -> tuple[int, float]:
 HETEROGENEOUS_INTERVAL = 1e-4
 
 
-def _three_digits(h: float, *, up: bool) -> float:
-    """``h`` rounded to 3 significant digits, up (never finer) or down (never coarser): a stable cache key."""
-    scale = 10.0 ** (math.floor(math.log10(h)) - 2)
-    return float(f"{(math.ceil(h / scale) if up else math.floor(h / scale)) * scale:.3g}")
-
-
 def _heterogeneous_pair_interval(pairs: list[tuple[float, int]]) -> float:
     """Grid interval for composing randomized-response PLDs (losses +-eps_g, ``count_g`` rounds each).
 
@@ -797,6 +791,7 @@ def _heterogeneous_pair_interval(pairs: list[tuple[float, int]]) -> float:
     composed Chernoff window ``m + 18 sqrt(v)`` (plus the widest loss span) over ``MAX_COMPOSED_GRID``. A fixed
     1e-4 made the heterogeneous no-shuffle value 96 times the exact one at eps0 = 1e-5 over 2,000 rounds.
     """
+    clones = _clones()
     mean = 0.0
     var = 0.0
     total = 0
@@ -807,13 +802,13 @@ def _heterogeneous_pair_interval(pairs: list[tuple[float, int]]) -> float:
         var += count * max(eps * eps - m1 * m1, 0.0)
         total += count
         span = max(span, 2.0 * eps)
-    target = _clones().INTERVAL_RELATIVE_ERROR * (mean + 2.0 * math.sqrt(var)) / total
-    floor = (mean + 18.0 * math.sqrt(var) + span) / _clones().MAX_COMPOSED_GRID
+    target = clones.INTERVAL_RELATIVE_ERROR * (mean + 2.0 * math.sqrt(var)) / total
+    floor = (mean + 18.0 * math.sqrt(var) + span) / clones.MAX_COMPOSED_GRID
     if not (target > 0.0 and math.isfinite(target) and floor > 0.0 and math.isfinite(floor)):
         raise ArithmeticError(f"cannot choose a grid interval for per-round epsilons {pairs!r}")
     if floor > min(HETEROGENEOUS_INTERVAL, target):
-        return _three_digits(floor, up=True)
-    return _three_digits(min(HETEROGENEOUS_INTERVAL, target), up=False)
+        return clones.round_interval(floor, up=True)
+    return clones.round_interval(min(HETEROGENEOUS_INTERVAL, target), up=False)
 
 
 def _heterogeneous_clone_interval(clones: Any, items: list[tuple[int, float, int]], total: int, variant: str) -> float:
@@ -839,7 +834,7 @@ def _heterogeneous_clone_interval(clones: Any, items: list[tuple[int, float, int
     floor = max(mean + 18.0 * math.sqrt(var), span) / clones.MAX_COMPOSED_GRID
     if floor <= finest:
         return finest
-    return _three_digits(floor, up=True)
+    return clones.round_interval(floor, up=True)
 
 
 def _heterogeneous_epsilon(

@@ -62,6 +62,7 @@ __all__ = [
     "clone_pld",
     "clone_epsilon_composed",
     "suggested_interval",
+    "round_interval",
     "clone_loss_moments",
     "clone_epsilon_baseline",
     "clear_caches",
@@ -802,9 +803,14 @@ def suggested_interval(
     h = max(h, width / MAX_COMPOSED_GRID)
     if not (h > 0.0 and math.isfinite(h)):
         raise ValueError(f"cannot choose a grid interval for eps0={eps0}, n={n}: loss moments {m1}, {s1}")
-    # round DOWN to 3 significant digits (a stable cache key that never loosens the bounds above)
+    return round_interval(h, up=False)  # never coarser than the bounds above allow
+
+
+def round_interval(h: float, *, up: bool) -> float:
+    """A grid interval ``h`` rounded to 3 significant digits, a stable cache key for PLDs: ``up=False`` never
+    coarser (keeps an error target), ``up=True`` never finer (keeps a grid-size limit)."""
     scale = 10.0 ** (math.floor(math.log10(h)) - 2)
-    return float(f"{math.floor(h / scale) * scale:.3g}")
+    return float(f"{(math.ceil(h / scale) if up else math.floor(h / scale)) * scale:.3g}")
 
 
 def clone_pld(

@@ -273,9 +273,11 @@ def make_payload(
         raise RequestError("the request carries no model arrays")
     x, y = data
     _check_model_fits_data(arrays, x)
-    rnd = pinned.randomizer()
-    if rng is not None:
-        rnd = DiscreteLaplaceRandomizer(pinned.eps0, pinned.clip_l1, log2_grid=pinned.log2_grid, rng=rng)
+    rnd = (
+        pinned.randomizer()
+        if rng is None
+        else DiscreteLaplaceRandomizer(pinned.eps0, pinned.clip_l1, log2_grid=pinned.log2_grid, rng=rng)
+    )
     try:
         vec = compute_update(arrays, cfg, x, y)
         failure = None if np.all(np.isfinite(vec)) else "non-finite values"

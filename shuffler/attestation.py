@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from shuffler.envelope import ENVELOPE_OVERHEAD, INNER_OVERHEAD
+from shuffler.envelope import inner_length_for
 
 __all__ = [
     "ATTESTATION_FORMAT",
@@ -216,7 +216,7 @@ class Attestation:
                 f"attestation counts do not add up: {att.n_accepted} accepted + {sum(att.dropped.values())} dropped "
                 f"!= {att.n_received} received"
             )
-        if att.envelope_length and att.inner_length != att.envelope_length - (ENVELOPE_OVERHEAD - INNER_OVERHEAD):
+        if att.envelope_length and att.inner_length != inner_length_for(att.envelope_length):
             raise AttestationError(
                 f"attestation inner_length {att.inner_length} does not follow from envelope_length "
                 f"{att.envelope_length}"

@@ -411,8 +411,9 @@ def _read_output_buffered(path: Path, n: int, inner_length: int) -> Iterator[byt
 def stages_in_memory(expected_count: int, inner_length: int, staging_memory_limit: int) -> bool:
     """The staging path of a batch, a function of public sizes only: memory iff ``expected_count *
     inner_length <= staging_memory_limit`` (``inner_length = envelope_length - 166`` when the header announces
-    ``envelope_length``, else the length of the first envelope that passes the length checks, minus 166). Never depends on load: a
-    batch that cannot get its memory is refused (``staging_memory``), it does not fall back to disk."""
+    ``envelope_length``, else the length of the first envelope that passes the length checks, minus 166). Never
+    depends on load: a batch that cannot get its memory is refused (``staging_memory``), it does not fall back
+    to disk."""
     return expected_count * inner_length <= staging_memory_limit
 
 
@@ -1039,7 +1040,7 @@ class BatchBuilder:
                     # Staging starts at the first envelope that passes the public length checks, BEFORE it is
                     # opened or verified: its cost (allocation, zero-fill, a disk_full refusal) must not tell the
                     # submitter whether an envelope verifies. Raises Refused (the builder is then aborted).
-                    self._begin_staging(len(envelope) - (env.ENVELOPE_OVERHEAD - env.INNER_OVERHEAD))
+                    self._begin_staging(env.inner_length_for(len(envelope)))
                 try:
                     out.append(self._opener.decrypt(envelope))
                 except env.EnvelopeError as exc:

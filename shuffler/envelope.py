@@ -52,6 +52,7 @@ __all__ = [
     "ENVELOPE_VERSION",
     "ENVELOPE_OVERHEAD",
     "INNER_OVERHEAD",
+    "inner_length_for",
     "DIGEST_BYTES",
     "REPORT_ID_BYTES",
     "ENC_BYTES",
@@ -79,6 +80,12 @@ _OUTER_HEAD = struct.Struct(f">B{REPORT_ID_BYTES}s{_KEY_BYTES}s{_SIG_BYTES}s")
 INNER_OVERHEAD = ENC_BYTES + _TAG_BYTES
 ENVELOPE_OVERHEAD = _PREFIX.size + ENC_BYTES + _TAG_BYTES + _OUTER_HEAD.size + INNER_OVERHEAD
 MIN_ENVELOPE_BYTES = ENVELOPE_OVERHEAD
+
+
+def inner_length_for(envelope_length: int) -> int:
+    """The length of the inner ciphertext carried by an envelope of ``envelope_length`` bytes (the outer layer
+    adds ``ENVELOPE_OVERHEAD - INNER_OVERHEAD`` = 166 bytes around it)."""
+    return envelope_length - (ENVELOPE_OVERHEAD - INNER_OVERHEAD)
 
 _SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
 _MAX_U32 = 2**32 - 1
