@@ -10,8 +10,9 @@ FAILED_PRECONDITION    key epoch is not the shuffler's, fewer than k distinct en
 ALREADY_EXISTS         a different batch was already sealed for this (key epoch, round) (binding_used)
 RESOURCE_EXHAUSTED     expected_count above max_batch_reports; disk_full (not enough free space with the journal
                        reserve, or the commit record could not be written and was rolled back); busy (too
-                       many concurrent Submits); a message above the gRPC size limit (gRPC)
-DEADLINE_EXCEEDED      submit_idle: a Submit stream sent nothing for submit_idle_timeout seconds
+                       many concurrent Submits, or Fetches); a message above the gRPC size limit (gRPC)
+DEADLINE_EXCEEDED      submit_idle: a Submit stream sent nothing for submit_idle_timeout seconds; fetch_stall: the
+                       peer of a Fetch took no message for fetch_stall_timeout seconds
 UNAVAILABLE            journal_failed: a failed journal append could not be rolled back; health is
                        NOT_SERVING and every further Submit is refused. (shutting_down is the core's refusal
                        once ShufflerCore.close began; the service closes the core only after gRPC has
@@ -67,7 +68,7 @@ STATUS_FOR: dict[str, grpc.StatusCode] = {
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
-#: Submits allowed at once: max_workers minus this many threads stay free for Fetch, Stats and health.
+#: Worker threads kept free for Stats and health: Submit and Fetch share the others (:func:`worker_split`).
 RESERVED_WORKERS = 2
 
 
@@ -152,22 +153,24 @@ def server_options(max_envelope_bytes: int) -> list[tuple[str, int]]:
 
 
 class _IdleWatchdog:
-    """Cancels a Submit whose client sends nothing for ``timeout`` seconds (status DEADLINE_EXCEEDED).
+    """Cancels a call that waits on its peer for more than ``timeout`` seconds (status DEADLINE_EXCEEDED).
 
-    One thread per Submit polls how long the handler has been *waiting for the next message*; a stalled stream
-    would otherwise hold a worker thread forever. Time the shuffler spends itself (staging, zero-fill, waiting
-    for the core's lock, sealing and committing after the last message) never counts: the clock runs only while
-    the handler is blocked on the stream (:func:`_watched`).
+    One thread per call polls how long the handler has been waiting *on the peer*: for a Submit, for the next
+    message (:func:`_watched`); for a Fetch, for the peer to take the last message sent (gRPC's flow control
+    blocks the handler thread until it does, :func:`_paced`). A stalled peer would otherwise hold a worker
+    thread forever. Time the shuffler spends itself (staging, zero-fill, waiting for the core's locks, sealing
+    and committing after the last message, reading the output) never counts.
     """
 
-    def __init__(self, context: grpc.ServicerContext, timeout: float) -> None:
+    def __init__(self, context: grpc.ServicerContext, timeout: float, reason: str, what: str) -> None:
         self._context = context
         self._timeout = timeout
+        self._details = f"{reason}: {what} for {timeout:g} s"
         self.since = time.monotonic()
         self.waiting = False
         self.fired = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="submit-idle", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=reason, daemon=True)
         self._thread.start()
 
     def wait_begins(self) -> None:
@@ -182,10 +185,9 @@ class _IdleWatchdog:
         while not self._stop.wait(step):
             if self.waiting and time.monotonic() - self.since > self._timeout:
                 self.fired = True
-                details = f"submit_idle: no message for {self._timeout:g} s"
                 try:  # cancel with a specific status (grpc's server call object accepts one)
                     self._context._rpc_event.call.cancel(  # type: ignore[attr-defined]
-                        grpc._cython.cygrpc.StatusCode.deadline_exceeded, details
+                        grpc._cython.cygrpc.StatusCode.deadline_exceeded, self._details
                     )
                 except (AttributeError, TypeError):
                     self._context.cancel()
@@ -216,13 +218,17 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         core: ShufflerCore,
         client_common_names: tuple[str, ...] | None,
         *,
-        max_concurrent_submits: int = 6,
+        max_concurrent_submits: int = 4,
+        max_concurrent_fetches: int = 4,
         submit_idle_timeout: float = 60.0,
+        fetch_stall_timeout: float = 60.0,
     ) -> None:
         self.core = core
         self.allowed = set(client_common_names) if client_common_names else None
         self._submit_slots = threading.BoundedSemaphore(max(1, max_concurrent_submits))
+        self._fetch_slots = threading.BoundedSemaphore(max(1, max_concurrent_fetches))
         self.submit_idle_timeout = submit_idle_timeout
+        self.fetch_stall_timeout = fetch_stall_timeout
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         if self.allowed is None:
@@ -238,7 +244,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
     def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> pb.SubmitResponse:
         if not self._submit_slots.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: too many concurrent submissions; retry later")
-        dog = _IdleWatchdog(context, self.submit_idle_timeout)
+        dog = _IdleWatchdog(context, self.submit_idle_timeout, "submit_idle", "no message")
         try:
             return self._submit(_watched(request_iterator, dog), context, dog)
         finally:
@@ -306,20 +312,37 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         return pb.SubmitResponse()
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Stream the sealed batch; each message is a serialised ``FetchResponse{inner: [...]}``."""
+        """Stream the sealed batch; each message is a serialised ``FetchResponse{inner: [...]}``.
+
+        At most ``max_concurrent_fetches`` run at once (the rest get RESOURCE_EXHAUSTED ``busy``), and a peer
+        that takes no message for ``fetch_stall_timeout`` seconds is cancelled (DEADLINE_EXCEEDED
+        ``fetch_stall``): a Fetch that is never read must not hold a worker thread for good.
+        """
+        if not self._fetch_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: too many concurrent fetches; retry later")
+        dog: _IdleWatchdog | None = None
         try:
-            self._authorize(context)
-            chunks = self.core.read_batch(bytes(request.batch_id))
-        except Refused as exc:
-            self._abort(context, exc)
-            return
-        try:
-            # FetchResponse{inner: [...]}: consecutive inner ciphertexts, packed up to the group size
-            for group in wire.packed(chunks, wire.PACKED_MESSAGE_BYTES):
-                yield wire.encode_repeated_bytes_field(1, group)
-        except Exception as exc:  # noqa: BLE001 - e.g. a sealed output damaged on disk; never report data
-            log.error("fetch: internal error (%s)", type(exc).__name__)
-            context.abort(grpc.StatusCode.INTERNAL, "internal error: the sealed output cannot be read")
+            try:
+                self._authorize(context)
+                chunks = self.core.read_batch(bytes(request.batch_id))
+            except Refused as exc:
+                self._abort(context, exc)
+                return
+            dog = _IdleWatchdog(context, self.fetch_stall_timeout, "fetch_stall", "the peer took no message")
+            try:
+                # FetchResponse{inner: [...]}: consecutive inner ciphertexts, packed up to the group size
+                for group in wire.packed(chunks, wire.PACKED_MESSAGE_BYTES):
+                    message = wire.encode_repeated_bytes_field(1, group)
+                    dog.wait_begins()  # gRPC resumes this generator once the peer has taken the message
+                    yield message
+                    dog.wait_ends()
+            except Exception as exc:  # noqa: BLE001 - e.g. a sealed output damaged on disk; never report data
+                log.error("fetch: internal error (%s)", type(exc).__name__)
+                context.abort(grpc.StatusCode.INTERNAL, "internal error: the sealed output cannot be read")
+        finally:
+            if dog is not None:
+                dog.stop()
+            self._fetch_slots.release()
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         try:
@@ -354,12 +377,21 @@ def core_from_config(config: ServiceConfig) -> ShufflerCore:
     )
 
 
+def worker_split(max_workers: int) -> tuple[int, int]:
+    """``(submits, fetches)`` allowed at once with ``max_workers`` gRPC threads: ``RESERVED_WORKERS`` threads
+    stay free for Stats and health, the rest are split between Submit and Fetch (Fetch gets the smaller half),
+    so that neither kind of stalled call can starve the other or the health checks."""
+    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < RESERVED_WORKERS + 2:
+        raise ValueError(f"max_workers must be an integer >= {RESERVED_WORKERS + 2}, got {max_workers!r}")
+    fetches = (max_workers - RESERVED_WORKERS) // 2
+    return max_workers - RESERVED_WORKERS - fetches, fetches
+
+
 def build_server(
-    config: ServiceConfig, core: ShufflerCore, *, max_workers: int = 8
+    config: ServiceConfig, core: ShufflerCore, *, max_workers: int = 10
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Create and start the gRPC server; returns ``(server, bound_port, health_servicer)``."""
-    if max_workers <= RESERVED_WORKERS:
-        raise ValueError(f"max_workers must be > {RESERVED_WORKERS}, got {max_workers}")
+    submits, fetches = worker_split(max_workers)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shuffler"),
         options=server_options(config.max_envelope_bytes),
@@ -368,8 +400,10 @@ def build_server(
     servicer = ShufflerServicer(
         core,
         config.tls.client_common_names if config.tls else None,
-        max_concurrent_submits=max_workers - RESERVED_WORKERS,
+        max_concurrent_submits=submits,
+        max_concurrent_fetches=fetches,
         submit_idle_timeout=config.submit_idle_timeout,
+        fetch_stall_timeout=config.fetch_stall_timeout,
     )
     # Registered by hand (not with the generated add_ShufflerServicer_to_server) so that Fetch can send
     # pre-encoded bytes; Submit and Stats use the generated message classes.

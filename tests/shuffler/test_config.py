@@ -57,7 +57,7 @@ def test_invalid_configs(tmp_path: Path, text: str, match: str) -> None:
         _load(tmp_path, text)
 
 
-def test_max_batch_reports_is_capped_and_the_idle_timeout_is_validated(tmp_path: Path) -> None:
+def test_max_batch_reports_is_capped_and_the_timeouts_are_validated(tmp_path: Path) -> None:
     assert _load(tmp_path, "max_batch_reports = 1000000\n" + BASE + TLS).max_batch_reports == 10**6
     with pytest.raises(ConfigError, match=r"max_batch_reports must be an integer in \[1, 1000000\]"):
         _load(tmp_path, "max_batch_reports = 1000001\n" + BASE + TLS)
@@ -65,6 +65,10 @@ def test_max_batch_reports_is_capped_and_the_idle_timeout_is_validated(tmp_path:
     assert _load(tmp_path, "submit_idle_timeout = 2.5\n" + BASE + TLS).submit_idle_timeout == 2.5
     with pytest.raises(ConfigError, match="submit_idle_timeout must be a number of seconds"):
         _load(tmp_path, "submit_idle_timeout = 0\n" + BASE + TLS)
+    assert _load(tmp_path, BASE + TLS).fetch_stall_timeout == 60.0
+    assert _load(tmp_path, "fetch_stall_timeout = 0.5\n" + BASE + TLS).fetch_stall_timeout == 0.5
+    with pytest.raises(ConfigError, match=r"fetch_stall_timeout must be a number of seconds in \[0.1, 3600\]"):
+        _load(tmp_path, "fetch_stall_timeout = true\n" + BASE + TLS)
 
 
 def test_staging_memory_limit_default_and_validation(tmp_path: Path) -> None:

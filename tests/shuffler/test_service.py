@@ -247,7 +247,7 @@ def test_client_parameter_validation(kit) -> None:
         c.submit(round_id=1, key_epoch=0, model_digest=b"short", envelopes=[])
 
 
-def _service(kit, tmp_path, *, max_workers: int = 4, idle: float | None = None):
+def _service(kit, tmp_path, *, max_workers: int = 4, idle: float | None = None, stall: float | None = None):
     from .conftest import write_config  # noqa: TID252
 
     from shuffler.config import load_config
@@ -256,6 +256,8 @@ def _service(kit, tmp_path, *, max_workers: int = 4, idle: float | None = None):
     path = write_config(kit, tmp_path / "shuffler.toml")
     if idle is not None:  # top-level keys must come before the [tls] table
         path.write_text(f"submit_idle_timeout = {idle}\n" + path.read_text())
+    if stall is not None:
+        path.write_text(f"fetch_stall_timeout = {stall}\n" + path.read_text())
     cfg = load_config(path)
     core = core_from_config(cfg)
     server, port, health_servicer = build_server(cfg, core, max_workers=max_workers)
@@ -274,7 +276,7 @@ def test_stalled_submits_cannot_starve_health_fetch_or_the_workers(kit, tmp_path
     import threading
     import time
 
-    server, core, address = _service(kit, tmp_path, max_workers=4, idle=1.0)
+    server, core, address = _service(kit, tmp_path, max_workers=6, idle=1.0)  # 2 Submit slots, 2 Fetch slots
     gate = threading.Event()
     header = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=1, key_epoch=0, round_id=7,
                                                      model_digest=kit.digest, expected_count=5)).SerializeToString()
@@ -307,6 +309,50 @@ def test_stalled_submits_cannot_starve_health_fetch_or_the_workers(kit, tmp_path
                             envelopes=[kit.seal(i, round_id=2) for i in range(4)]).n_accepted == 4
     finally:
         gate.set()
+        for ch in chans:
+            ch.close()
+        server.stop(grace=None).wait()
+        core.close()
+
+
+def test_unread_fetches_cannot_starve_health_stats_or_submit(kit, tmp_path) -> None:
+    """More Fetches than worker threads, none of them read (their peer never takes a message, so gRPC's flow
+    control blocks each handler thread). Health, Stats and Submit must still answer at once; Fetches beyond
+    the cap get RESOURCE_EXHAUSTED (busy); a Fetch whose peer takes nothing for fetch_stall_timeout is
+    cancelled with DEADLINE_EXCEEDED (fetch_stall), which frees its slot for a reader."""
+    import time
+
+    server, core, address = _service(kit, tmp_path, max_workers=6, stall=1.0)  # 2 Submit slots, 2 Fetch slots
+    size = 1_000_000  # 8 MB per batch: far more than a stream's flow-control window
+    chans = [_channel(kit, address) for _ in range(6)]
+    try:
+        with kit.client(address) as c:
+            att = c.submit(round_id=1, key_epoch=0, model_digest=kit.digest,
+                           envelopes=[kit.seal(i, size=size) for i in range(8)])
+        request = pb.FetchRequest(batch_id=att.batch_id).SerializeToString()
+        unread = [ch.unary_stream(FETCH, request_serializer=None, response_deserializer=None)(request, timeout=30)
+                  for ch in chans]  # six calls, never read: as many as the server has worker threads
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert _health(kit, address) == health_pb2.HealthCheckResponse.SERVING
+        with kit.client(address) as c:
+            assert c.stats()["batches_sealed"] == 1
+            assert c.submit(round_id=2, key_epoch=0, model_digest=kit.digest,
+                            envelopes=[kit.seal(i, round_id=2) for i in range(4)]).n_accepted == 4
+        assert time.monotonic() - t0 < 1.0  # answered at once, not after the stall timeout
+        time.sleep(2.0)  # past the stall timeout
+        codes = []
+        for call in unread:
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in call:
+                    pass
+            codes.append((info.value.code(), (info.value.details() or "").split(":")[0]))
+        assert codes.count((grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")) == 4, codes
+        assert codes.count((grpc.StatusCode.DEADLINE_EXCEEDED, "fetch_stall")) == 2, codes
+        with kit.client(address) as c:  # the slots are free again, and a reader gets the whole batch
+            assert sorted(open_inner(x, server_private_key=kit.server_sk, key_epoch=0, round_id=1)
+                          for x in c.fetch_all(att)) == sorted(kit.payload(i, size) for i in range(8))
+    finally:
         for ch in chans:
             ch.close()
         server.stop(grace=None).wait()
@@ -530,3 +576,15 @@ def test_the_idle_timeout_counts_only_time_spent_waiting_for_the_stream(kit, tmp
     finally:
         server.stop(grace=None).wait()
         core.close()
+
+
+def test_worker_split_keeps_threads_for_health_and_is_validated() -> None:
+    from shuffler.service import RESERVED_WORKERS, worker_split
+
+    for workers in range(RESERVED_WORKERS + 2, 40):
+        submits, fetches = worker_split(workers)
+        assert submits >= 1 and fetches >= 1 and submits + fetches + RESERVED_WORKERS == workers
+    assert worker_split(10) == (4, 4)  # the service's default, as docs/shuffler.md states
+    for bad in (RESERVED_WORKERS + 1, True, 8.0):
+        with pytest.raises(ValueError, match="max_workers must be an integer"):
+            worker_split(bad)  # type: ignore[arg-type]
