@@ -424,11 +424,16 @@ class ShufflerCore:
         self.config = config
         self._by_key = {bytes(pk): cid for cid, pk in config.enrolment.items()}
         self._hpke_sk = x25519.X25519PrivateKey.from_private_bytes(config.hpke_private_key)
+        #: counters, open builders, closing flags and the sealed-batch maps; held only briefly, never through
+        #: file I/O, so stats(), begin() and refusals never wait for a commit's writes and fsyncs
         self._lock = threading.Lock()
+        #: serialises commits (binding check, output write, fsyncs, journal append) and journal closing; taken
+        #: before _lock, never after it
+        self._commit_lock = threading.Lock()
         self._alloc_lock = threading.Lock()
         #: the staging buffer retained from the last sealed memory-path batch (config.retain_staging_buffer)
         self._spare_buffer: mmap.mmap | None = None
-        self._spare_lock = threading.Lock()  # its own lock: a buffer is given back while _lock is held (commit)
+        self._spare_lock = threading.Lock()  # its own lock: a buffer is given back during a commit
         self.journal = Journal(config.journal_dir)
         #: called (no arguments) once if the journal fails for good; the service turns health NOT_SERVING
         self.on_unhealthy: list[Any] = []
@@ -681,7 +686,8 @@ class ShufflerCore:
             n=n,
             inner_length=inner_length,
         )
-        self._register(sb, encs, rids, dropped)
+        with self._lock:
+            self._register(sb, encs, rids, dropped)
         log.info(
             "batch sealed: epoch=%d round=%d received=%d accepted=%d dropped=%s",
             header.key_epoch,
@@ -754,7 +760,7 @@ class ShufflerCore:
 
         The service calls this after ``server.stop(grace)``: gRPC has then cancelled the calls still running,
         but their handler threads may still be unwinding, and one may be committing. The journal is closed under
-        the core's lock, which a commit holds throughout, so a commit either completes before it (the batch is
+        the commit lock, which a commit holds throughout, so a commit either completes before it (the batch is
         sealed; an identical resubmission later gets its attestation back) or finds the core closed and is
         refused (``shutting_down``, nothing committed). A batch still open at the deadline ends the same way,
         or with a cancelled signature check.
@@ -773,7 +779,7 @@ class ShufflerCore:
             spare, self._spare_buffer = self._spare_buffer, None
         if spare is not None:
             spare.close()
-        with self._lock:  # not while a commit holds it; a later commit sees _closed and is refused
+        with self._commit_lock, self._lock:  # not during a commit; a later commit sees _closed and is refused
             self._closed = True
             self.journal.close()
         return drained
@@ -1158,7 +1164,7 @@ class BatchBuilder:
                     f"received {self.received} envelopes; the header announced {self.header.expected_count}",
                 )
             key = (self.header.key_epoch, self.header.round_id)
-            with core._lock:
+            with core._commit_lock:  # the binding check and the commit are one step for concurrent batches
                 existing = core._by_binding.get(key)
                 if existing is not None:
                     if existing.request_digest == self.request_digest():

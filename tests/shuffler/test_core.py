@@ -1351,3 +1351,43 @@ def test_close_gives_up_on_a_batch_left_open_past_the_drain_timeout(kit, tmp_pat
         assert list(reopened.journal.staging_dir.iterdir()) == []
     finally:
         reopened.close()
+
+
+def test_stats_and_begin_do_not_wait_for_a_commits_fsyncs(core: ShufflerCore, kit, monkeypatch) -> None:
+    """A commit holds the commit lock through its output write and fsyncs; the counters and the start of
+    another batch must not wait for them (they did: stats() and begin() took the lock the commit held)."""
+    import threading
+
+    import shuffler.core as coremod
+
+    entered, release = threading.Event(), threading.Event()
+    real_fsync_dir = coremod.fsync_dir
+
+    def slow_fsync_dir(path):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(10)
+        return real_fsync_dir(path)
+
+    monkeypatch.setattr(coremod, "fsync_dir", slow_fsync_dir)
+    sealed: list[object] = []
+    committing = threading.Thread(target=lambda: sealed.append(_run(core, kit, [kit.seal(i) for i in range(4)])))
+    committing.start()
+    try:
+        assert entered.wait(10), "the commit never reached its fsync"
+        answers: list[object] = []
+
+        def probe() -> None:
+            answers.append(core.stats())
+            other = core.begin(kit.header(4, round_id=2))
+            other.abort()
+            answers.append(other)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        prober.join(2.0)
+        assert not prober.is_alive(), "stats()/begin() waited for the commit's fsyncs"
+        assert answers[0]["batches_sealed"] == 0  # the batch is not sealed until its journal record is written
+    finally:
+        release.set()
+        committing.join(10)
+    assert len(sealed) == 1 and core.stats()["batches_sealed"] == 1

@@ -247,13 +247,14 @@ def test_client_parameter_validation(kit) -> None:
         c.submit(round_id=1, key_epoch=0, model_digest=b"short", envelopes=[])
 
 
-def _service(kit, tmp_path, *, max_workers: int = 4, idle: float | None = None, stall: float | None = None):
+def _service(kit, tmp_path, *, max_workers: int = 4, idle: float | None = None, stall: float | None = None,
+             **config: object):
     from .conftest import write_config  # noqa: TID252
 
     from shuffler.config import load_config
     from shuffler.service import build_server, core_from_config
 
-    path = write_config(kit, tmp_path / "shuffler.toml")
+    path = write_config(kit, tmp_path / "shuffler.toml", **config)
     if idle is not None:  # top-level keys must come before the [tls] table
         path.write_text(f"submit_idle_timeout = {idle}\n" + path.read_text())
     if stall is not None:
@@ -322,11 +323,17 @@ def test_unread_fetches_cannot_starve_health_stats_or_submit(kit, tmp_path) -> N
     cancelled with DEADLINE_EXCEEDED (fetch_stall), which frees its slot for a reader."""
     import time
 
-    server, core, address = _service(kit, tmp_path, max_workers=6, stall=1.0)  # 2 Submit slots, 2 Fetch slots
-    size = 1_000_000  # 8 MB per batch: far more than a stream's flow-control window
+    server, core, address = _service(kit, tmp_path, max_workers=6, stall=1.0,  # 2 Submit slots, 2 Fetch slots
+                                     max_envelope_bytes=4 << 20)
+    size = 3_000_000  # 24 MB per batch: far more than a stream's flow-control window, even after BDP growth
     chans = [_channel(kit, address) for _ in range(6)]
+
+    def big_client() -> ShufflerClient:
+        return ShufflerClient(address, root_certificate=kit.ca, client_certificate=kit.app_cert,
+                              client_key=kit.app_key, shuffler_verify_key=kit.verify_key, max_message_bytes=4 << 20)
+
     try:
-        with kit.client(address) as c:
+        with big_client() as c:
             att = c.submit(round_id=1, key_epoch=0, model_digest=kit.digest,
                            envelopes=[kit.seal(i, size=size) for i in range(8)])
         request = pb.FetchRequest(batch_id=att.batch_id).SerializeToString()
@@ -349,7 +356,7 @@ def test_unread_fetches_cannot_starve_health_stats_or_submit(kit, tmp_path) -> N
             codes.append((info.value.code(), (info.value.details() or "").split(":")[0]))
         assert codes.count((grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")) == 4, codes
         assert codes.count((grpc.StatusCode.DEADLINE_EXCEEDED, "fetch_stall")) == 2, codes
-        with kit.client(address) as c:  # the slots are free again, and a reader gets the whole batch
+        with big_client() as c:  # the slots are free again, and a reader gets the whole batch
             assert sorted(open_inner(x, server_private_key=kit.server_sk, key_epoch=0, round_id=1)
                           for x in c.fetch_all(att)) == sorted(kit.payload(i, size) for i in range(8))
     finally:
