@@ -5,7 +5,8 @@ Status codes (the reason tag is the first word of the details string, ``"<reason
 =====================  ==================================================================================
 INVALID_ARGUMENT       no header / header not first / second header, protocol version, model digest not 32
                        bytes, empty batch (expected_count 0), count mismatch, mixed inner lengths (only
-                       without envelope_length), envelope_length out of range, bad batch id
+                       without envelope_length), envelope_length out of range, bad batch id; non_canonical
+                       (a message above 257 KiB not in canonical form), malformed_batch
 FAILED_PRECONDITION    key epoch is not the shuffler's, fewer than k distinct enrolled signers (below_threshold)
 ALREADY_EXISTS         a different batch was already sealed for this (key epoch, round) (binding_used)
 RESOURCE_EXHAUSTED     expected_count above max_batch_reports; disk_full (not enough free space with the journal
@@ -41,6 +42,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shuffler import keys as keyfiles
@@ -86,27 +88,46 @@ class _EnvelopeMessage:
 
 
 class _BatchMessage:
-    """A ``SubmitRequest{batch}`` in canonical form, kept as a view of the received buffer: its envelopes are
-    sliced out (without copying) only when taken, and only as many as the batch has room for, so a message of
-    many tiny items cannot make the service build one Python object per item (see :func:`batch_envelopes`)."""
+    """A ``SubmitRequest{batch}``, kept as a view of the received buffer: its envelopes are sliced out (without
+    copying) only when taken, and only as many as the batch has room for, so a message of many tiny items can
+    make the service neither walk nor build one Python object per item (see :func:`batch_envelopes`)."""
 
-    __slots__ = ("raw", "count")
+    __slots__ = ("raw",)
 
-    def __init__(self, raw: memoryview, count: int) -> None:
+    def __init__(self, raw: memoryview) -> None:
         self.raw = raw
-        self.count = count
 
     @staticmethod
     def WhichOneof(name: str) -> str:  # noqa: N802 - mirrors the protobuf message API
         return "batch"
 
 
-def _submit_request(raw: bytes) -> "pb.SubmitRequest | _EnvelopeMessage | _BatchMessage":
+class _NonCanonical:
+    """A Submit message above :data:`CANONICAL_ABOVE` bytes that is not one envelope or one batch in canonical
+    form. It is refused (``non_canonical``) instead of parsed: the generated parser builds one object per item,
+    about 1 GiB for a 64 MiB message of empty items."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def WhichOneof(name: str) -> str:  # noqa: N802 - mirrors the protobuf message API
+        return "non_canonical"
+
+
+#: Submit messages (and batch payloads) above this many bytes must be in canonical form: one ``envelope`` field,
+#: or one ``batch`` of ``envelopes`` fields, as every protobuf serialiser writes them. Smaller ones may go through
+#: the generated parser. A packed batch message from :class:`shuffler.client.ShufflerClient` is at most
+#: ``wire.PACKED_MESSAGE_BYTES``; a larger envelope travels alone.
+CANONICAL_ABOVE = wire.PACKED_MESSAGE_BYTES + 1024
+
+
+def _submit_request(raw: bytes) -> "pb.SubmitRequest | _EnvelopeMessage | _BatchMessage | _NonCanonical":
     """Request deserializer for Submit: envelopes are sliced out of the received buffer without a copy.
 
-    Anything other than exactly one ``envelope`` field or one ``batch`` of ``envelopes`` fields in canonical
-    form (the header, odd encodings, garbage) goes through the generated parser, whose failure gRPC reports as
-    INTERNAL, as for any undecodable request.
+    Exactly one ``envelope`` field, or one ``batch`` field, becomes a view of the buffer; the batch's items are
+    not even counted here (:func:`batch_envelopes` walks only as far as the batch has room for). Anything else
+    up to :data:`CANONICAL_ABOVE` bytes (the header, odd encodings, garbage) goes through the generated parser,
+    whose failure gRPC reports as INTERNAL, as for any undecodable request; anything else above it is refused.
     """
     view = memoryview(raw)
     envelope = wire.decode_single_bytes_field(view, 2)
@@ -114,17 +135,50 @@ def _submit_request(raw: bytes) -> "pb.SubmitRequest | _EnvelopeMessage | _Batch
         return _EnvelopeMessage(envelope)  # type: ignore[arg-type]
     batch = wire.decode_single_bytes_field(view, 4)
     if batch is not None:
-        count = wire.count_repeated_bytes_field(batch, 1)
-        if count is not None:
-            return _BatchMessage(batch, count)  # type: ignore[arg-type]
+        return _BatchMessage(batch)  # type: ignore[arg-type]
+    if len(raw) > CANONICAL_ABOVE:
+        return _NonCanonical()
     return pb.SubmitRequest.FromString(raw)
 
 
+def _non_canonical() -> Refused:
+    return Refused(
+        "invalid_argument",
+        "non_canonical",
+        f"a Submit message above {CANONICAL_ABOVE} bytes must be one envelope or one batch of envelopes in "
+        "canonical protobuf encoding",
+    )
+
+
+def _item_kind(request: "pb.SubmitRequest | _EnvelopeMessage | _BatchMessage | _NonCanonical") -> str | None:
+    """Which item a Submit message holds; raises :class:`Refused` (``non_canonical``) for a refused encoding."""
+    kind = request.WhichOneof("item")
+    if kind == "non_canonical":
+        raise _non_canonical()
+    return kind
+
+
 def batch_envelopes(request: "pb.SubmitRequest | _BatchMessage", limit: int) -> list[bytes | memoryview]:
-    """The first ``limit`` envelopes of a Submit batch message (all of them if it holds fewer)."""
-    if isinstance(request, _BatchMessage):
+    """The first ``limit`` envelopes of a Submit batch message (all of them if it holds fewer).
+
+    A view is walked only up to its ``limit``-th item. A part that is not an ``envelopes`` field before that
+    point (an unknown field, another wire type) sends a batch of at most :data:`CANONICAL_ABOVE` bytes through the
+    generated parser, which skips unknown fields; a larger one, or one the parser cannot read, is refused
+    (``non_canonical`` / ``malformed_batch``).
+    """
+    if not isinstance(request, _BatchMessage):
+        return list(itertools.islice(request.batch.envelopes, limit))
+    try:
         return list(itertools.islice(wire.iter_repeated_bytes_field(request.raw, 1), limit))
-    return list(itertools.islice(request.batch.envelopes, limit))
+    except ValueError:
+        pass
+    if len(request.raw) > CANONICAL_ABOVE:
+        raise _non_canonical()
+    try:
+        parsed = pb.EnvelopeBatch.FromString(bytes(request.raw))
+    except DecodeError:
+        raise Refused("invalid_argument", "malformed_batch", "a batch message is not a valid EnvelopeBatch") from None
+    return list(itertools.islice(parsed.envelopes, limit))
 
 
 def message_limit(max_envelope_bytes: int) -> int:
@@ -259,7 +313,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         try:
             self._authorize(context)
             first = next(request_iterator, None)
-            if first is None or first.WhichOneof("item") != "header":
+            if first is None or _item_kind(first) != "header":
                 raise Refused("invalid_argument", "no_header", "the first message of Submit must be a SubmitHeader")
             h = first.header
             builder = self.core.begin(
@@ -273,7 +327,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
                 )
             )
             for req in request_iterator:
-                item = req.WhichOneof("item")
+                item = _item_kind(req)
                 if item == "envelope":
                     builder.add(req.envelope)  # bytes or a memoryview into the received message
                 elif item == "batch":

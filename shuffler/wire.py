@@ -19,7 +19,6 @@ __all__ = [
     "encode_repeated_bytes_field",
     "decode_single_bytes_field",
     "decode_repeated_bytes_field",
-    "count_repeated_bytes_field",
     "iter_repeated_bytes_field",
 ]
 
@@ -117,19 +116,10 @@ def _spans(raw: bytes | memoryview, field_number: int) -> Iterator[tuple[int, in
         pos = span[1]
 
 
-def count_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> int | None:
-    """How many values ``raw`` holds if it is one or more ``bytes`` fields ``field_number`` and nothing else,
-    else ``None`` (use the full parser). Walks the encoding without slicing anything out of it."""
-    try:
-        return sum(1 for _ in _spans(raw, field_number)) or None
-    except ValueError:
-        return None
-
-
 def iter_repeated_bytes_field(raw: bytes | memoryview, field_number: int) -> Iterator[bytes | memoryview]:
     """The values of ``raw``, in order, one at a time: a slice each (a copy for ``bytes``, a zero-copy view for a
     ``memoryview``). Raises ``ValueError`` at the first part that is not a ``bytes`` field ``field_number``
-    (check the whole buffer first with :func:`count_repeated_bytes_field`)."""
+    (lazily: the values before that part have been yielded by then)."""
     for start, end in _spans(raw, field_number):
         yield raw[start:end]
 

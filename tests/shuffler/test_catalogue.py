@@ -539,6 +539,17 @@ def garbage_protobuf_on_fetch(ctx: Ctx) -> Refusal:
 
 
 @case
+def large_non_canonical_batch_message(ctx: Ctx) -> Refusal:
+    """300 KB of empty items in a batch field split in two (valid protobuf, never what a serialiser writes):
+    refused without running the generated parser, which would build one object per item."""
+    envs, payloads = ctx.honest()
+    half = b"\x0a\x00" * 75_000
+    odd = wire.encode_bytes_field(4, half) * 2
+    msgs = [header_msg(ctx.kit, 5, round_id=ctx.r), odd]
+    return Refusal(lambda: ctx.raw_submit(msgs), grpc.StatusCode.INVALID_ARGUMENT, "non_canonical", envs, payloads)
+
+
+@case
 def envelopes_before_header(ctx: Ctx) -> Refusal:
     envs, payloads = ctx.honest()
     msgs = [envelope_msg(e) for e in envs] + [header_msg(ctx.kit, 4, round_id=ctx.r)]
