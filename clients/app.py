@@ -6,7 +6,8 @@ Flower glue only; the work is :func:`clients.core.make_envelope` (signature docu
 
 Per request: resolve the pinned settings (node_config in deployment, run_config in simulation, see
 :func:`clients.core.pinned_from_configs`), load this node's partition, parse the request, refuse (error reply)
-if its eps0 / clip-l1 differ from the pinned ones, and reply ``content["envelope"] = ArrayRecord({"ct": uint8})``.
+if its eps0 / clip-l1 differ from the pinned ones, and reply ``content["envelope"] = ArrayRecord({"ct": uint8})``,
+no earlier than the pinned ``reply-floor`` after the request arrived (see :func:`train_shuffled`).
 
 Retries: the reply for the latest round is cached in ``context.state``. A request for the same round, key
 epoch, model digest and config returns the same sealed bytes (fresh noise on a retry would spend privacy
@@ -16,6 +17,8 @@ report per round, never two.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -25,6 +28,7 @@ from flwr.clientapp import ClientApp
 from clients.core import (
     ClientSetupError,
     PinnedMismatchError,
+    PinnedSettings,
     data_settings_from_run_config,
     make_envelope,
     pinned_from_configs,
@@ -50,6 +54,7 @@ STATE_ENVELOPE = "shuffledp.last-envelope"  # ArrayRecord {"ct": uint8}: the lat
 STATE_REQUEST = "shuffledp.last-request"  # ConfigRecord: round, key-epoch, model-digest, config
 
 app = ClientApp()
+_log = logging.getLogger("shuffledp.client")
 
 
 def _error(msg: Message, code: int, reason: str) -> Message:
@@ -67,7 +72,32 @@ def _reply(msg: Message, envelope: bytes) -> Message:
 
 @app.train("shuffled")
 def train_shuffled(msg: Message, context: Context) -> Message:
-    """Handle one ``train.shuffled`` request (see the module docstring)."""
+    """Handle one ``train.shuffled`` request (see the module docstring).
+
+    With a pinned ``reply-floor`` of T seconds, no reply leaves earlier than T seconds after the request
+    arrived: the time the local work takes grows with the local dataset (and the model), and the server sees
+    when each node replies, so an unpadded reply time tells it about the client's data outside the eps0-LDP
+    guarantee. A reply whose work took longer than T is sent when ready, with a warning in the client's log.
+    """
+    started = time.monotonic()
+    reply, floor = _handle(msg, context)
+    if floor > 0:
+        spent = time.monotonic() - started
+        if spent > floor:
+            _log.warning(
+                "the reply took %.2f s, more than reply-floor %g s: its time may reveal how long the local work "
+                "took; raise reply-floor",
+                spent,
+                floor,
+            )
+        else:
+            time.sleep(floor - spent)
+    return reply
+
+
+def _handle(msg: Message, context: Context) -> tuple[Message, float]:
+    """The reply, and the reply floor it is held to (0 before the pinned settings are known: the replies before
+    that point, malformed requests and setup errors, do not depend on the client's data)."""
     # 1. the request (the server is the adversary: validate everything)
     try:
         if ARRAYS_KEY not in msg.content.array_records or CONFIG_KEY not in msg.content.config_records:
@@ -81,13 +111,20 @@ def train_shuffled(msg: Message, context: Context) -> Message:
             raise RequestError("the request carries no model arrays")
         digest = arrays_digest(arrays)
     except (RequestError, TypeError, ValueError) as exc:
-        return _error(msg, ERR_BAD_REQUEST, f"bad request: {exc}")
+        return _error(msg, ERR_BAD_REQUEST, f"bad request: {exc}"), 0.0
 
     # 2. the client's own settings
     try:
         pinned = pinned_from_configs(context.node_config, context.run_config)
     except ClientSetupError as exc:
-        return _error(msg, ERR_CLIENT_SETUP, f"client setup: {exc}")
+        return _error(msg, ERR_CLIENT_SETUP, f"client setup: {exc}"), 0.0
+    return _answer(msg, context, cfg, arrays, digest, pinned), pinned.reply_floor
+
+
+def _answer(
+    msg: Message, context: Context, cfg: TrainConfig, arrays: list[np.ndarray], digest: bytes, pinned: PinnedSettings
+) -> Message:
+    """Steps 2 (the pinned values) to 4 for a well-formed request."""
     if cfg.eps0 != pinned.eps0 or cfg.clip_l1 != pinned.clip_l1:
         return _error(
             msg,

@@ -61,6 +61,10 @@ class ClientSetupError(ValueError):
     """The client's own configuration is missing or invalid (pinned values, key files)."""
 
 
+#: The largest ``reply-floor`` a client accepts (seconds).
+MAX_REPLY_FLOOR = 3600.0
+
+
 @dataclass(frozen=True)
 class PinnedSettings:
     """What the client decides, not the server: privacy parameters, keys, and its partition."""
@@ -73,6 +77,9 @@ class PinnedSettings:
     partition_id: int = 0
     num_partitions: int = 1
     log2_grid: int | None = None
+    #: seconds: the ClientApp sends no reply earlier than this after the request arrived, so that the reply time
+    #: does not reveal how long the local work took (it grows with the local dataset); 0 = off
+    reply_floor: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("eps0", "clip_l1"):
@@ -84,6 +91,12 @@ class PinnedSettings:
             v = getattr(self, name)
             if not isinstance(v, (bytes, bytearray)) or len(v) != 32:
                 raise ClientSetupError(f"pinned {name} must be 32 raw key bytes")
+        rf = self.reply_floor
+        if isinstance(rf, bool) or not isinstance(rf, (int, float)) or not 0 <= rf <= MAX_REPLY_FLOOR:
+            raise ClientSetupError(
+                f"pinned reply-floor must be a number of seconds in [0, {MAX_REPLY_FLOOR:g}], got {rf!r}"
+            )
+        object.__setattr__(self, "reply_floor", float(rf))
         if not (0 <= self.partition_id < self.num_partitions):
             raise ClientSetupError(
                 f"partition-id must be in [0, num-partitions={self.num_partitions}), got {self.partition_id}"
@@ -160,8 +173,9 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
 
     Deployment (``eps0`` in node_config): node_config supplies ``eps0``, ``clip-l1``, ``client-key``,
     ``server-public-key``, ``shuffler-public-key`` (paths), ``partition-id``, ``num-partitions`` and optionally
-    ``log2-grid``. Simulation: run_config supplies ``eps0``, ``clip-l1``, ``keys-dir`` (client i uses
-    ``keys-dir/clients/client-<i>.key`` and ``keys-dir/public/*``) and optionally ``log2-grid``; node_config
+    ``log2-grid`` and ``reply-floor``. Simulation: run_config supplies ``eps0``, ``clip-l1``, ``keys-dir`` (client
+    i uses ``keys-dir/clients/client-<i>.key`` and ``keys-dir/public/*``) and optionally ``log2-grid`` and
+    ``reply-floor``; node_config
     supplies ``partition-id`` and ``num-partitions`` (Flower's simulation engine sets them).
     """
     if "eps0" in node_config:
@@ -179,6 +193,9 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
             raise ClientSetupError("run_config has no 'keys-dir' (and node_config pins no 'eps0')")
         pid = _int(node_config, "partition-id", "node_config")
         keys = _load_keys(*_simulation_key_paths(str(run_config["keys-dir"]), pid))
+    floor = src.get("reply-floor", 0.0)
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)):
+        raise ClientSetupError(f"{where}['reply-floor'] must be a number of seconds, got {floor!r}")
     grid = src.get("log2-grid")
     if grid is not None and (isinstance(grid, bool) or not isinstance(grid, int)):
         raise ClientSetupError(f"{where}['log2-grid'] must be an int, got {grid!r}")
@@ -191,6 +208,7 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
         partition_id=_int(node_config, "partition-id", "node_config"),
         num_partitions=_int(node_config, "num-partitions", "node_config"),
         log2_grid=grid,
+        reply_floor=float(floor),
     )
 
 

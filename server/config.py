@@ -43,6 +43,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "fraction": 1.0,
     "min-reports": 1000,
     "reply-timeout": 900.0,
+    "reply-floor": 0.0,
     "eps0": 4.0,
     "clip-l1": 1.0,
     "report": "gradient",
@@ -98,6 +99,8 @@ class ServerConfig:
     fraction: float
     min_reports: int
     reply_timeout: float
+    #: simulation only: the clients' pinned reply floor (seconds; deployed clients pin it in their node config)
+    reply_floor: float
     eps0: float
     clip_l1: float
     report: str
@@ -291,11 +294,14 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
     if dataset == "mnist" and not data_dir.strip():
         raise ConfigError("run config 'data-dir' must name the folder with the MNIST IDX files when dataset='mnist'")
 
+    from clients.core import MAX_REPLY_FLOOR
+
     config = ServerConfig(
         num_server_rounds=_int(raw, "num-server-rounds", minimum=1),
         fraction=_float(raw, "fraction", low=0.0, high=1.0),
         min_reports=_int(raw, "min-reports", minimum=1),
         reply_timeout=_float(raw, "reply-timeout", low=0.0),
+        reply_floor=_float(raw, "reply-floor", low=0.0, high=MAX_REPLY_FLOOR, low_inclusive=True),
         eps0=_float(raw, "eps0", low=0.0),
         clip_l1=_float(raw, "clip-l1", low=0.0),
         report=_str(raw, "report", choices=REPORT_MODES),
@@ -329,6 +335,11 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         heap_tuning=_bool(raw, "heap-tuning"),
         extra={key: raw[key] for key in unknown},
     )
+    if config.reply_floor >= config.reply_timeout:
+        raise ConfigError(
+            f"run config 'reply-floor' ({config.reply_floor:g} s) must be below 'reply-timeout' "
+            f"({config.reply_timeout:g} s): every reply would arrive after the server stopped waiting"
+        )
     if not config.output_dir.strip():
         raise ConfigError("run config 'output-dir' must be a non-empty path")
     from clients.randomizer import DiscreteLaplaceRandomizer

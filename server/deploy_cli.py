@@ -355,8 +355,17 @@ def compose_run_config(key_epoch: int, min_reports: int) -> bytes:
             + "".join(f"{_toml_key(key)} = {_toml_value(v)}\n" for key, v in values.items())).encode()
 
 
+def _check_reply_floor(value: object) -> float:
+    """``--reply-floor``: seconds in [0, 3600] (clients.core.MAX_REPLY_FLOOR; see clients/app.py)."""
+    from clients.core import MAX_REPLY_FLOOR
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_REPLY_FLOOR:
+        raise DeployError(f"--reply-floor must be a number of seconds in [0, {MAX_REPLY_FLOOR:g}], got {value!r}")
+    return float(value)
+
+
 def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str], *, eps0: float, clip_l1: float,
-                         prefix: str | None = None) -> Path:
+                         prefix: str | None = None, reply_floor: float = 0.0) -> Path:
     """Copy what device ``node`` needs into ``out`` (a new directory) and write its ``node-config.toml``.
 
     The bundle holds the device's own secrets (its SuperNode key and its client signing key, 0600) and public
@@ -369,6 +378,7 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
     for name, value in (("--eps0", eps0), ("--clip-l1", clip_l1)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
             raise DeployError(f"{name} must be a finite number > 0, got {value!r}")
+    reply_floor = _check_reply_floor(reply_floor)
     dest = Path(out)
     if dest.exists():
         raise DeployError(f"{dest} already exists; a bundle is written to a new directory")
@@ -393,6 +403,7 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
         "num-partitions": nodes,
         "eps0": float(eps0),
         "clip-l1": float(clip_l1),
+        "reply-floor": reply_floor,
         "client-key": f"{base}/client.key",
         "server-public-key": f"{base}/server_hpke.pub",
         "shuffler-public-key": f"{base}/shuffler_hpke.pub",
@@ -448,7 +459,7 @@ def write_flower_config(flwr_home: Path, address: str, root_certificates: Path,
 
 
 def node_config(keys: DeployKeys, partition_id: int, num_partitions: int, *, eps0: float,
-                clip_l1: float) -> dict[str, object]:
+                clip_l1: float, reply_floor: float = 0.0) -> dict[str, object]:
     """The node config one SuperNode runs with (the keys the ClientApp reads, docs/interfaces.md).
 
     eps0 and clip-l1 are pinned here, on the device: the ClientApp refuses a server request that asks for
@@ -459,6 +470,7 @@ def node_config(keys: DeployKeys, partition_id: int, num_partitions: int, *, eps
         "num-partitions": num_partitions,
         "eps0": float(eps0),
         "clip-l1": float(clip_l1),
+        "reply-floor": float(reply_floor),
         "client-key": str(keys.client_key(partition_id).resolve()),
         "server-public-key": str(keys.server_public_key.resolve()),
         "shuffler-public-key": str(keys.shuffler_public_key.resolve()),
@@ -754,6 +766,7 @@ class LocalDeployment:
     clip_l1: float = 1.0
     min_reports: int | None = None
     reply_timeout: float = 300.0
+    reply_floor: float = 0.0
     timeout: float = 900.0
     run_config: dict[str, object] = field(default_factory=dict)
     isolation: str = "subprocess"
@@ -766,6 +779,9 @@ class LocalDeployment:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                     math.isfinite(value) and value > 0):
                 raise DeployError(f"{name} must be a finite number > 0, got {value!r}")
+        if _check_reply_floor(self.reply_floor) >= self.reply_timeout:
+            raise DeployError(f"--reply-floor ({self.reply_floor:g} s) must be below --reply-timeout "
+                              f"({self.reply_timeout:g} s)")
         if self.min_reports is not None:
             _check_int("--min-reports", self.min_reports, 1, self.nodes)
         if self.isolation not in ("subprocess", "process"):
@@ -1072,7 +1088,8 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
                 node_ids = list(pool.map(lambda i: register_supernode(cli_env, keys.supernode_pub(i)),
                                          range(cfg.nodes)))
             confs = [write_toml(work / "supernodes" / f"node-{i}" / "node-config.toml",
-                                node_config(keys, i, cfg.nodes, eps0=cfg.eps0, clip_l1=cfg.clip_l1))
+                                node_config(keys, i, cfg.nodes, eps0=cfg.eps0, clip_l1=cfg.clip_l1,
+                                            reply_floor=cfg.reply_floor))
                      for i in range(cfg.nodes)]
             start_supernodes(group, keys, address, confs, work / "supernodes", base_env, logs, host=host)
             timings["startup-s"] = time.monotonic() - t_start
@@ -1247,6 +1264,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, type=Path, help="new directory for the bundle")
     b.add_argument("--eps0", required=True, type=float, help="eps0 the device pins (it refuses any other)")
     b.add_argument("--clip-l1", required=True, type=float, help="L1 clip C the device pins")
+    b.add_argument("--reply-floor", type=float, default=0.0,
+                   help="seconds before which the device sends no reply, so the reply time does not reveal how "
+                        "long its local work took (set it above the slowest round's work); 0 = off")
     b.add_argument("--prefix", default=None,
                    help="where the bundle will be on the device (default: --out; /device for the client image)")
 
@@ -1261,6 +1281,8 @@ def _parser() -> argparse.ArgumentParser:
     loc.add_argument("--clip-l1", type=float, default=1.0, help="L1 clip C pinned on every SuperNode")
     loc.add_argument("--min-reports", type=int, default=None, help="k: smallest batch shuffled (default: --nodes)")
     loc.add_argument("--reply-timeout", type=float, default=300.0, help="seconds the server waits for replies")
+    loc.add_argument("--reply-floor", type=float, default=0.0,
+                     help="seconds before which no SuperNode replies (see `bundle --reply-floor`); 0 = off")
     loc.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is stopped")
     loc.add_argument("--run-config", action="append", default=[], metavar="KEY=VALUE",
                      help="extra run-config override (TOML value), repeatable")
@@ -1304,7 +1326,7 @@ def main(argv: Sequence[str]) -> int:
             return 0
         if args.action == "bundle":
             dest = create_device_bundle(DeployKeys(args.keys), args.node, args.out, eps0=args.eps0,
-                                        clip_l1=args.clip_l1, prefix=args.prefix)
+                                        clip_l1=args.clip_l1, prefix=args.prefix, reply_floor=args.reply_floor)
             print(f"wrote the bundle of device {args.node} to {dest}; copy it to the device and start it with")
             print(f"  flower-supernode --superlink <superlink-host>:8000 --root-certificates <dir>/superlink-ca.crt "
                   f"--auth-supernode-private-key <dir>/supernode.key --node-config <dir>/node-config.toml")
@@ -1312,7 +1334,7 @@ def main(argv: Sequence[str]) -> int:
         cfg = LocalDeployment(nodes=args.nodes, rounds=args.rounds, workdir=args.workdir, keys_dir=args.keys,
                               app_dir=args.app, eps0=args.eps0, clip_l1=args.clip_l1,
                               min_reports=args.min_reports, reply_timeout=args.reply_timeout,
-                              timeout=args.timeout, run_config=_parse_overrides(args.run_config),
+                              reply_floor=args.reply_floor, timeout=args.timeout, run_config=_parse_overrides(args.run_config),
                               isolation=args.isolation)
         result = run_local(cfg, out=sys.stderr if args.json else sys.stdout)  # keep --json output parseable
         if args.json:

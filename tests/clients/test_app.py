@@ -218,6 +218,38 @@ def test_pinned_settings_resolution_errors(keys) -> None:
     assert data_settings_from_run_config({"pca-components": 0})["pca_components"] is None
 
 
+def test_reply_floor_holds_every_reply_after_pinning(keys, model, caplog) -> None:
+    """With a pinned reply-floor, a report, a cached retry and a refusal all leave no earlier than the floor, so
+    the reply time does not tell the server how long the local work took; work slower than the floor is sent
+    with a warning. Requests refused before the pinned settings are read (malformed) are not held."""
+    import logging
+
+    floor = 1.0
+    ctx = _ctx(keys, **{"reply-floor": floor})
+    for msg in (_msg(model, _cfg(1)), _msg(model, _cfg(1)), _msg(model, _cfg(1, eps0=4.0))):
+        t0 = time.monotonic()
+        r = train_shuffled(msg, ctx)
+        assert time.monotonic() - t0 >= floor, r
+    assert not train_shuffled(_msg(model, _cfg(1)), ctx).has_error()  # the cached report (second message)
+    t0 = time.monotonic()
+    r = train_shuffled(_msg(model, {"round": "x"}), ctx)
+    assert r.has_error() and r.error.code == ERR_BAD_REQUEST and time.monotonic() - t0 < floor
+    with caplog.at_level(logging.WARNING, logger="shuffledp.client"):
+        r = train_shuffled(_msg(model, _cfg(2)), _ctx(keys, **{"reply-floor": 1e-6}))
+    assert not r.has_error() and "more than reply-floor" in caplog.text
+    node = {"partition-id": 0, "num-partitions": N_PART}
+    run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root)}
+    from clients.core import ClientSetupError, pinned_from_configs
+
+    assert pinned_from_configs(node, run).reply_floor == 0.0
+    assert pinned_from_configs(node, {**run, "reply-floor": 2}).reply_floor == 2.0
+    for bad in (-1.0, 3601.0, float("nan"), True, "1"):
+        with pytest.raises(ClientSetupError, match="reply-floor"):
+            pinned_from_configs(node, {**run, "reply-floor": bad})
+    r = train_shuffled(_msg(model, _cfg(3)), _ctx(keys, **{"reply-floor": -1.0}))
+    assert r.has_error() and r.error.code == ERR_CLIENT_SETUP and "reply-floor" in r.error.reason
+
+
 def test_key_files_are_read_once_per_identity_and_again_after_a_change(tmp_path, monkeypatch) -> None:
     """Keys are cached by file identity: a second request does not re-read them, a rotated key file is picked
     up, and loosened permissions on the private key are refused (the 0600 check is not bypassed by the cache)."""

@@ -67,8 +67,8 @@ def test_node_config_file_round_trips_through_toml(tmp_path: Path) -> None:
     loaded = tomllib.loads(path.read_text())
     assert loaded == conf
     assert Path(loaded["client-key"]).is_file() and " " in loaded["client-key"]
-    assert set(conf) == {"partition-id", "num-partitions", "eps0", "clip-l1", "client-key", "server-public-key",
-                         "shuffler-public-key"}
+    assert set(conf) == {"partition-id", "num-partitions", "eps0", "clip-l1", "reply-floor", "client-key",
+                         "server-public-key", "shuffler-public-key"}
     flwr_conf = tomllib.loads(dc.write_flower_config(tmp_path / "home", "127.0.0.1:9", keys.superlink_ca_cert)
                               .read_text())
     conn = flwr_conf["superlink"][dc.CONNECTION_NAME]
@@ -92,6 +92,19 @@ def test_bundle_holds_only_the_devices_files(tmp_path: Path) -> None:
         dc.create_device_bundle(keys, 1, bundle, eps0=1.0, clip_l1=1.0)
     with pytest.raises(dc.DeployError, match=r"--node must be an integer in \[0, 2\]"):
         dc.create_device_bundle(keys, 3, tmp_path / "b3", eps0=1.0, clip_l1=1.0)
+    assert conf["reply-floor"] == 0.0  # off unless asked for
+    timed = dc.create_device_bundle(keys, 1, tmp_path / "b1", eps0=1.0, clip_l1=2.0, reply_floor=45)
+    conf = tomllib.loads((timed / "node-config.toml").read_text())
+    assert conf["reply-floor"] == 45.0
+    from clients.core import pinned_from_configs
+
+    assert pinned_from_configs(conf, {}).reply_floor == 45.0  # what the device's ClientApp reads
+    for bad in (-1.0, 3601.0, float("nan"), True):
+        with pytest.raises(dc.DeployError, match=r"--reply-floor must be a number of seconds in \[0, 3600\]"):
+            dc.create_device_bundle(keys, 0, tmp_path / f"bad{bad}", eps0=1.0, clip_l1=1.0, reply_floor=bad)
+        assert not (tmp_path / f"bad{bad}").exists()  # refused before anything was written
+    with pytest.raises(dc.DeployError, match="--reply-floor .* must be below --reply-timeout"):
+        dc.LocalDeployment(reply_floor=300.0, reply_timeout=300.0).validate()
 
 
 def test_round_timings_splits_each_round() -> None:

@@ -68,6 +68,9 @@ def test_default_family_is_removed_from_comparisons() -> None:
         ("output-dir", "  ", "'output-dir'"),
         ("heap-tuning", "yes", "'heap-tuning' must be true or false"),
         ("heap-tuning", 1, "'heap-tuning' must be true or false"),
+        ("reply-floor", -0.5, "'reply-floor' must be in [0.0, 3600.0]"),
+        ("reply-floor", 3601.0, "'reply-floor' must be in [0.0, 3600.0]"),
+        ("reply-floor", 900.0, "'reply-floor' (900 s) must be below 'reply-timeout' (900 s)"),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(key: str, value: object, fragment: str) -> None:
