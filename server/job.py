@@ -228,12 +228,12 @@ def write_outputs(engine: RoundEngine, paths: RunPaths, *, plot: bool = True, fi
     rows = engine.report_rows()
     accounting = _accounting_summary(engine)
     write_report(paths.report, config=engine.cfg.as_dict(), rounds=rows, skipped=skipped, stopped=stopped,
-                 accounting=accounting, finished=finished)
+                 accounting=accounting, finished=finished, budget_changes=engine.budget_changes)
     if plot and rows:
         write_plot(paths.plot, rows, title=f"{paths.out_dir.name}: eps0={engine.cfg.eps0:g}, "
                    f"delta={engine.cfg.target_delta:g} ({engine.cfg.accounting_family})")
     return {"config": engine.cfg.as_dict(), "rounds": rows, "skipped": skipped, "stopped": stopped,
-            "accounting": accounting, "finished": finished}
+            "accounting": accounting, "finished": finished, "budget_changes": list(engine.budget_changes)}
 
 
 def run_job(

@@ -6,7 +6,8 @@
      "rounds": [{"round", "n_reports", "accuracy", "loss", "eps0", "epsilon", "delta"}, ...],
      "skipped": [{"round", "reason", ...counts}], "stopped": {"round", "reason"} | null,
      "accounting": {"family", "kind": "upper", "target_delta", "epsilon", "comparison": {family: ...}},
-     "finished": true once the run has ended (finished its rounds or stopped at the budget)}
+     "finished": true once the run has ended (finished its rounds or stopped at the budget),
+     "budget_changes": [{"after_round", "from", "to"}, ...]: each resume that changed budget-epsilon}
 
 ``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family, an upper bound at
 ``delta``. A round charged but whose update was lost in a crash has ``accuracy = loss = null``.
@@ -51,6 +52,7 @@ def write_report(
     stopped: Mapping[str, Any] | None = None,
     accounting: Mapping[str, Any] | None = None,
     finished: bool = False,
+    budget_changes: Sequence[Mapping[str, Any]] = (),
 ) -> Path:
     """Write ``report.json`` atomically and return its path (``finished``: the run has ended normally)."""
     document = {
@@ -60,6 +62,7 @@ def write_report(
         "skipped": [dict(s) for s in skipped],
         "stopped": None if stopped is None else dict(stopped),
         "accounting": None if accounting is None else dict(accounting),
+        "budget_changes": [dict(c) for c in budget_changes],
     }
     target = Path(path)
     text = json.dumps(_json_safe(document), indent=2, allow_nan=False) + "\n"

@@ -297,6 +297,9 @@ class RoundEngine:
             comparison_families=config.comparison_families,
         )
         self.history: list[RoundOutcome] = []
+        #: each resume that changed budget-epsilon: {"after_round", "from", "to"} (kept in the checkpoint and
+        #: written to report.json, so a raised budget is on record, not only in a log)
+        self.budget_changes: list[dict[str, Any]] = []
         self.last_round = 0
         self.stopped: RoundOutcome | None = None
 
@@ -311,6 +314,7 @@ class RoundEngine:
             accountant=self.accountant.state_dict(),
             history=[o.as_dict() for o in self.history],
             config=self.cfg.as_dict(),
+            budget_changes=[dict(c) for c in self.budget_changes],
         )
 
     def save(self) -> None:
@@ -354,8 +358,10 @@ class RoundEngine:
                 "the configuration changed since the checkpoint in settings that a resume must keep: "
                 + ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
             )
+        budget_changes = list(ckpt.budget_changes)
         old_budget, new_budget = ckpt.config.get("budget-epsilon"), current.get("budget-epsilon")
         if old_budget != new_budget:
+            budget_changes.append({"after_round": ckpt.round, "from": old_budget, "to": new_budget})
             # Allowed (an operator may extend or tighten a run), never silent: the ledger keeps the cumulative
             # epsilon of every round whatever the budget, and from here on the run stops at the new budget.
             log.warning(
@@ -407,6 +413,7 @@ class RoundEngine:
         self.optimizer = optimizer
         self.accountant = accountant
         self.history = history
+        self.budget_changes = budget_changes
         last_ledger = max((int(r["round"]) for r in rows), default=0)
         self.last_round = max(ckpt.round, last_ledger, self.store.last_started())
         self.save()  # persist the reconciliation before anything else happens

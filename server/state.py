@@ -73,6 +73,8 @@ class Checkpoint:
         accountant: ``ShuffleAccountant.state_dict()``, JSON-safe.
         history: one JSON-safe dict per round (the rows of report.json, and skipped rounds).
         config: the run's configuration (kebab-case keys), to refuse resuming with incompatible settings.
+        budget_changes: one ``{"after_round", "from", "to"}`` per resume that changed ``budget-epsilon``, oldest
+            first (absent from checkpoints written before it existed: read as none).
     """
 
     round: int
@@ -82,6 +84,7 @@ class Checkpoint:
     accountant: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    budget_changes: list[dict[str, Any]] = field(default_factory=list)
 
     def meta_json(self) -> str:
         return json.dumps(
@@ -94,6 +97,7 @@ class Checkpoint:
                 "accountant": self.accountant,
                 "history": self.history,
                 "config": self.config,
+                "budget_changes": self.budget_changes,
             },
             allow_nan=False,
         )
@@ -122,6 +126,7 @@ class Checkpoint:
                 accountant=meta["accountant"],
                 history=list(meta["history"]),
                 config=dict(meta["config"]),
+                budget_changes=[dict(c) for c in meta.get("budget_changes", [])],
             )
         except CheckpointError:
             raise

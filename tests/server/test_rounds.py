@@ -333,6 +333,26 @@ def test_resume_with_a_changed_budget_is_allowed_and_logged(h: Any, caplog: pyte
     assert any("budget-epsilon changed" in r.getMessage() and "1000000.0 -> 2000000.0" in r.getMessage()
                for r in caplog.records)
     assert len(resumed.accountant.rounds) == 1  # the spent round is still charged
+    # on record, not only in the log: kept in the checkpoint across later resumes, and written to report.json
+    change = {"after_round": 1, "from": 1e6, "to": 2e6}
+    assert resumed.budget_changes == [change]
+    resumed.ledger.close()
+    resumed.store.close()
+    again = h.engine(h.config(**{"budget-epsilon": 2e6}), h.grid([h.honest()] * h.N))
+    again.restore()
+    assert again.budget_changes == [change]  # unchanged budget: nothing new, the old change kept
+    again.ledger.close()
+    again.store.close()
+    last = h.engine(h.config(**{"budget-epsilon": "inf"}), h.grid([h.honest()] * h.N))
+    last.restore()
+    assert last.budget_changes == [change, {"after_round": 1, "from": 2e6, "to": "inf"}]
+    import json
+
+    from server.report import write_report
+
+    path = write_report(h.tmp_path / "report.json", config=last.cfg.as_dict(), rounds=last.report_rows(),
+                        budget_changes=last.budget_changes)
+    assert json.loads(path.read_text())["budget_changes"] == last.budget_changes
 
 
 def test_envelope_of_keeps_bytes_only_and_classifies_the_rest(h: Any) -> None:
