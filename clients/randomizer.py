@@ -145,11 +145,19 @@ class DiscreteLaplaceRandomizer:
                     f"format's grid exponent is at most {LOG2_GRID_MAX}), got {clip_l1!r}"
                 )
             g = max(g, LOG2_GRID_MIN)
-            while g < LOG2_GRID_MAX and not self._grid_ok(g)[0]:
-                g += 1
             ok, why = self._grid_ok(g)
+            binding = why  # why the coarsest grid that still resolves the clip (K >= 1) failed; else the first
+            while not ok and g < LOG2_GRID_MAX:
+                if self._radius(g) >= 1:
+                    binding = f"at the coarsest grid that still resolves the clip, 2**{g}: {why}"
+                g += 1
+                ok, why = self._grid_ok(g)
             if not ok:
-                raise ValueError(f"no grid in [{LOG2_GRID_MIN}, {LOG2_GRID_MAX}] works for these settings: {why}")
+                raise ValueError(
+                    f"no grid in [{LOG2_GRID_MIN}, {LOG2_GRID_MAX}] works for eps0={self.eps0!r}, clip_l1={self.clip!r}; "
+                    + binding.removesuffix("; use a coarser grid")
+                    + ", and every coarser grid is coarser than the clip"
+                )
         else:
             if isinstance(log2_grid, bool) or not isinstance(log2_grid, (int, np.integer)):
                 raise TypeError(f"log2_grid must be an int or None, got {type(log2_grid).__name__}")

@@ -194,6 +194,10 @@ def test_rounding_cannot_break_the_ball() -> None:
         ({"eps0": 1.0, "clip_l1": 1.0, "log2_grid": -40}, "exceeds 2\\*\\*30"),
         ({"eps0": 1e-4, "clip_l1": 1.0, "log2_grid": -20}, "saturation"),
         ({"eps0": 1.0, "clip_l1": 1.0, "log2_grid": 99}, "log2_grid must be in"),
+        # no default grid works: the message names the binding constraint, not the last grid tried (2**20)
+        ({"eps0": 1e-9, "clip_l1": 1.0}, r"eps0=1e-09, clip_l1=1.0; at the coarsest grid that still resolves the "
+                                         r"clip, 2\*\*0: int32 saturation .*, and every coarser grid is coarser"),
+        ({"eps0": 1.0, "clip_l1": 2.0**-70}, r"the grid 2\*\*-60 is coarser than the clip"),
     ],
 )
 def test_randomizer_refuses_bad_parameters(kwargs: dict, match: str) -> None:
