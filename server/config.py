@@ -219,33 +219,24 @@ def _str(raw: Mapping[str, Any], key: str, *, choices: tuple[str, ...] | None = 
     return value
 
 
-def _families(raw: Mapping[str, Any], key: str, known: tuple[str, ...] | None) -> tuple[str, ...]:
+def _families(raw: Mapping[str, Any], key: str, known: tuple[str, ...]) -> tuple[str, ...]:
     text = _str(raw, key)
     names = tuple(part.strip() for part in text.split(",") if part.strip())
-    if known is not None:
-        unknown = [name for name in names if name not in known]
-        if unknown:
-            raise ConfigError(f"run config {key!r} names unknown accounting families {unknown}; known: {list(known)}")
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ConfigError(f"run config {key!r} names unknown accounting families {unknown}; known: {list(known)}")
     if len(set(names)) != len(names):
         raise ConfigError(f"run config {key!r} lists a family twice: {text!r}")
     return names
 
 
-def _known_families() -> tuple[str, ...] | None:
-    try:
-        from accounting import FAMILIES
-    except ImportError:  # the accounting package is not importable (should not happen once installed)
-        return None
-    return tuple(FAMILIES) + ("girgis-lower",)
+def _accounting_families() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(known, guarantees)``: every family a run may name, and those that may enforce a budget (every number
+    they give is an upper bound). Imported here, not at module level, to keep ``import server.config`` light."""
+    from accounting import FAMILIES
+    from accounting.accountant import GUARANTEE_FAMILIES
 
-
-def _guarantee_families() -> tuple[str, ...] | None:
-    """The families that may enforce a budget: those whose every number is an upper bound."""
-    try:
-        from accounting import FAMILIES, FAMILY_KINDS
-    except ImportError:  # pragma: no cover - see _known_families
-        return None
-    return tuple(f for f in FAMILIES if FAMILY_KINDS.get(f) == "upper")
+    return tuple(FAMILIES) + ("girgis-lower",), tuple(GUARANTEE_FAMILIES)
 
 
 def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> ServerConfig:
@@ -261,11 +252,10 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
     unknown = sorted(set(raw) - set(DEFAULTS))
     if unknown and not allow_unknown:
         raise ConfigError(f"unknown run config keys {unknown}; known keys: {sorted(DEFAULTS)}")
-    known_families = _known_families()
+    known_families, guarantees = _accounting_families()
 
     family = _str(raw, "accounting-family")
-    guarantees = _guarantee_families()
-    if guarantees is not None and family not in guarantees:
+    if family not in guarantees:
         raise ConfigError(
             f"run config 'accounting-family' enforces the budget, so it must be an upper-bound family, one of "
             f"{list(guarantees)}; got {family!r} (approximate and lower-bound families belong in "
