@@ -1334,8 +1334,8 @@ def main(argv: Sequence[str]) -> int:
         cfg = LocalDeployment(nodes=args.nodes, rounds=args.rounds, workdir=args.workdir, keys_dir=args.keys,
                               app_dir=args.app, eps0=args.eps0, clip_l1=args.clip_l1,
                               min_reports=args.min_reports, reply_timeout=args.reply_timeout,
-                              reply_floor=args.reply_floor, timeout=args.timeout, run_config=_parse_overrides(args.run_config),
-                              isolation=args.isolation)
+                              reply_floor=args.reply_floor, timeout=args.timeout,
+                              run_config=_parse_overrides(args.run_config), isolation=args.isolation)
         result = run_local(cfg, out=sys.stderr if args.json else sys.stdout)  # keep --json output parseable
         if args.json:
             print(json.dumps({"status": result.status, "run-id": result.run_id, "report": result.report,
