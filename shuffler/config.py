@@ -9,7 +9,8 @@ not silently fall back to a default)::
     max_envelope_bytes = 67108864      # larger envelopes are dropped; gRPC message limits derive from it
     max_batch_reports = 100000         # optional; at most 1000000
     submit_idle_timeout = 60           # optional; seconds a Submit stream may stall between messages
-    fetch_stall_timeout = 60           # optional; seconds a Fetch's peer may leave a message untaken
+    fetch_stall_timeout = 60           # optional; seconds a Fetch's peer may leave a message untaken, plus
+    fetch_min_rate = 65536             # optional; the message's size / this (bytes/s): the slowest link served
     staging_memory_limit = 1073741824  # optional; bytes; a batch up to this size is staged in memory
     retain_staging_buffer = true       # optional; keep that memory mapped between batches and reuse it
     heap_tuning = true                 # optional; glibc reuses heap memory for messages (shuffler/heap.py)
@@ -58,6 +59,7 @@ _TOP = {
     "insecure",
     "submit_idle_timeout",
     "fetch_stall_timeout",
+    "fetch_min_rate",
     "staging_memory_limit",
     "retain_staging_buffer",
     "heap_tuning",
@@ -94,7 +96,8 @@ class ServiceConfig:
     insecure: bool
     tls: TLSConfig | None
     submit_idle_timeout: float = 60.0  # seconds a Submit stream may wait for its next message
-    fetch_stall_timeout: float = 60.0  # seconds a Fetch may wait for its peer to take the next message
+    fetch_stall_timeout: float = 60.0  # seconds a Fetch may wait for its peer to take the next message, plus
+    fetch_min_rate: int = 65536  # ... the message's size divided by this rate (bytes/s)
     #: a batch of at most this many bytes (expected_count x inner length) is staged in memory and written to
     #: disk once at seal; a larger one is staged in a zero-filled file (see docs/shuffler.md); 0 = always disk
     staging_memory_limit: int = DEFAULT_STAGING_MEMORY_LIMIT
@@ -203,6 +206,7 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
         max_batch_reports=_int(doc, "max_batch_reports", 1, 10**6, path, default=100_000),
         submit_idle_timeout=_seconds(doc, "submit_idle_timeout", 60.0, path),
         fetch_stall_timeout=_seconds(doc, "fetch_stall_timeout", 60.0, path),
+        fetch_min_rate=_int(doc, "fetch_min_rate", 1024, 10**10, path, default=65536),
         staging_memory_limit=_int(
             doc, "staging_memory_limit", 0, MAX_STAGING_MEMORY_LIMIT, path, default=DEFAULT_STAGING_MEMORY_LIMIT
         ),

@@ -473,14 +473,20 @@ class ShufflerCore:
         expected = sb.n * sb.inner_length
         if not sb.output.exists() or sb.output.stat().st_size != expected:  # outputs are fsynced before their record
             raise RuntimeError(f"sealed batch output {sb.output.name} is missing or not {expected} bytes")
-        self._register(sb, rec["replay_enc"], rec["replay_report_ids"], rec.get("dropped", {}))
+        self._register(
+            sb,
+            {bytes.fromhex(x) for x in rec["replay_enc"]},
+            {bytes.fromhex(x) for x in rec["replay_report_ids"]},
+            rec.get("dropped", {}),
+        )
 
-    def _register(self, sb: SealedBatch, encs: list[str], rids: list[str], dropped: Mapping[str, int]) -> None:
+    def _register(self, sb: SealedBatch, encs: set[bytes], rids: set[bytes], dropped: Mapping[str, int]) -> None:
+        """Make a sealed batch known (replay cache, binding, counters). Cheap: a commit calls it holding _lock."""
         self._sealed[sb.batch_id] = sb
         self._by_binding[(sb.key_epoch, sb.round_id)] = sb
         if sb.key_epoch == self.config.key_epoch:  # older epochs' caches are flushed by key rotation
-            self._seen_enc.setdefault(sb.key_epoch, set()).update(bytes.fromhex(x) for x in encs)
-            self._seen_rid.setdefault(sb.key_epoch, set()).update(bytes.fromhex(x) for x in rids)
+            self._seen_enc.setdefault(sb.key_epoch, set()).update(encs)
+            self._seen_rid.setdefault(sb.key_epoch, set()).update(rids)
         self.counters["batches_sealed"] += 1
         self.counters["reports_accepted"] += sb.n
         for reason, count in dropped.items():
@@ -687,7 +693,7 @@ class ShufflerCore:
             inner_length=inner_length,
         )
         with self._lock:
-            self._register(sb, encs, rids, dropped)
+            self._register(sb, builder.encs, builder.report_ids, dropped)
         log.info(
             "batch sealed: epoch=%d round=%d received=%d accepted=%d dropped=%s",
             header.key_epoch,

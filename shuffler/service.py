@@ -210,25 +210,30 @@ class _IdleWatchdog:
     """Cancels a call that waits on its peer for more than ``timeout`` seconds (status DEADLINE_EXCEEDED).
 
     One thread per call polls how long the handler has been waiting *on the peer*: for a Submit, for the next
-    message (:func:`_watched`); for a Fetch, for the peer to take the last message sent (gRPC's flow control
-    blocks the handler thread until it does, :func:`_paced`). A stalled peer would otherwise hold a worker
-    thread forever. Time the shuffler spends itself (staging, zero-fill, waiting for the core's locks, sealing
+    message to arrive whole (:func:`_watched`); for a Fetch, for gRPC to take the last message (its flow control
+    blocks the handler thread until the part of the message beyond the peer's window has been read, so a large
+    message on a slow link is allowed its transfer time at ``fetch_min_rate`` on top). A stalled peer would
+    otherwise hold a worker thread forever. Time the shuffler spends itself (staging, zero-fill, waiting for the core's locks, sealing
     and committing after the last message, reading the output) never counts.
     """
 
     def __init__(self, context: grpc.ServicerContext, timeout: float, reason: str, what: str) -> None:
         self._context = context
         self._timeout = timeout
-        self._details = f"{reason}: {what} for {timeout:g} s"
+        self._reason, self._what = reason, what
         self.since = time.monotonic()
+        self.allowance = timeout
         self.waiting = False
         self.fired = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=reason, daemon=True)
         self._thread.start()
 
-    def wait_begins(self) -> None:
+    def wait_begins(self, extra: float = 0.0) -> None:
+        """The handler starts waiting on the peer; ``extra`` seconds are allowed on top of the timeout for this
+        wait (a Fetch message's transfer time at the slowest rate accepted)."""
         self.since = time.monotonic()
+        self.allowance = self._timeout + extra
         self.waiting = True
 
     def wait_ends(self) -> None:
@@ -237,11 +242,12 @@ class _IdleWatchdog:
     def _run(self) -> None:
         step = max(0.05, min(1.0, self._timeout / 4))
         while not self._stop.wait(step):
-            if self.waiting and time.monotonic() - self.since > self._timeout:
+            if self.waiting and time.monotonic() - self.since > self.allowance:
                 self.fired = True
+                details = f"{self._reason}: {self._what} for {self.allowance:.3g} s"
                 try:  # cancel with a specific status (grpc's server call object accepts one)
                     self._context._rpc_event.call.cancel(  # type: ignore[attr-defined]
-                        grpc._cython.cygrpc.StatusCode.deadline_exceeded, self._details
+                        grpc._cython.cygrpc.StatusCode.deadline_exceeded, details
                     )
                 except (AttributeError, TypeError):
                     self._context.cancel()
@@ -276,6 +282,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         max_concurrent_fetches: int = 4,
         submit_idle_timeout: float = 60.0,
         fetch_stall_timeout: float = 60.0,
+        fetch_min_rate: float = 65536.0,
     ) -> None:
         self.core = core
         self.allowed = set(client_common_names) if client_common_names else None
@@ -283,6 +290,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         self._fetch_slots = threading.BoundedSemaphore(max(1, max_concurrent_fetches))
         self.submit_idle_timeout = submit_idle_timeout
         self.fetch_stall_timeout = fetch_stall_timeout
+        self.fetch_min_rate = fetch_min_rate
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         if self.allowed is None:
@@ -298,11 +306,13 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
     def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> pb.SubmitResponse:
         if not self._submit_slots.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: too many concurrent submissions; retry later")
-        dog = _IdleWatchdog(context, self.submit_idle_timeout, "submit_idle", "no message")
-        try:
+        dog: _IdleWatchdog | None = None
+        try:  # the slot is given back whatever happens from here, also if the watchdog cannot start
+            dog = _IdleWatchdog(context, self.submit_idle_timeout, "submit_idle", "no message")
             return self._submit(_watched(request_iterator, dog), context, dog)
         finally:
-            dog.stop()
+            if dog is not None:
+                dog.stop()
             self._submit_slots.release()
 
     def _submit(
@@ -370,7 +380,8 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
 
         At most ``max_concurrent_fetches`` run at once (the rest get RESOURCE_EXHAUSTED ``busy``), and a peer
         that takes no message for ``fetch_stall_timeout`` seconds is cancelled (DEADLINE_EXCEEDED
-        ``fetch_stall``): a Fetch that is never read must not hold a worker thread for good.
+        ``fetch_stall``): a Fetch that is never read must not hold a worker thread for good. A message gets its
+        transfer time at ``fetch_min_rate`` bytes/s on top, so a slow but steady reader is never cancelled.
         """
         if not self._fetch_slots.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: too many concurrent fetches; retry later")
@@ -387,7 +398,8 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
                 # FetchResponse{inner: [...]}: consecutive inner ciphertexts, packed up to the group size
                 for group in wire.packed(chunks, wire.PACKED_MESSAGE_BYTES):
                     message = wire.encode_repeated_bytes_field(1, group)
-                    dog.wait_begins()  # gRPC resumes this generator once the peer has taken the message
+                    # gRPC resumes this generator once the peer has taken the message (all but a window of it)
+                    dog.wait_begins(len(message) / self.fetch_min_rate)
                     yield message
                     dog.wait_ends()
             except Exception as exc:  # noqa: BLE001 - e.g. a sealed output damaged on disk; never report data
@@ -458,6 +470,7 @@ def build_server(
         max_concurrent_fetches=fetches,
         submit_idle_timeout=config.submit_idle_timeout,
         fetch_stall_timeout=config.fetch_stall_timeout,
+        fetch_min_rate=config.fetch_min_rate,
     )
     # Registered by hand (not with the generated add_ShufflerServicer_to_server) so that Fetch can send
     # pre-encoded bytes; Submit and Stats use the generated message classes.

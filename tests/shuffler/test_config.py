@@ -69,6 +69,10 @@ def test_max_batch_reports_is_capped_and_the_timeouts_are_validated(tmp_path: Pa
     assert _load(tmp_path, "fetch_stall_timeout = 0.5\n" + BASE + TLS).fetch_stall_timeout == 0.5
     with pytest.raises(ConfigError, match=r"fetch_stall_timeout must be a number of seconds in \[0.1, 3600\]"):
         _load(tmp_path, "fetch_stall_timeout = true\n" + BASE + TLS)
+    assert _load(tmp_path, BASE + TLS).fetch_min_rate == 65536
+    assert _load(tmp_path, "fetch_min_rate = 1000000\n" + BASE + TLS).fetch_min_rate == 10**6
+    with pytest.raises(ConfigError, match=r"fetch_min_rate must be an integer in \[1024, 10000000000\]"):
+        _load(tmp_path, "fetch_min_rate = 10\n" + BASE + TLS)
 
 
 def test_staging_memory_limit_default_and_validation(tmp_path: Path) -> None:

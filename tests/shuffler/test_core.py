@@ -1391,3 +1391,44 @@ def test_stats_and_begin_do_not_wait_for_a_commits_fsyncs(core: ShufflerCore, ki
         release.set()
         committing.join(10)
     assert len(sealed) == 1 and core.stats()["batches_sealed"] == 1
+
+
+def test_close_waits_for_a_commit_in_its_fsyncs(kit, tmp_path: Path, monkeypatch) -> None:
+    """close() past its drain timeout, while a commit is in its fsyncs: the journal is closed only after the
+    commit (which holds the commit lock); the batch is sealed and survives a reopen. Closing under the state
+    lock alone let the commit's journal append fail ("journal failed for good") and lose the batch."""
+    import threading
+
+    import shuffler.core as coremod
+
+    core = ShufflerCore(kit.core_config(tmp_path / "journal"))
+    entered, release = threading.Event(), threading.Event()
+    real_fsync_dir = coremod.fsync_dir
+
+    def slow_fsync_dir(path):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(10)
+        return real_fsync_dir(path)
+
+    monkeypatch.setattr(coremod, "fsync_dir", slow_fsync_dir)
+    b = core.begin(kit.header(4))
+    for i in range(4):
+        b.add(kit.seal(i))
+    outcome: list[object] = []
+    committing = threading.Thread(target=lambda: outcome.append(b.finish()))
+    committing.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=lambda: core.close(drain_timeout=0.05))
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive(), "close() did not wait for the commit"
+    release.set()
+    committing.join(10)
+    closer.join(10)
+    monkeypatch.setattr(coremod, "fsync_dir", real_fsync_dir)
+    assert len(outcome) == 1 and outcome[0].n == 4  # type: ignore[attr-defined]
+    reopened = ShufflerCore(kit.core_config(tmp_path / "journal"))
+    try:
+        assert reopened.stats()["batches_sealed"] == 1
+    finally:
+        reopened.close()

@@ -257,8 +257,8 @@ def _service(kit, tmp_path, *, max_workers: int = 4, idle: float | None = None, 
     path = write_config(kit, tmp_path / "shuffler.toml", **config)
     if idle is not None:  # top-level keys must come before the [tls] table
         path.write_text(f"submit_idle_timeout = {idle}\n" + path.read_text())
-    if stall is not None:
-        path.write_text(f"fetch_stall_timeout = {stall}\n" + path.read_text())
+    if stall is not None:  # and no transfer-time allowance to speak of (a rate of 1 GB/s)
+        path.write_text(f"fetch_stall_timeout = {stall}\nfetch_min_rate = 1000000000\n" + path.read_text())
     cfg = load_config(path)
     core = core_from_config(cfg)
     server, port, health_servicer = build_server(cfg, core, max_workers=max_workers)
@@ -583,6 +583,38 @@ def test_the_idle_timeout_counts_only_time_spent_waiting_for_the_stream(kit, tmp
     finally:
         server.stop(grace=None).wait()
         core.close()
+
+
+def test_a_large_message_gets_its_transfer_time_at_the_minimum_rate() -> None:
+    """The stall clock of a Fetch message allows timeout + size / fetch_min_rate: a reader that is slow but
+    steady is not cancelled while gRPC pushes a message bigger than its flow-control window (the reviewer's
+    1 MB/s link with 6 MB reports was cancelled after 1 s), and a reader that stops still is, later."""
+    import time
+
+    from shuffler.service import _IdleWatchdog
+
+    class Ctx:
+        cancelled: list[str] = []
+
+        class _rpc_event:  # noqa: N801 - mirrors grpc's private attribute
+            class call:  # noqa: N801
+                @staticmethod
+                def cancel(code, details):  # type: ignore[no-untyped-def]
+                    Ctx.cancelled.append(details)
+
+    dog = _IdleWatchdog(Ctx(), 0.2, "fetch_stall", "the peer took no message")  # type: ignore[arg-type]
+    try:
+        dog.wait_begins(6_000_000 / 6_000_000)  # a 6 MB message at a minimum rate of 6 MB/s: 1 s more
+        time.sleep(0.6)
+        assert not dog.fired and Ctx.cancelled == []  # past the bare timeout, within the allowance
+        dog.wait_ends()
+        dog.wait_begins()
+        deadline = time.monotonic() + 5
+        while not dog.fired and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dog.fired and Ctx.cancelled == ["fetch_stall: the peer took no message for 0.2 s"]
+    finally:
+        dog.stop()
 
 
 def test_worker_split_keeps_threads_for_health_and_is_validated() -> None:
