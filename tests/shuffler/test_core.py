@@ -1353,9 +1353,8 @@ def test_close_gives_up_on_a_batch_left_open_past_the_drain_timeout(kit, tmp_pat
         reopened.close()
 
 
-def test_stats_and_begin_do_not_wait_for_a_commits_fsyncs(core: ShufflerCore, kit, monkeypatch) -> None:
-    """A commit holds the commit lock through its output write and fsyncs; the counters and the start of
-    another batch must not wait for them (they did: stats() and begin() took the lock the commit held)."""
+def _hold_commit_in_fsync(monkeypatch):  # type: ignore[no-untyped-def]
+    """Make a commit block in its first directory fsync: returns (entered, release) events."""
     import threading
 
     import shuffler.core as coremod
@@ -1369,6 +1368,15 @@ def test_stats_and_begin_do_not_wait_for_a_commits_fsyncs(core: ShufflerCore, ki
         return real_fsync_dir(path)
 
     monkeypatch.setattr(coremod, "fsync_dir", slow_fsync_dir)
+    return entered, release
+
+
+def test_stats_and_begin_do_not_wait_for_a_commits_fsyncs(core: ShufflerCore, kit, monkeypatch) -> None:
+    """A commit holds the commit lock through its output write and fsyncs; the counters and the start of
+    another batch must not wait for them (they did: stats() and begin() took the lock the commit held)."""
+    import threading
+
+    entered, release = _hold_commit_in_fsync(monkeypatch)
     sealed: list[object] = []
     committing = threading.Thread(target=lambda: sealed.append(_run(core, kit, [kit.seal(i) for i in range(4)])))
     committing.start()
@@ -1399,18 +1407,8 @@ def test_close_waits_for_a_commit_in_its_fsyncs(kit, tmp_path: Path, monkeypatch
     lock alone let the commit's journal append fail ("journal failed for good") and lose the batch."""
     import threading
 
-    import shuffler.core as coremod
-
     core = ShufflerCore(kit.core_config(tmp_path / "journal"))
-    entered, release = threading.Event(), threading.Event()
-    real_fsync_dir = coremod.fsync_dir
-
-    def slow_fsync_dir(path):  # type: ignore[no-untyped-def]
-        entered.set()
-        release.wait(10)
-        return real_fsync_dir(path)
-
-    monkeypatch.setattr(coremod, "fsync_dir", slow_fsync_dir)
+    entered, release = _hold_commit_in_fsync(monkeypatch)
     b = core.begin(kit.header(4))
     for i in range(4):
         b.add(kit.seal(i))
@@ -1425,7 +1423,7 @@ def test_close_waits_for_a_commit_in_its_fsyncs(kit, tmp_path: Path, monkeypatch
     release.set()
     committing.join(10)
     closer.join(10)
-    monkeypatch.setattr(coremod, "fsync_dir", real_fsync_dir)
+    monkeypatch.undo()
     assert len(outcome) == 1 and outcome[0].n == 4  # type: ignore[attr-defined]
     reopened = ShufflerCore(kit.core_config(tmp_path / "journal"))
     try:
