@@ -15,11 +15,11 @@ Signature (what the ClientApp and the server's tests with a fake Grid call)::
 It raises :class:`clients.messages.RequestError` for a malformed request and :class:`PinnedMismatchError` when
 the request's eps0 or clip-l1 differ from the pinned values (the server is the adversary: the client never lets
 it choose its privacy parameters). Those decisions never depend on the data (see :func:`make_payload`: a local
-computation that fails is reported as the zero update). Otherwise it returns the envelope: the report computed at ``arrays``
-(average gradient, or model delta after E local epochs), clipped to L1 ``clip_l1``, randomized with the exact
-discrete Laplace mechanism (eps0-LDP for any two inputs), encoded (clients.report), and sealed with
-``shuffler.envelope.seal`` (inner to the server key, outer to the pinned shuffler key, binding round id, key
-epoch and ``arrays_digest(arrays)``, signed with the client key).
+computation that fails is reported as the zero update). Otherwise it returns the envelope: the report computed
+at ``arrays`` (average gradient, or model delta after E local epochs), clipped to L1 ``clip_l1``, randomized
+with the exact discrete Laplace mechanism (eps0-LDP for any two inputs), encoded (clients.report), and sealed
+with ``shuffler.envelope.seal`` (inner to the server key, outer to the pinned shuffler key, binding round id,
+key epoch and ``arrays_digest(arrays)``, signed with the client key).
 """
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
     ``server-public-key``, ``shuffler-public-key`` (paths), ``partition-id``, ``num-partitions`` and optionally
     ``log2-grid`` and ``reply-floor``. Simulation: run_config supplies ``eps0``, ``clip-l1``, ``keys-dir`` (client
     i uses ``keys-dir/clients/client-<i>.key`` and ``keys-dir/public/*``) and optionally ``log2-grid`` and
-    ``reply-floor``; node_config
-    supplies ``partition-id`` and ``num-partitions`` (Flower's simulation engine sets them).
+    ``reply-floor``; node_config supplies ``partition-id`` and ``num-partitions`` (Flower's simulation engine
+    sets them). Values are checked by :class:`PinnedSettings`.
     """
     if "eps0" in node_config:
         where = "node_config"
@@ -193,9 +193,6 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
             raise ClientSetupError("run_config has no 'keys-dir' (and node_config pins no 'eps0')")
         pid = _int(node_config, "partition-id", "node_config")
         keys = _load_keys(*_simulation_key_paths(str(run_config["keys-dir"]), pid))
-    floor = src.get("reply-floor", 0.0)
-    if isinstance(floor, bool) or not isinstance(floor, (int, float)):
-        raise ClientSetupError(f"{where}['reply-floor'] must be a number of seconds, got {floor!r}")
     grid = src.get("log2-grid")
     if grid is not None and (isinstance(grid, bool) or not isinstance(grid, int)):
         raise ClientSetupError(f"{where}['log2-grid'] must be an int, got {grid!r}")
@@ -208,7 +205,7 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
         partition_id=_int(node_config, "partition-id", "node_config"),
         num_partitions=_int(node_config, "num-partitions", "node_config"),
         log2_grid=grid,
-        reply_floor=float(floor),
+        reply_floor=src.get("reply-floor", 0.0),
     )
 
 

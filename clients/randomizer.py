@@ -154,8 +154,8 @@ class DiscreteLaplaceRandomizer:
                 ok, why = self._grid_ok(g)
             if not ok:
                 raise ValueError(
-                    f"no grid in [{LOG2_GRID_MIN}, {LOG2_GRID_MAX}] works for eps0={self.eps0!r}, clip_l1={self.clip!r}; "
-                    + binding.removesuffix("; use a coarser grid")
+                    f"no grid in [{LOG2_GRID_MIN}, {LOG2_GRID_MAX}] works for eps0={self.eps0!r}, "
+                    f"clip_l1={self.clip!r}; " + binding.removesuffix("; use a coarser grid")
                     + ", and every coarser grid is coarser than the clip"
                 )
         else:

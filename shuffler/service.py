@@ -31,6 +31,7 @@ Per-envelope failures are not errors: they are counted drops, reported per reaso
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -39,7 +40,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -213,8 +213,9 @@ class _IdleWatchdog:
     message to arrive whole (:func:`_watched`); for a Fetch, for gRPC to take the last message (its flow control
     blocks the handler thread until the part of the message beyond the peer's window has been read, so a large
     message on a slow link is allowed its transfer time at ``fetch_min_rate`` on top). A stalled peer would
-    otherwise hold a worker thread forever. Time the shuffler spends itself (staging, zero-fill, waiting for the core's locks, sealing
-    and committing after the last message, reading the output) never counts.
+    otherwise hold a worker thread forever. Time the shuffler spends itself (staging, zero-fill, waiting for the
+    core's locks, sealing and committing after the last message, reading the output) never counts. A context
+    manager: leaving the ``with`` block stops the thread.
     """
 
     def __init__(self, context: grpc.ServicerContext, timeout: float, reason: str, what: str) -> None:
@@ -255,6 +256,12 @@ class _IdleWatchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def __enter__(self) -> "_IdleWatchdog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def _watched(iterator: Iterator[pb.SubmitRequest], dog: _IdleWatchdog) -> Iterator[pb.SubmitRequest]:
@@ -303,17 +310,23 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
     def _abort(context: grpc.ServicerContext, exc: Refused) -> None:
         context.abort(STATUS_FOR[exc.code], f"{exc.reason}: {exc}")
 
-    def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> pb.SubmitResponse:
-        if not self._submit_slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: too many concurrent submissions; retry later")
-        dog: _IdleWatchdog | None = None
-        try:  # the slot is given back whatever happens from here, also if the watchdog cannot start
-            dog = _IdleWatchdog(context, self.submit_idle_timeout, "submit_idle", "no message")
-            return self._submit(_watched(request_iterator, dog), context, dog)
+    @staticmethod
+    @contextlib.contextmanager
+    def _slot(slots: threading.BoundedSemaphore, context: grpc.ServicerContext, calls: str) -> Iterator[None]:
+        """Hold one of ``slots`` for the ``with`` block, or abort RESOURCE_EXHAUSTED ``busy`` if none is free; the
+        slot is given back whatever happens inside (also if a watchdog thread cannot start)."""
+        if not slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: too many concurrent {calls}; retry later")
+        try:
+            yield
         finally:
-            if dog is not None:
-                dog.stop()
-            self._submit_slots.release()
+            slots.release()
+
+    def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> pb.SubmitResponse:
+        with self._slot(self._submit_slots, context, "submissions"), _IdleWatchdog(
+            context, self.submit_idle_timeout, "submit_idle", "no message"
+        ) as dog:
+            return self._submit(_watched(request_iterator, dog), context, dog)
 
     def _submit(
         self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext, dog: _IdleWatchdog
@@ -383,32 +396,25 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         ``fetch_stall``): a Fetch that is never read must not hold a worker thread for good. A message gets its
         transfer time at ``fetch_min_rate`` bytes/s on top, so a slow but steady reader is never cancelled.
         """
-        if not self._fetch_slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: too many concurrent fetches; retry later")
-        dog: _IdleWatchdog | None = None
-        try:
+        with self._slot(self._fetch_slots, context, "fetches"):
             try:
                 self._authorize(context)
                 chunks = self.core.read_batch(bytes(request.batch_id))
             except Refused as exc:
                 self._abort(context, exc)
                 return
-            dog = _IdleWatchdog(context, self.fetch_stall_timeout, "fetch_stall", "the peer took no message")
-            try:
-                # FetchResponse{inner: [...]}: consecutive inner ciphertexts, packed up to the group size
-                for group in wire.packed(chunks, wire.PACKED_MESSAGE_BYTES):
-                    message = wire.encode_repeated_bytes_field(1, group)
-                    # gRPC resumes this generator once the peer has taken the message (all but a window of it)
-                    dog.wait_begins(len(message) / self.fetch_min_rate)
-                    yield message
-                    dog.wait_ends()
-            except Exception as exc:  # noqa: BLE001 - e.g. a sealed output damaged on disk; never report data
-                log.error("fetch: internal error (%s)", type(exc).__name__)
-                context.abort(grpc.StatusCode.INTERNAL, "internal error: the sealed output cannot be read")
-        finally:
-            if dog is not None:
-                dog.stop()
-            self._fetch_slots.release()
+            with _IdleWatchdog(context, self.fetch_stall_timeout, "fetch_stall", "the peer took no message") as dog:
+                try:
+                    # FetchResponse{inner: [...]}: consecutive inner ciphertexts, packed up to the group size
+                    for group in wire.packed(chunks, wire.PACKED_MESSAGE_BYTES):
+                        message = wire.encode_repeated_bytes_field(1, group)
+                        # gRPC resumes this generator once the peer has taken the message (all but a window of it)
+                        dog.wait_begins(len(message) / self.fetch_min_rate)
+                        yield message
+                        dog.wait_ends()
+                except Exception as exc:  # noqa: BLE001 - e.g. a sealed output damaged on disk; never report data
+                    log.error("fetch: internal error (%s)", type(exc).__name__)
+                    context.abort(grpc.StatusCode.INTERNAL, "internal error: the sealed output cannot be read")
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         try:
