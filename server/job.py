@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from server.config import ConfigError, ServerConfig
-from server.report import PLOT_FILE, REPORT_FILE, write_plot, write_report
+from server.report import PLOT_FILE, REPORT_FILE, report_document, write_plot, write_report
 from server.rounds import Evaluator, GridLike, RoundEngine, RoundOutcome
 from server.state import SqliteCheckpointStore
 
@@ -226,14 +226,14 @@ def write_outputs(engine: RoundEngine, paths: RunPaths, *, plot: bool = True, fi
     ]
     stopped = None if engine.stopped is None else {"round": engine.stopped.round, "reason": engine.stopped.reason}
     rows = engine.report_rows()
-    accounting = _accounting_summary(engine)
-    write_report(paths.report, config=engine.cfg.as_dict(), rounds=rows, skipped=skipped, stopped=stopped,
-                 accounting=accounting, finished=finished, budget_changes=engine.budget_changes)
+    document = report_document(config=engine.cfg.as_dict(), rounds=rows, skipped=skipped, stopped=stopped,
+                               accounting=_accounting_summary(engine), finished=finished,
+                               budget_changes=engine.budget_changes)
+    write_report(paths.report, document)
     if plot and rows:
         write_plot(paths.plot, rows, title=f"{paths.out_dir.name}: eps0={engine.cfg.eps0:g}, "
                    f"delta={engine.cfg.target_delta:g} ({engine.cfg.accounting_family})")
-    return {"config": engine.cfg.as_dict(), "rounds": rows, "skipped": skipped, "stopped": stopped,
-            "accounting": accounting, "finished": finished, "budget_changes": list(engine.budget_changes)}
+    return document
 
 
 def run_job(

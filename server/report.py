@@ -27,7 +27,7 @@ from typing import Any
 
 from shuffler.journal import write_file_durably
 
-__all__ = ["write_report", "write_plot", "REPORT_FILE", "PLOT_FILE"]
+__all__ = ["report_document", "write_report", "write_plot", "REPORT_FILE", "PLOT_FILE"]
 
 REPORT_FILE = "report.json"
 PLOT_FILE = "accuracy_epsilon.png"
@@ -43,8 +43,7 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def write_report(
-    path: str | os.PathLike[str],
+def report_document(
     *,
     config: Mapping[str, Any],
     rounds: Sequence[Mapping[str, Any]],
@@ -53,9 +52,10 @@ def write_report(
     accounting: Mapping[str, Any] | None = None,
     finished: bool = False,
     budget_changes: Sequence[Mapping[str, Any]] = (),
-) -> Path:
-    """Write ``report.json`` atomically and return its path (``finished``: the run has ended normally)."""
-    document = {
+) -> dict[str, Any]:
+    """The ``report.json`` document (``finished``: the run has ended normally); floats may be infinite here,
+    :func:`write_report` writes them as the strings ``"inf"``/``"-inf"``."""
+    return {
         "finished": bool(finished),
         "config": dict(config),
         "rounds": [dict(r) for r in rounds],
@@ -64,6 +64,10 @@ def write_report(
         "accounting": None if accounting is None else dict(accounting),
         "budget_changes": [dict(c) for c in budget_changes],
     }
+
+
+def write_report(path: str | os.PathLike[str], document: Mapping[str, Any]) -> Path:
+    """Write a :func:`report_document` to ``path`` atomically and durably; return the path."""
     target = Path(path)
     text = json.dumps(_json_safe(document), indent=2, allow_nan=False) + "\n"
     write_file_durably(target, text.encode("utf-8"))

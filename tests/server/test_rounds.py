@@ -348,10 +348,10 @@ def test_resume_with_a_changed_budget_is_allowed_and_logged(h: Any, caplog: pyte
     assert last.budget_changes == [change, {"after_round": 1, "from": 2e6, "to": "inf"}]
     import json
 
-    from server.report import write_report
+    from server.report import report_document, write_report
 
-    path = write_report(h.tmp_path / "report.json", config=last.cfg.as_dict(), rounds=last.report_rows(),
-                        budget_changes=last.budget_changes)
+    path = write_report(h.tmp_path / "report.json", report_document(
+        config=last.cfg.as_dict(), rounds=last.report_rows(), budget_changes=last.budget_changes))
     assert json.loads(path.read_text())["budget_changes"] == last.budget_changes
 
 
