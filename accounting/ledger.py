@@ -76,7 +76,36 @@ CREATE TRIGGER IF NOT EXISTS {table}_no_update BEFORE UPDATE ON {table}
 BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: UPDATE on {table} is refused'); END;
 CREATE TRIGGER IF NOT EXISTS {table}_no_delete BEFORE DELETE ON {table}
 BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: DELETE on {table} is refused'); END;
+CREATE TRIGGER IF NOT EXISTS {table}_no_replace BEFORE INSERT ON {table}
+WHEN EXISTS (SELECT 1 FROM {table} WHERE {key_match})
+BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: a second INSERT of a {table} key is refused'); END;
 """
+# Primary key of each table, for the no-replace trigger: ``INSERT OR REPLACE`` deletes the old row without firing
+# DELETE triggers (SQLite fires them on REPLACE only with recursive_triggers on, a per-connection setting), so
+# only a BEFORE INSERT check on the key keeps a recorded row from being swapped.
+_TABLE_KEYS = {
+    "meta": "key = NEW.key",
+    "rounds": "round = NEW.round",
+    "epsilons": "round = NEW.round AND family = NEW.family",
+}
+
+
+def _trigger_statements() -> list[str]:
+    """The append-only triggers of every table, one CREATE TRIGGER IF NOT EXISTS statement each."""
+    statements = []
+    for table, key_match in _TABLE_KEYS.items():
+        for statement in _TRIGGERS.format(table=table, key_match=key_match).split("END;"):
+            if statement.strip():
+                statements.append(statement + "END;")
+    return statements
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back the open transaction, if SQLite has not already ended it: after some errors (SQLITE_FULL,
+    SQLITE_IOERR, ...) it has, and an unconditional ROLLBACK would raise "no transaction is active" and hide the
+    error that caused it."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
 
 
 class LedgerError(ValueError):
@@ -160,10 +189,8 @@ class Ledger:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)
-                for table in ("meta", "rounds", "epsilons"):
-                    for statement in _TRIGGERS.format(table=table).split("END;"):
-                        if statement.strip():
-                            conn.execute(statement + "END;")
+                for statement in _trigger_statements():
+                    conn.execute(statement)
                 conn.executemany(
                     "INSERT OR IGNORE INTO meta(key, value) VALUES (?, ?)",
                     [
@@ -174,7 +201,7 @@ class Ledger:
                 )
                 conn.execute("COMMIT")
             except BaseException:
-                conn.execute("ROLLBACK")
+                _rollback(conn)
                 raise
             tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not {"meta", "rounds", "epsilons"} <= tables:
@@ -187,6 +214,22 @@ class Ledger:
                 f"the ledger {str(self.path)!r} has schema version {meta.get('schema_version')!r}; "
                 f"this version of shuffledp reads version {LEDGER_SCHEMA_VERSION} only"
             )
+        triggers = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
+        if not {f"{table}_no_replace" for table in _TABLE_KEYS} <= triggers:
+            # A ledger written before the no-replace triggers existed gets them now. A read-only file cannot, and
+            # need not: nothing can be appended to it through this connection either.
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                for statement in _trigger_statements():
+                    conn.execute(statement)
+                conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                _rollback(conn)
+                if "readonly" not in str(exc):
+                    raise LedgerError(f"cannot add the append-only triggers to {str(self.path)!r}: {exc}") from exc
+            except BaseException:
+                _rollback(conn)
+                raise
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -274,7 +317,7 @@ class Ledger:
             )
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            _rollback(conn)
             raise
 
     def record(self, accountant: ShuffleAccountant, *, round: int, mechanism: str) -> dict[str, Any]:  # noqa: A002

@@ -228,7 +228,8 @@ class SqliteCheckpointStore(CheckpointStore):
             )
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # after SQLITE_FULL or an I/O error SQLite has already rolled back
+                conn.execute("ROLLBACK")
             raise
 
     def load(self) -> Checkpoint | None:

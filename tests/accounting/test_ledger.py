@@ -167,6 +167,12 @@ def test_sqlite_itself_refuses_update_and_delete(tmp_path: Path) -> None:
             "DELETE FROM epsilons",
             "DELETE FROM meta",
             "UPDATE meta SET value = 'x'",
+            # REPLACE deletes the old row without firing DELETE triggers; the BEFORE INSERT key check refuses it
+            "INSERT OR REPLACE INTO rounds(round, time, n_reports, eps0, mechanism, delta, default_family) "
+            "VALUES (1, 't', 100000, 1.0, 'm', 1e-6, 'clones')",
+            "REPLACE INTO epsilons(round, family, value, kind, reason) "
+            "SELECT round, family, 0.01, kind, reason FROM epsilons",
+            "INSERT OR REPLACE INTO meta(key, value) VALUES ('format', 'x')",
         ):
             with pytest.raises(sqlite3.DatabaseError, match="append-only"):
                 conn.execute(statement)
@@ -177,6 +183,35 @@ def test_sqlite_itself_refuses_update_and_delete(tmp_path: Path) -> None:
     finally:
         conn.close()
     with Ledger(path, create=False) as ledger:
+        assert ledger.rows() == before
+
+
+def test_a_ledger_from_before_the_replace_triggers_gets_them_at_open(tmp_path: Path) -> None:
+    path = tmp_path / "l.db"
+    with Ledger(path) as ledger:
+        _append(ledger, 1)
+    conn = sqlite3.connect(path)
+    for table in ("meta", "rounds", "epsilons"):
+        conn.execute(f"DROP TRIGGER {table}_no_replace")
+    conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('created', 'then')")  # possible without them
+    conn.commit()
+    with Ledger(path, create=False) as ledger:
+        assert [row["round"] for row in ledger.rows()] == [1]
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+        conn.execute("INSERT OR REPLACE INTO rounds(round, time, n_reports, eps0, mechanism, delta, default_family) "
+                     "VALUES (1, 't', 100000, 1.0, 'm', 1e-6, 'clones')")
+    conn.close()
+
+
+def test_a_full_disk_is_reported_as_such_and_loses_no_recorded_round(tmp_path: Path) -> None:
+    with Ledger(tmp_path / "l.db") as ledger:
+        _append(ledger, 1)
+        before = ledger.rows()
+        pages = ledger._conn.execute("PRAGMA page_count").fetchone()[0]
+        ledger._conn.execute(f"PRAGMA max_page_count = {pages}")  # the file may not grow: SQLITE_FULL
+        with pytest.raises(sqlite3.OperationalError, match="full"):  # not "cannot rollback"
+            ledger.append(round=2, n_reports=10, eps0=1.0, mechanism="m" * 20000, delta=1e-6,
+                          epsilons={"clones": 0.7}, kinds={"clones": "upper"}, default_family="clones")
         assert ledger.rows() == before
 
 
