@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Bound", "RefusedError", "FAMILIES", "KINDS", "FAMILY_KINDS", "EPS0_MAX", "N_MAX"]
+__all__ = ["Bound", "RefusedError", "FAMILIES", "KINDS", "KIND_WORDS", "FAMILY_KINDS", "EPS0_MAX", "N_MAX"]
 
 #: Largest eps0 any bound accepts (e^100 ~ 2.7e43 keeps every formula in range); events and bounds share it.
 EPS0_MAX = 100.0
@@ -43,6 +43,9 @@ FAMILIES: tuple[str, ...] = (
 )
 
 KINDS: tuple[str, ...] = ("upper", "approximate", "lower")
+
+#: How each kind is named next to a printed number ("epsilon 4.18 (clones, upper bound)").
+KIND_WORDS: Mapping[str, str] = {"upper": "upper bound", "approximate": "approximation", "lower": "lower bound"}
 
 #: The kind of every family (including ``girgis-lower``).
 FAMILY_KINDS: Mapping[str, str] = {

@@ -1214,8 +1214,13 @@ def format_report(result: DeployResult) -> str:
         lines.append("no report.json was written (see the logs in " + str(result.workdir / "logs") + ")")
         return "\n".join(lines)
     lines.append(f"report: {result.report_path}")
+    rows = result.report.get("rounds", [])
+    if rows:
+        from server.report import epsilon_label
+
+        lines.append(f"epsilon: cumulative ({epsilon_label(rows[-1].get('family', ''), rows[-1].get('kind', ''))})")
     lines.append(f"{'round':>5} {'reports':>8} {'accuracy':>9} {'loss':>8} {'eps0':>6} {'epsilon':>10} {'delta':>8}")
-    for r in result.report.get("rounds", []):
+    for r in rows:
         def num(key: str, fmt: str) -> str:
             v = r.get(key)
             return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)

@@ -3,10 +3,11 @@
 :func:`run_job` is what ``server.app``'s ``@app.main()`` calls; tests call it directly with a fake Grid.
 
 Outputs in ``<output-dir>/<run-name>/``: ``ledger.sqlite`` (the privacy ledger), ``state.sqlite`` (the
-checkpoint), ``report.json``, ``accuracy_epsilon.png``, ``attestations.jsonl`` (one line per charged round:
-the shuffler's signed statement and signature, so anyone holding ``public/shuffler_signing.pub`` can re-check
-every count the ledger was charged with; the ledger is written first, so a crash at that instant can lose one
-line, never add one) and, with ``shuffler-address = "auto"``, ``shuffler.log``.
+checkpoint), ``report.json``, ``accuracy_epsilon.png``, ``attestations.jsonl`` (one line per batch the shuffler
+sealed: the shuffler's signed statement and signature, so anyone holding ``public/shuffler_signing.pub`` can
+re-check every count the ledger was charged with, and ``charged``: false for a sealed batch the server left
+unfetched, below min-reports or over the budget at the attested count; for a charged batch the ledger is
+written first, so a crash at that instant can lose one line, never add one) and, with ``shuffler-address = "auto"``, ``shuffler.log``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from server.config import ConfigError, ServerConfig
-from server.report import PLOT_FILE, REPORT_FILE, report_document, write_plot, write_report
+from server.report import PLOT_FILE, REPORT_FILE, epsilon_label, report_document, write_plot, write_report
 from server.rounds import Evaluator, GridLike, RoundEngine, RoundOutcome
 from server.state import SqliteCheckpointStore
 
@@ -187,7 +188,8 @@ def format_progress(o: RoundOutcome) -> str:
     if o.status == "applied":
         text = (
             f"[shuffledp] round {o.round}: {o.n_reports} reports (attested), accuracy {o.accuracy:.4f}, "
-            f"loss {o.loss:.4f}, epsilon so far {o.epsilon:.4f} (delta {o.delta:g})"
+            f"loss {o.loss:.4f}, epsilon so far {o.epsilon:.4f} ({epsilon_label(o.epsilon_family, o.epsilon_kind)}, "
+            f"delta {o.delta:g})"
         )
         if o.n_bad_reports:
             text += f", {o.n_bad_reports} bad reports skipped"
@@ -288,8 +290,8 @@ def run_job(
                 say(f"[shuffledp] ServerApp {connection.heap.describe()}")
             holder: list[RoundEngine] = []
 
-            def on_attestation(round_id: int, attestation: Any) -> None:
-                line = json.dumps({"round": round_id, **attestation.to_dict()}, sort_keys=True)
+            def on_attestation(round_id: int, attestation: Any, charged: bool) -> None:
+                line = json.dumps({"round": round_id, "charged": charged, **attestation.to_dict()}, sort_keys=True)
                 with open(paths.attestations, "a", encoding="utf-8") as handle:
                     handle.write(line + "\n")
                     handle.flush()

@@ -3,14 +3,18 @@
 ``report.json``::
 
     {"config": {...run config, kebab-case...},
-     "rounds": [{"round", "n_reports", "accuracy", "loss", "eps0", "epsilon", "delta"}, ...],
+     "rounds": [{"round", "n_reports", "accuracy", "loss", "eps0", "epsilon", "family", "kind", "delta",
+                 "n_applied", "n_bad_reports"}, ...],
      "skipped": [{"round", "reason", ...counts}], "stopped": {"round", "reason"} | null,
      "accounting": {"family", "kind": "upper", "target_delta", "epsilon", "comparison": {family: ...}},
      "finished": true once the run has ended (finished its rounds or stopped at the budget),
      "budget_changes": [{"after_round", "from", "to"}, ...]: each resume that changed budget-epsilon}
 
-``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family, an upper bound at
-``delta``. A round charged but whose update was lost in a crash has ``accuracy = loss = null``.
+``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family (``family``), an
+upper bound (``kind``) at ``delta``. ``n_reports`` is the attested count the round was charged with; of those,
+``n_applied`` opened and decoded and ``n_bad_reports`` did not (the accounting still assumes all ``n_reports``
+came from the eps0-LDP randomizer: many bad reports mean that assumption deserves a look). A round charged but
+whose update was lost in a crash has ``accuracy = loss = null`` and ``n_applied = n_bad_reports = 0``.
 Both files are written with ``shuffler.journal.write_file_durably`` (temporary file, fsync, rename, directory
 fsync).
 """
@@ -25,9 +29,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from accounting import KIND_WORDS
 from shuffler.journal import write_file_durably
 
-__all__ = ["report_document", "write_report", "write_plot", "REPORT_FILE", "PLOT_FILE"]
+__all__ = ["epsilon_label", "report_document", "write_report", "write_plot", "REPORT_FILE", "PLOT_FILE"]
 
 REPORT_FILE = "report.json"
 PLOT_FILE = "accuracy_epsilon.png"
@@ -41,6 +46,11 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
     return value
+
+
+def epsilon_label(family: str, kind: str) -> str:
+    """``"clones, upper bound"``: what a printed epsilon is (a missing family or kind is shown as ``n/a``)."""
+    return f"{family or 'family n/a'}, {KIND_WORDS.get(kind, kind or 'kind n/a')}"
 
 
 def report_document(

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from accounting import RefusedError
+from accounting import KIND_WORDS, RefusedError
 from accounting.accountant import ShuffleAccountant
 from accounting.events import ShuffleRound
 from accounting.ledger import Ledger
@@ -160,7 +160,9 @@ class RoundOutcome:
     n_bad_reports: int = 0
     n_applied: int = 0
     eps0: float = 0.0
-    epsilon: float | None = None
+    epsilon: float | None = None  # cumulative, after this round, of the family below
+    epsilon_family: str = ""  # the run's accounting family
+    epsilon_kind: str = ""  # "upper" (a guarantee): accounting-family must be an upper-bound family
     delta: float | None = None
     accuracy: float | None = None
     loss: float | None = None
@@ -243,7 +245,9 @@ class RoundEngine:
         store: the run's checkpoint store.
         node_wait: seconds to wait for at least ``min-reports`` nodes to connect before a round.
         on_round: called with each finished :class:`RoundOutcome` (progress display).
-        on_attestation: called with (round id, attestation) for every batch, right after it is charged.
+        on_attestation: called with (round id, attestation, charged) for every batch the shuffler sealed: right
+            after it is charged, or, ``charged=False``, when it is left unfetched (below min-reports, or over the
+            budget at the attested n), so the record of sealed batches is complete.
     """
 
     def __init__(
@@ -259,7 +263,7 @@ class RoundEngine:
         store: CheckpointStore,
         node_wait: float = 0.0,
         on_round: Callable[[RoundOutcome], None] | None = None,
-        on_attestation: Callable[[int, Any], None] | None = None,
+        on_attestation: Callable[[int, Any, bool], None] | None = None,
     ) -> None:
         self.cfg = config
         self.grid = grid
@@ -404,6 +408,8 @@ class RoundEngine:
                     n_reports=int(row["n_reports"]),
                     eps0=float(row["eps0"]),
                     epsilon=entry.get("value"),
+                    epsilon_family=accountant.family,
+                    epsilon_kind=str(entry.get("kind", "")),
                     delta=float(row["delta"]),
                 )
             )
@@ -549,6 +555,10 @@ class RoundEngine:
             self.on_round(outcome)
         return outcome
 
+    def _record_attestation(self, round_id: int, attestation: Any, *, charged: bool) -> None:
+        if self.on_attestation is not None:
+            self.on_attestation(round_id, attestation, charged)
+
     def _budget_stop(self, event: ShuffleRound) -> str | None:
         """Why composing ``event`` must not happen, or None: the default family's upper bound would exceed the
         budget, or the family refuses the prospective rounds (e.g. ``fmt`` outside its validity region), which
@@ -565,8 +575,10 @@ class RoundEngine:
             f"delta={self.cfg.target_delta:g} ({self.cfg.accounting_family})"
         )
 
-    def _epsilon_value(self) -> float:
-        return float(self.accountant.epsilon().value)
+    def _spent(self) -> str:
+        """The budget spent so far, labelled: ``epsilon=... (family, kind bound)``."""
+        bound = self.accountant.epsilon()
+        return f"epsilon={bound.value:.6g} ({bound.family}, {KIND_WORDS[bound.kind]})"
 
     def run_round(self, round_id: int) -> RoundOutcome:
         """Run round ``round_id`` (must be after every round already used) and return what happened."""
@@ -598,7 +610,7 @@ class RoundEngine:
             out.status = "stopped"
             out.reason = (
                 f"round {round_id} is not run: {stop}, even with all {len(sampled)} sampled reports; spent so far: "
-                f"epsilon={self._epsilon_value():.6g}"
+                f"{self._spent()}"
             )
             self.stopped = out
             return self._finish(out, save=False)
@@ -645,6 +657,7 @@ class RoundEngine:
                 f"the shuffler accepted {n_attested} of {out.n_envelopes} envelopes, fewer than min-reports "
                 f"k={cfg.min_reports}; the batch was not fetched (nothing released, nothing charged)"
             )
+            self._record_attestation(round_id, attestation, charged=False)
             return self._finish(out)
         event = ShuffleRound(n=n_attested, eps0=cfg.eps0)
         stop = None if event == best_case else self._budget_stop(event)
@@ -655,14 +668,22 @@ class RoundEngine:
                 "released, nothing charged)"
             )
             self.stopped = out
+            self._record_attestation(round_id, attestation, charged=False)
             return self._finish(out)
 
-        # Charge first, then fetch: a crash while reports are open can never leave the release unrecorded.
+        # Charge first, then fetch: a crash while reports are open can never leave the release unrecorded. The
+        # accountant and the ledger change together: if the ledger refuses or fails (a full disk), the accountant
+        # forgets the round again, so nothing later is composed on a round that the ledger does not hold.
+        before = self.accountant.state_dict()
         self.accountant.compose(event)
-        self.ledger.record(self.accountant, round=round_id, mechanism=self.mechanism)
-        if self.on_attestation is not None:
-            self.on_attestation(round_id, attestation)
-        out.epsilon = self._epsilon_value()
+        try:
+            self.ledger.record(self.accountant, round=round_id, mechanism=self.mechanism)
+        except BaseException:
+            self.accountant.load_state_dict(before)
+            raise
+        self._record_attestation(round_id, attestation, charged=True)
+        spent = self.accountant.epsilon()
+        out.epsilon, out.epsilon_family, out.epsilon_kind = float(spent.value), spent.family, spent.kind
         t3 = time.perf_counter()
         out.seconds["account"] = t3 - t2
 
@@ -678,6 +699,8 @@ class RoundEngine:
                     bad += 1
             out.n_bad_reports = bad
             out.n_applied = acc.count
+            if acc.count + bad != n_attested:  # ShufflerClient.fetch checks this too; never apply more than charged
+                raise RuntimeError(f"the shuffler released {acc.count + bad} reports for an attested {n_attested}")
             t4 = time.perf_counter()
             out.seconds["open_apply"] = t4 - t3
             if acc.count:
@@ -701,6 +724,11 @@ class RoundEngine:
             out.reason = f"charged, but the round failed after the charge: {type(exc).__name__}"
             self.history.append(out)
             self.last_round = round_id
+            if self.on_round is not None:  # the progress line and report.json show the charge before the error
+                try:
+                    self.on_round(out)
+                except Exception as hook_exc:  # noqa: BLE001 - the round's own error is the one to raise
+                    log.warning("could not report the failed round %d: %s", round_id, hook_exc)
             raise
         return self._finish(out)
 
@@ -725,7 +753,11 @@ class RoundEngine:
                 "loss": o.loss,
                 "eps0": o.eps0,
                 "epsilon": o.epsilon,
+                "family": o.epsilon_family,
+                "kind": o.epsilon_kind,
                 "delta": o.delta,
+                "n_applied": o.n_applied,
+                "n_bad_reports": o.n_bad_reports,
             }
             for o in self.history
             if o.status in ("applied", "lost")

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from server.deploy_cli import free_port
+from server.report import epsilon_label
 
 __all__ = ["main", "find_project", "RUNNER_FILE"]
 
@@ -276,7 +277,7 @@ def _progress_line(row: Mapping[str, Any]) -> str:
     return (
         f"[shuffledp] round {row['round']}: {row['n_reports']} reports (attested), accuracy "
         f"{_fmt(row.get('accuracy'))}, loss {_fmt(row.get('loss'))}, epsilon so far {_fmt(row.get('epsilon'))} "
-        f"(delta {_fmt(row.get('delta'))})"
+        f"({epsilon_label(row.get('family', ''), row.get('kind', ''))}, delta {_fmt(row.get('delta'))})"
     )
 
 

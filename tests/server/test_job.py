@@ -40,8 +40,10 @@ def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
     assert report["config"]["eps0"] == 2.0
     assert [r["round"] for r in report["rounds"]] == [1, 2, 3]
     for row in report["rounds"]:
-        assert set(row) == {"round", "n_reports", "accuracy", "loss", "eps0", "epsilon", "delta"}
-        assert row["n_reports"] == 12 and row["delta"] == cfg.target_delta
+        assert set(row) == {"round", "n_reports", "accuracy", "loss", "eps0", "epsilon", "family", "kind", "delta",
+                            "n_applied", "n_bad_reports"}
+        assert row["n_reports"] == row["n_applied"] == 12 and row["n_bad_reports"] == 0
+        assert (row["family"], row["kind"], row["delta"]) == (cfg.accounting_family, "upper", cfg.target_delta)
         cli = _cli_epsilon(capsys, eps0=2.0, n=12, delta=cfg.target_delta, rounds=row["round"])
         assert row["epsilon"] == pytest.approx(cli, rel=1e-12, abs=0.0)
     eps = [r["epsilon"] for r in report["rounds"]]
@@ -56,11 +58,13 @@ def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
 
     verify_key = load_public_key(keys.d.shuffler_signing_pub, "ed25519")
     attested = [json.loads(line) for line in (out / "attestations.jsonl").read_text().splitlines()]
-    assert [a["round"] for a in attested] == [1, 2, 3]
+    assert [(a["round"], a["charged"]) for a in attested] == [(1, True), (2, True), (3, True)]
     for entry, row in zip(attested, report["rounds"]):
         att = Attestation.from_dict(entry, verify_key)  # the signature re-verifies
         assert att.round_id == row["round"] and att.n_accepted == row["n_reports"]
     assert sum("[shuffledp] round" in line for line in lines) == 3
+    # every printed epsilon says what it is
+    assert sum(f"({cfg.accounting_family}, upper bound, delta {cfg.target_delta:g})" in line for line in lines) == 3
     assert sum(line.startswith("[shuffledp] ServerApp heap tuning") for line in lines) == 1  # run config default
     assert any(str(out) in line for line in lines)
     assert result.epsilon == eps[-1]

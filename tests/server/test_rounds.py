@@ -179,8 +179,30 @@ def test_budget_stops_before_the_round_that_would_exceed(h: Any) -> None:
     history = engine.run()
     assert [o.status for o in history] == ["applied", "stopped"]
     assert "would exceed the privacy budget" in history[-1].reason
+    assert f"spent so far: epsilon={eps1:.6g} ({cfg.accounting_family}, upper bound)" in history[-1].reason
     assert _ledger_rounds(engine) == [1]
     assert engine.accountant.epsilon().value <= cfg.budget_epsilon
+
+
+def test_over_budget_at_the_attested_n_leaves_the_sealed_batch_unfetched_and_on_record(h: Any) -> None:
+    # all 12 sampled would fit the budget, the 9 that reply do not: the stop comes after the seal, and the
+    # sealed batch's attestation is recorded as uncharged (an auditor sees every batch the shuffler sealed)
+    eps = {}
+    for n in (h.N, h.N - 3):
+        probe = ShuffleAccountant(1e-6)
+        probe.compose(ShuffleRound(n, 8.0))
+        eps[n] = probe.epsilon().value
+    assert eps[h.N - 3] > eps[h.N]
+    cfg = h.config(**{"budget-epsilon": (eps[h.N] + eps[h.N - 3]) / 2})
+    engine = h.engine(cfg, h.grid([h.honest()] * (h.N - 3) + [h.silent] * 3))
+    recorded: list[tuple[int, int, bool]] = []
+    engine.on_attestation = lambda round_id, att, charged: recorded.append((round_id, att.n_accepted, charged))
+    engine.restore()
+    out = engine.run_round(1)
+    assert out.status == "stopped" and "with the attested n=9" in out.reason and "not fetched" in out.reason
+    assert recorded == [(1, h.N - 3, False)]
+    assert _ledger_rounds(engine) == [] and engine.accountant.rounds == ()
+    assert _stats(h)["batches_sealed"] == 1
 
 
 def test_a_refusing_default_family_stops_the_run_before_anything_is_sent(h: Any) -> None:
@@ -217,9 +239,12 @@ def test_a_failure_after_the_charge_is_remembered_and_the_state_stays_resumable(
         raise _Crash("evaluation failed")
 
     good_evaluator, engine.evaluator = engine.evaluator, failing_evaluator
+    reported: list[Any] = []
+    engine.on_round = reported.append  # progress line and report.json: the charge shows before the error
     with pytest.raises(_Crash):
         engine.run_round(1)
     assert [(o.round, o.status) for o in engine.history] == [(1, "applied")]
+    assert reported == engine.history
     assert "failed after the charge" in engine.history[0].reason
     with pytest.raises(ValueError, match="never reused"):
         engine.run_round(1)
@@ -231,6 +256,50 @@ def test_a_failure_after_the_charge_is_remembered_and_the_state_stays_resumable(
     resumed = h.engine(cfg, h.grid([h.honest()] * h.N))
     assert resumed.restore() == 3  # the checkpoint agrees with the ledger
     assert [e.n for e in resumed.accountant.rounds] == [h.N, h.N]
+
+
+def test_a_failed_ledger_write_leaves_nothing_charged_in_the_accountant(h: Any) -> None:
+    # Before, the accountant kept the round the ledger had refused: the next ledger row counted a phantom round,
+    # and the run could not be resumed (the checkpoint's accountant did not match the ledger).
+    cfg = h.config()
+    engine = h.engine(cfg, h.grid([h.honest()] * h.N))
+    engine.restore()
+    record = engine.ledger.record
+
+    def full_disk(*args: Any, **kwargs: Any) -> Any:
+        raise _Crash("database or disk is full")
+
+    engine.ledger.record = full_disk
+    with pytest.raises(_Crash):
+        engine.run_round(1)
+    assert engine.accountant.rounds == () and _ledger_rounds(engine) == []
+    engine.ledger.record = record
+    assert engine.run_round(2).status == "applied"
+    one_round = ShuffleAccountant(target_delta=cfg.target_delta, family=cfg.accounting_family)
+    one_round.compose(ShuffleRound(n=h.N, eps0=cfg.eps0))
+    assert engine.ledger.rows()[0]["epsilons"][cfg.accounting_family]["value"] == one_round.epsilon().value
+    engine.ledger.close()
+    engine.store.close()
+    assert h.engine(cfg, h.grid([h.honest()] * h.N)).restore() == 3
+
+
+def test_more_reports_than_attested_are_never_applied(h: Any) -> None:
+    cfg = h.config()
+    engine = h.engine(cfg, h.grid([h.honest()] * h.N))
+    engine.restore()
+    before = [a.copy() for a in engine.arrays]
+    fetch = engine.shuffler.fetch
+
+    def fetch_one_extra(attestation: Any) -> Any:  # a shuffler client that does not enforce the count
+        items = list(fetch(attestation))
+        return [*items, items[0]]
+
+    engine.shuffler.fetch = fetch_one_extra
+    with pytest.raises(RuntimeError, match=f"released {h.N + 1} reports for an attested {h.N}"):
+        engine.run_round(1)
+    assert [(o.round, o.status) for o in engine.history] == [(1, "lost")]
+    for a, b in zip(engine.arrays, before):
+        np.testing.assert_array_equal(a, b)
 
 
 class _Crash(RuntimeError):
