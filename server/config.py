@@ -231,12 +231,13 @@ def _families(raw: Mapping[str, Any], key: str, known: tuple[str, ...]) -> tuple
 
 
 def _accounting_families() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(known, guarantees)``: every family a run may name, and those that may enforce a budget (every number
-    they give is an upper bound). Imported here, not at module level, to keep ``import server.config`` light."""
+    """``(known, guarantees)``: every family a run may name (those the accountant composes over rounds;
+    ``girgis-lower`` is a Renyi curve only), and those that may enforce a budget (every number they give is an
+    upper bound). Imported here, not at module level, to keep ``import server.config`` light."""
     from accounting import FAMILIES
     from accounting.accountant import GUARANTEE_FAMILIES
 
-    return tuple(FAMILIES) + ("girgis-lower",), tuple(GUARANTEE_FAMILIES)
+    return tuple(FAMILIES), tuple(GUARANTEE_FAMILIES)
 
 
 def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> ServerConfig:
@@ -318,7 +319,7 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         shuffler_client_cert=_str(raw, "shuffler-client-cert"),
         shuffler_client_key=_str(raw, "shuffler-client-key"),
         keys_dir=_str(raw, "keys-dir"),
-        key_epoch=_int(raw, "key-epoch", minimum=0),
+        key_epoch=_int(raw, "key-epoch", minimum=0, maximum=2**32 - 1),  # a u32 in the envelope's binding
         output_dir=_str(raw, "output-dir"),
         run_name=run_name,
         max_message_bytes=_int(raw, "max-message-bytes", minimum=1024),

@@ -51,7 +51,7 @@ from accounting.events import ShuffleRound
 from accounting.ledger import Ledger
 from clients import messages as M
 from clients.report import decode_report
-from server.config import ServerConfig
+from server.config import ConfigError, ServerConfig
 from server.optim import ReportAccumulator, ServerOptimizer, num_parameters
 from server.state import Checkpoint, CheckpointError, CheckpointStore
 
@@ -289,6 +289,11 @@ class RoundEngine:
         from shuffler.envelope import ENVELOPE_OVERHEAD
 
         self.envelope_length = report_length(self.dim) + ENVELOPE_OVERHEAD
+        if config.max_message_bytes < self.envelope_length:
+            raise ConfigError(
+                f"run config 'max-message-bytes' ({config.max_message_bytes}) is below this model's envelope length "
+                f"({self.envelope_length} bytes for {self.dim} parameters): every reply would be dropped as malformed"
+            )
         # Honest clients randomize on the default grid for the pinned (eps0, C); a report on any other grid is
         # rejected (a rescaled report would be an outsized contribution).
         from clients.randomizer import DiscreteLaplaceRandomizer

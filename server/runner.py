@@ -428,6 +428,11 @@ def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
         cfg = parse_run_config(overrides)  # validate before anything is created
     except ConfigError as exc:
         raise RunnerError(str(exc)) from None
+    if cfg.min_reports > ns.clients:
+        raise RunnerError(
+            f"run config 'min-reports' ({cfg.min_reports}) is more than --clients ({ns.clients}): no round could "
+            "ever have that many reports (the shuffler's threshold k is min-reports)"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     from shuffler import cli as shuffler_cli
 

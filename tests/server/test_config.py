@@ -62,6 +62,8 @@ def test_default_family_is_removed_from_comparisons() -> None:
         ("server-momentum", 1.0, "'server-momentum'"),
         ("accounting-family", "magic", "'accounting-family' enforces the budget, so it must be an upper-bound family"),
         ("comparison-families", "clones,nope", "unknown accounting families ['nope']"),
+        ("comparison-families", "rr-lower,girgis-lower", "unknown accounting families ['girgis-lower']"),
+        ("key-epoch", 2**32, "'key-epoch' must be an integer in [0, 4294967295]"),
         ("shuffler-address", "localhost", "'auto' or host:port"),
         ("shuffler-address", "host:70000", "'auto' or host:port"),
         ("run-name", "../escape", "'run-name'"),

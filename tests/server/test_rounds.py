@@ -219,6 +219,15 @@ def test_a_refusing_default_family_stops_the_run_before_anything_is_sent(h: Any)
     assert _stats(h)["batches_sealed"] == 0
 
 
+def test_a_message_limit_below_the_envelope_length_is_refused_before_any_round(h: Any) -> None:
+    from server.config import ConfigError
+
+    grid = h.grid([h.honest()] * h.N)
+    with pytest.raises(ConfigError, match="'max-message-bytes' \\(1024\\) is below this model's envelope length"):
+        h.engine(h.config(**{"max-message-bytes": 1024}), grid)
+    assert grid.sent == []
+
+
 def test_only_upper_bound_families_may_enforce_the_budget(h: Any) -> None:
     from server.config import ConfigError
 

@@ -46,6 +46,8 @@ def test_usage_errors_exit_2_and_create_nothing(tmp_path: Path, capsys: pytest.C
     assert "--clients must be >= 1" in capsys.readouterr().err
     assert runner.main(["run", "--run-config", "eps0=-1", "--output-dir", str(tmp_path)]) == 2
     assert "'eps0' must be in" in capsys.readouterr().err
+    assert runner.main(["run", "--clients", "3", "--run-config", "min-reports=1000", "--output-dir", str(tmp_path)]) == 2
+    assert "'min-reports' (1000) is more than --clients (3)" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     assert runner.main(["resume", "nope", "--output-dir", str(tmp_path)]) == 2
     assert "not a run started by `shuffledp run`" in capsys.readouterr().err
