@@ -280,14 +280,33 @@ def _rr_lower_pld(eps0: float, n: int, rounds_hint: int, interval: float | None 
 
 
 def _rr_interval(eps0: float, n: int, rounds: int) -> float:
-    """Discretisation interval for the optimistic rr-lower PLD: small against the composed loss's spread.
+    """Discretisation interval for the optimistic rr-lower PLD: small against the composed loss's spread, but
+    no finer than :func:`_rr_interval_floor` (the composed grid must fit ``MAX_COMPOSED_GRID`` points).
 
     The loss has standard deviation about mu = sqrt(chi^2/n); the composed eps grows like sqrt(T) mu, and
     optimistic rounding lowers the composed loss by at most T * interval, so interval = mu / (200 sqrt(T))
-    keeps that shift near 1/200 of sqrt(T) mu (clamped to [1e-7, 1e-2]).
+    keeps that shift near 1/200 of sqrt(T) mu (clamped to [1e-7, 1e-2]). A coarser interval only lowers the
+    value further, so it stays a lower bound.
     """
-    mu = 2.0 * math.sinh(min(eps0, 700.0) / 2.0) / math.sqrt(n)
-    return float(min(1e-2, max(1e-7, mu / (200.0 * math.sqrt(rounds)))))
+    target = min(1e-2, max(1e-7, _rr_mu(eps0, n) / (200.0 * math.sqrt(rounds))))
+    floor = _rr_interval_floor(eps0, n, rounds)
+    return _clones().round_interval(floor, up=True) if floor > target else float(target)
+
+
+def _rr_mu(eps0: float, n: int) -> float:
+    return 2.0 * math.sinh(min(eps0, 700.0) / 2.0) / math.sqrt(n)
+
+
+def _rr_interval_floor(eps0: float, n: int, rounds: int) -> float:
+    """The composed Chernoff window over ``MAX_COMPOSED_GRID``, as for clones
+    (:func:`accounting.clones.suggested_interval`): ``T m1 + 18 sqrt(T) s1`` plus the loss span ``2 eps0``, with
+    the per-round mean ``m1 <= min(mu^2, eps0)`` and standard deviation ``s1 <= min(mu, eps0)`` (the loss lies in
+    [-eps0, eps0]). Without it, T = 20,000 rounds at n = 1e4, eps0 = 1 asked for 67 million grid points and
+    raised, which stopped a run whose comparison families include rr-lower (the server's default)."""
+    mu = _rr_mu(eps0, n)
+    t = float(rounds)
+    width = t * min(mu * mu, eps0) + 18.0 * math.sqrt(t) * min(mu, eps0) + 2.0 * eps0
+    return width / _clones().MAX_COMPOSED_GRID
 
 
 def _rr_pair_pld(eps_pure: float, delta_inf: float, interval: float) -> Any:
@@ -873,7 +892,8 @@ def _heterogeneous_epsilon(
         # no finer than the widest group's loss span (at most 2 eps0) over MAX_COMPOSED_GRID: a coarser optimistic
         # grid only lowers the value, so it stays a lower bound (as for clones, see _heterogeneous_clone_interval)
         span = max(2.0 * eps0 for _, eps0, _ in items)
-        interval = max(min(_rr_interval(eps0, n, total) for n, eps0, _ in items), span / _clones().MAX_COMPOSED_GRID)
+        floor = max(max(_rr_interval_floor(eps0, n, total) for n, eps0, _ in items), span / _clones().MAX_COMPOSED_GRID)
+        interval = max(min(_rr_interval(eps0, n, total) for n, eps0, _ in items), floor)
         plds = [(_rr_lower_pld(eps0, n, total, interval), c) for n, eps0, c in items]
         return _pld_epsilon(pld.compose(plds), delta, lower=True), {
             "method": "pld",

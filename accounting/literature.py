@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import optimize, special, stats
+from scipy import optimize, special
 
 from accounting import RefusedError
 
@@ -296,11 +296,16 @@ def rr_shuffle_loss(eps0: float, n: int, *, full_support: bool = False) -> RRShu
     With ``full_support=False`` only a window holding all but ``e^{-100}`` of the mass on each side is kept;
     dropping mass can only lower the hockey-stick divergence, so values stay lower bounds.
     """
+    from accounting.clones import _binom_logpmf
+
     q = 1.0 / (math.exp(eps0) + 1.0) if eps0 < 700 else math.exp(-eps0)
     lo, hi = (0, n) if full_support else _binomial_window(n, q)
     k = np.arange(lo, hi + 1, dtype=np.int64)
-    log_p0 = stats.binom.logpmf(k, n, q)
-    log_p0 = log_p0 - special.logsumexp(log_p0)  # masses from gammaln sum to 1 +- 1e-9 at large n
+    # Loader's saddle-point form, not a log-gamma difference (scipy's binom.logpmf): at n = 1e9 the latter is off
+    # by 5e-6 relative per mass, and the reverse direction's masses P0 e^loss then summed to more than 1 + 1e-9
+    # (multi-round rr-lower raised from n ~ 1e7 at eps0 = 15).
+    log_p0 = _binom_logpmf(k, n, -float(np.logaddexp(0.0, eps0)), -float(np.logaddexp(0.0, -eps0)))
+    log_p0 = log_p0 - special.logsumexp(log_p0)  # the window holds all but e^-100 of the mass on each side
     kf = k.astype(np.float64)
     with np.errstate(divide="ignore"):
         loss = np.logaddexp(np.log(n - kf) - eps0, np.log(kf) + eps0) - math.log(n)
@@ -431,13 +436,14 @@ def no_shuffle_delta(eps0: float, rounds: int, epsilon: float) -> float:
     ``delta(eps) = sum_{l : (T-2l) eps0 > eps} P(l) (1 - e^{eps - (T-2l) eps0})`` (each term computed directly).
     """
     t = int(rounds)
-    q = 1.0 / (math.exp(eps0) + 1.0) if eps0 < 700 else math.exp(-eps0)
     ls = np.arange(0, t + 1)
     losses = (t - 2.0 * ls) * eps0
     above = losses > epsilon
     if not above.any():
         return 0.0
-    log_p = stats.binom.logpmf(ls[above], t, q)
+    from accounting.clones import _binom_logpmf  # Loader's form: accurate at large T, unlike log-gamma differences
+
+    log_p = _binom_logpmf(ls[above], t, -float(np.logaddexp(0.0, eps0)), -float(np.logaddexp(0.0, -eps0)))
     return float(np.sum(np.exp(log_p) * -np.expm1(epsilon - losses[above])))
 
 

@@ -538,6 +538,29 @@ def test_rr_lower_at_huge_composed_losses_stays_below_the_upper_families() -> No
     assert lower.value <= lit.no_shuffle_epsilon(20.0, 1000, 1e-6)
 
 
+def test_rr_lower_over_many_rounds_fits_the_grid_and_stays_below_the_upper_bound() -> None:
+    # The interval mu / (200 sqrt(T)) had no floor: T = 20,000 asked for 67 million grid points and raised
+    # ValueError, which the accountant does not turn into a refusal, so a long run with the default comparison
+    # families (rr-lower, no-shuffle) stopped. The floor keeps the composed grid within MAX_COMPOSED_GRID.
+    for rounds in (20_000, 100_000):
+        lower = bounds.epsilon("rr-lower", 1.0, 10_000, 1e-6, rounds)
+        assert lower.kind == "lower"
+        assert 0.0 < lower.value <= bounds.epsilon("clones", 1.0, 10_000, 1e-6, rounds).value
+    hetero = bounds.epsilon_for_rounds("rr-lower", [ShuffleRound(10_000, 1.0)] * 10_000 + [ShuffleRound(100, 1.0)] * 10_000,
+                                       1e-6)
+    assert hetero.kind == "lower" and hetero.value > 0.0
+
+
+def test_rr_lower_at_large_n_composes() -> None:
+    # scipy's log-gamma binomial masses are off by ~5e-6 relative at n = 1e9; the reverse-direction masses then
+    # summed above 1 + 1e-9 and multi-round rr-lower raised from n ~ 1e7 at eps0 = 15 (compare exited 2)
+    for eps0, n in ((15.0, 10**7), (20.0, 3 * 10**7), (1.0, 10**9)):
+        lower = bounds.epsilon("rr-lower", eps0, n, 1e-6, 2)
+        assert lower.kind == "lower" and 0.0 < lower.value <= bounds.epsilon("clones", eps0, n, 1e-6, 2).value
+    rr = lit.rr_shuffle_loss(1.0, 10**9)
+    assert float(np.sum(np.exp(rr.log_p0 + rr.loss))) <= 1.0 + 1e-12  # the reverse direction's total mass
+
+
 # ------------------------------------------------------------------ bucketing keeps small n exact, eps0 finely
 
 
