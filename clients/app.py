@@ -57,8 +57,14 @@ app = ClientApp()
 _log = logging.getLogger("shuffledp.client")
 
 
-def _error(msg: Message, code: int, reason: str) -> Message:
-    return Message(Error(code=code, reason=reason), reply_to=msg)
+# _handle and its helpers return the reply's *content* (a RecordDict or an Error), not a Message: Flower stamps a
+# Message with its creation time (metadata.created_at, and a ttl counted from it) when it is built, so a reply
+# built before the reply-floor's sleep would carry the unpadded work time to the server.
+Reply = RecordDict | Error
+
+
+def _error(code: int, reason: str) -> Error:
+    return Error(code=code, reason=reason)
 
 
 def _request_key(cfg: TrainConfig, digest: bytes) -> dict[str, Any]:
@@ -66,8 +72,8 @@ def _request_key(cfg: TrainConfig, digest: bytes) -> dict[str, Any]:
     return {"round": cfg.round, "key-epoch": cfg.key_epoch, "model-digest": digest, "config": canon}
 
 
-def _reply(msg: Message, envelope: bytes) -> Message:
-    return Message(RecordDict({ENVELOPE_KEY: envelope_record(envelope)}), reply_to=msg)
+def _reply(envelope: bytes) -> RecordDict:
+    return RecordDict({ENVELOPE_KEY: envelope_record(envelope)})
 
 
 @app.train("shuffled")
@@ -80,7 +86,7 @@ def train_shuffled(msg: Message, context: Context) -> Message:
     guarantee. A reply whose work took longer than T is sent when ready, with a warning in the client's log.
     """
     started = time.monotonic()
-    reply, floor = _handle(msg, context)
+    content, floor = _handle(msg, context)
     if floor > 0:
         spent = time.monotonic() - started
         if spent > floor:
@@ -92,10 +98,10 @@ def train_shuffled(msg: Message, context: Context) -> Message:
             )
         else:
             time.sleep(floor - spent)
-    return reply
+    return Message(content, reply_to=msg)  # built after the floor: its created_at is the padded time
 
 
-def _handle(msg: Message, context: Context) -> tuple[Message, float]:
+def _handle(msg: Message, context: Context) -> tuple[Reply, float]:
     """The reply, and the reply floor it is held to (0 before the pinned settings are known: the replies before
     that point, malformed requests and setup errors, do not depend on the client's data)."""
     # 1. the request (the server is the adversary: validate everything)
@@ -111,23 +117,22 @@ def _handle(msg: Message, context: Context) -> tuple[Message, float]:
             raise RequestError("the request carries no model arrays")
         digest = arrays_digest(arrays)
     except (RequestError, TypeError, ValueError) as exc:
-        return _error(msg, ERR_BAD_REQUEST, f"bad request: {exc}"), 0.0
+        return _error(ERR_BAD_REQUEST, f"bad request: {exc}"), 0.0
 
     # 2. the client's own settings
     try:
         pinned = pinned_from_configs(context.node_config, context.run_config)
     except ClientSetupError as exc:
-        return _error(msg, ERR_CLIENT_SETUP, f"client setup: {exc}"), 0.0
-    return _answer(msg, context, cfg, arrays, digest, pinned), pinned.reply_floor
+        return _error(ERR_CLIENT_SETUP, f"client setup: {exc}"), 0.0
+    return _answer(context, cfg, arrays, digest, pinned), pinned.reply_floor
 
 
 def _answer(
-    msg: Message, context: Context, cfg: TrainConfig, arrays: list[np.ndarray], digest: bytes, pinned: PinnedSettings
-) -> Message:
+    context: Context, cfg: TrainConfig, arrays: list[np.ndarray], digest: bytes, pinned: PinnedSettings
+) -> Reply:
     """Steps 2 (the pinned values) to 4 for a well-formed request."""
     if cfg.eps0 != pinned.eps0 or cfg.clip_l1 != pinned.clip_l1:
         return _error(
-            msg,
             ERR_PINNED_MISMATCH,
             f"refused: request asks eps0={cfg.eps0!r}, clip-l1={cfg.clip_l1!r}; pinned eps0={pinned.eps0!r}, "
             f"clip-l1={pinned.clip_l1!r}",
@@ -138,11 +143,11 @@ def _answer(
     if STATE_REQUEST in context.state.config_records and STATE_ENVELOPE in context.state.array_records:
         last = dict(context.state.config_records[STATE_REQUEST])
         if last == key:
-            return _reply(msg, envelope_from_record(context.state.array_records[STATE_ENVELOPE]))
+            return _reply(envelope_from_record(context.state.array_records[STATE_ENVELOPE]))
         if int(last["round"]) == cfg.round:
-            return _error(msg, ERR_BAD_REQUEST, f"round {cfg.round} was already answered for another request")
+            return _error(ERR_BAD_REQUEST, f"round {cfg.round} was already answered for another request")
         if int(last["round"]) > cfg.round:
-            return _error(msg, ERR_BAD_REQUEST, f"stale round {cfg.round}: round {last['round']} was answered")
+            return _error(ERR_BAD_REQUEST, f"stale round {cfg.round}: round {last['round']} was answered")
 
     # 4. compute, clip, randomize, encode, seal
     try:
@@ -151,14 +156,19 @@ def _answer(
         settings = data_settings_from_run_config(context.run_config)
         data = load_partition(pinned.partition_id, pinned.num_partitions, **settings)
     except (ValueError, OSError) as exc:
-        return _error(msg, ERR_CLIENT_SETUP, f"client data: {exc}")
+        # The details (paths, file sizes, shapes) are about the client's data: they go to its own log only.
+        _log.error("could not load this client's data: %s", exc)
+        return _error(ERR_CLIENT_SETUP, "client data: the local dataset could not be loaded (see the client's log)")
     try:
         envelope = make_envelope(arrays, cfg, pinned, data)
     except PinnedMismatchError as exc:  # pragma: no cover - checked above
-        return _error(msg, ERR_PINNED_MISMATCH, str(exc))
-    except (RequestError, ValueError) as exc:
-        return _error(msg, ERR_BAD_REQUEST, f"cannot compute a report for this request: {exc}")
+        return _error(ERR_PINNED_MISMATCH, str(exc))
+    except RequestError as exc:  # about the request (and the data's feature count, a property of the dataset)
+        return _error(ERR_BAD_REQUEST, f"cannot compute a report for this request: {exc}")
+    except ValueError as exc:  # may say something about the data: the client's log only
+        _log.error("could not compute a report: %s", exc)
+        return _error(ERR_BAD_REQUEST, "cannot compute a report for this request (see the client's log)")
 
     context.state[STATE_REQUEST] = ConfigRecord(key)
     context.state[STATE_ENVELOPE] = ArrayRecord({ENVELOPE_ARRAY: envelope_record(envelope)[ENVELOPE_ARRAY]})
-    return _reply(msg, envelope)
+    return _reply(envelope)

@@ -249,7 +249,10 @@ def _check_model_fits_data(arrays: Sequence[np.ndarray], x: np.ndarray) -> None:
     width = int(np.asarray(arrays[0]).shape[1])
     x = np.asarray(x)
     if x.ndim != 2 or x.shape[1] != width:
-        raise RequestError(f"the model takes {width} features; this client's data has shape {x.shape}")
+        # the feature count only: the number of rows is the client's dataset size, which this reply (sent
+        # whenever the server asks with a model of the wrong width) must not carry
+        found = f"{x.shape[1]} features" if x.ndim == 2 else "no 2-D feature matrix"
+        raise RequestError(f"the model takes {width} features; this client's data has {found}")
 
 
 def _parse(config: TrainConfig | Mapping[str, Any], pinned: PinnedSettings) -> TrainConfig:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import functools
 import gzip
+import math
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,7 +118,10 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     p = Path(path)
     raw = p.read_bytes()
     if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+        try:
+            raw = gzip.decompress(raw)
+        except (EOFError, OSError, zlib.error) as exc:  # truncated or corrupt gzip stream
+            raise ValueError(f"{p}: not a readable gzip file ({exc})") from None
     if len(raw) < 4:
         raise ValueError(f"{p}: too short for an IDX header ({len(raw)} bytes)")
     zero, type_code, ndim = struct.unpack(">HBB", raw[:4])
@@ -129,7 +134,7 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
         raise ValueError(f"{p}: truncated IDX header")
     dims = struct.unpack(f">{ndim}I", raw[4:head])
     dtype = _IDX_TYPES[type_code]
-    count = int(np.prod(dims, dtype=np.int64))
+    count = math.prod(dims)  # Python ints: 4 dims of 65,536 would overflow int64 and wrap
     want = head + count * dtype.itemsize
     if len(raw) != want:
         raise ValueError(f"{p}: IDX data has {len(raw)} bytes, dims {dims} need {want}")
@@ -163,15 +168,35 @@ def _load_mnist_cached(root: str, pca_components: int | None) -> Dataset:
     if not raw_dir.is_dir():
         raw_dir = base / "raw" if (base / "raw").is_dir() else base
     parts = {k: read_idx(_find_idx(raw_dir, v)) for k, v in _MNIST_FILES.items()}
+    _check_mnist_parts(parts, raw_dir)
     x_tr = parts["x_train"].reshape(len(parts["x_train"]), -1).astype(np.float64) / 255.0
     x_te = parts["x_test"].reshape(len(parts["x_test"]), -1).astype(np.float64) / 255.0
     y_tr = parts["y_train"].astype(np.int64)
     y_te = parts["y_test"].astype(np.int64)
-    if len(x_tr) != len(y_tr) or len(x_te) != len(y_te):
-        raise ValueError(f"MNIST images and labels differ in count in {raw_dir}")
     x_tr, x_te = _preprocess(x_tr, x_te, pca_components)
-    n_classes = int(max(y_tr.max(), y_te.max())) + 1
-    return Dataset("mnist", x_tr, y_tr, x_te, y_te, max(n_classes, 10))
+    return Dataset("mnist", x_tr, y_tr, x_te, y_te, 10)
+
+
+def _check_mnist_parts(parts: dict[str, np.ndarray], raw_dir: Path) -> None:
+    """What torchvision's MNIST files are: images unsigned bytes of shape (count, rows, cols) with one image size
+    in both splits, labels unsigned bytes of shape (count,) in [0, 9], at least one of each. Anything else (float
+    pixels, 1-D images, 2-D labels, a label 200) used to load and then train on garbage. Raises ValueError."""
+    for split in ("train", "test"):
+        images, labels = parts[f"x_{split}"], parts[f"y_{split}"]
+        where = f"MNIST {split} files in {raw_dir}"
+        if images.dtype != np.uint8 or images.ndim != 3 or min(images.shape) < 1:
+            raise ValueError(f"{where}: images must be unsigned bytes of shape (count >= 1, rows, cols), got "
+                             f"{images.dtype} of shape {images.shape}")
+        if labels.dtype != np.uint8 or labels.ndim != 1:
+            raise ValueError(f"{where}: labels must be unsigned bytes of shape (count,), got {labels.dtype} of shape "
+                             f"{labels.shape}")
+        if len(images) != len(labels):
+            raise ValueError(f"{where}: {len(images)} images but {len(labels)} labels")
+        if int(labels.max()) > 9:
+            raise ValueError(f"{where}: labels must be digits 0-9, found {int(labels.max())}")
+    if parts["x_train"].shape[1:] != parts["x_test"].shape[1:]:
+        raise ValueError(f"MNIST files in {raw_dir}: train images are {parts['x_train'].shape[1:]}, test images "
+                         f"{parts['x_test'].shape[1:]}; they must be the same size")
 
 
 def load_mnist(root: str | os.PathLike[str], *, pca_components: int | None = 60) -> Dataset:

@@ -230,6 +230,10 @@ def test_reply_floor_holds_every_reply_after_pinning(keys, model, caplog) -> Non
         t0 = time.monotonic()
         r = train_shuffled(msg, ctx)
         assert time.monotonic() - t0 >= floor, r
+        # the reply's own timestamp, which the SuperLink passes on to the server, is the padded time too (a reply
+        # built before the sleep carried created_at = when the work ended, and a ttl counted from it)
+        assert r.metadata.created_at - msg.metadata.created_at >= floor
+        assert r.metadata.ttl <= msg.metadata.ttl - floor
     assert not train_shuffled(_msg(model, _cfg(1)), ctx).has_error()  # the cached report (second message)
     t0 = time.monotonic()
     r = train_shuffled(_msg(model, {"round": "x"}), ctx)
@@ -341,3 +345,24 @@ def test_request_checks_that_need_no_data_still_refuse(keys, model) -> None:
     narrow = initial_arrays("logreg", 32, 10)
     with pytest.raises(RequestError, match="32 features"):
         make_payload(narrow, _cfg(1), pinned, (x, y))
+
+
+def test_refusals_carry_nothing_about_the_clients_data(keys, model, tmp_path, caplog) -> None:
+    """The server can provoke these replies at will (a model of the wrong width, server-chosen data settings):
+    their reasons must not carry the client's dataset size, paths or file sizes. Before, the width refusal said
+    "this client's data has shape (172, 64)", the row count being the local sample count."""
+    import logging
+
+    from clients.data import load_partition
+
+    n_local = len(load_partition(PID, N_PART, dataset="digits", pca_components=None)[1])
+    r = train_shuffled(_msg(initial_arrays("logreg", 32, 10), _cfg(1)), _ctx(keys))
+    assert r.has_error() and r.error.code == ERR_BAD_REQUEST and "64 features" in r.error.reason
+    assert str(n_local) not in r.error.reason
+    (tmp_path / "MNIST" / "raw").mkdir(parents=True)
+    (tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte").write_bytes(b"\0\0\x08\x03" + bytes(1000))
+    with caplog.at_level(logging.ERROR, logger="shuffledp.client"):
+        r = train_shuffled(_msg(model, _cfg(1)), _ctx(keys, dataset="mnist", **{"data-dir": str(tmp_path)}))
+    assert r.has_error() and r.error.code == ERR_CLIENT_SETUP
+    assert str(tmp_path) not in r.error.reason and "client's log" in r.error.reason
+    assert str(tmp_path) in caplog.text  # the detail stays on the client

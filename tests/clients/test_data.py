@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gzip
+import re
+import struct
 
 import numpy as np
 import pytest
@@ -162,6 +164,38 @@ def test_mnist_uncompressed_and_missing(tmp_path) -> None:
         load_mnist(tmp_path / "plain", pca_components=5000)
     with pytest.raises(ValueError, match=r"pca_components must be in \[1, 20\]"):
         load_mnist(tmp_path / "plain", pca_components=21)  # 20 held-out rows bound the PCA fit
+
+
+@pytest.mark.parametrize(
+    ("stem", "array", "fragment"),
+    [
+        ("train-labels-idx1-ubyte", (np.arange(80) % 10 + 190).astype(np.uint8), "labels must be digits 0-9, found 199"),
+        ("train-labels-idx1-ubyte", (np.arange(80) % 10).astype(np.uint8).reshape(80, 1), "labels must be unsigned"),
+        ("train-labels-idx1-ubyte", (np.arange(79) % 10).astype(np.uint8), "80 images but 79 labels"),
+        ("train-images-idx3-ubyte", np.zeros((80, 28, 28), dtype=np.float32), "images must be unsigned bytes"),
+        ("train-images-idx3-ubyte", np.zeros((80, 28, 28), dtype=np.int8), "images must be unsigned bytes"),
+        ("train-images-idx3-ubyte", np.zeros(80 * 784, dtype=np.uint8), "images must be unsigned bytes"),
+        ("train-images-idx3-ubyte", np.zeros((0, 28, 28), dtype=np.uint8), "count >= 1"),
+        ("t10k-images-idx3-ubyte", np.zeros((20, 14, 14), dtype=np.uint8), "they must be the same size"),
+    ],
+)
+def test_mnist_files_that_are_not_mnist_are_refused(tmp_path, stem: str, array: np.ndarray, fragment: str) -> None:
+    # each used to load (or fail later with an unrelated message) and train on garbage
+    _write_tiny_mnist(tmp_path, compress=False)
+    write_idx(tmp_path / "MNIST" / "raw" / stem, array)
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        load_mnist(tmp_path, pca_components=None)
+
+
+def test_corrupt_gzip_and_overflowing_dims_are_value_errors(tmp_path) -> None:
+    write_idx(tmp_path / "x.gz", np.arange(5000, dtype=np.uint8) % 7, compress=True)
+    (tmp_path / "cut.gz").write_bytes((tmp_path / "x.gz").read_bytes()[:-20])  # EOFError before
+    with pytest.raises(ValueError, match="not a readable gzip file"):
+        read_idx(tmp_path / "cut.gz")
+    # four dims of 65,536: their product overflowed int64 to 0 and the error was a failed reshape
+    (tmp_path / "huge").write_bytes(struct.pack(">HBB4I", 0, 0x08, 4, *([65536] * 4)))
+    with pytest.raises(ValueError, match="need"):
+        read_idx(tmp_path / "huge")
 
 
 def test_gzip_detection_by_magic(tmp_path) -> None:
