@@ -220,8 +220,21 @@ def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
         "delta": args.delta,
         "n": args.n,
         "rounds": args.rounds,
+        **_calibration_fields(bound),
     }
     return _emit(obj, args.json, out, lambda: _single_result(obj, out))
+
+
+def _calibration_fields(bound: Any) -> dict[str, Any]:
+    """What the search found besides eps0: the epsilon it achieves, the first eps0 that fails the target, and
+    whether the search stopped at the top of its range (every eps0 up to it meets the target; a larger one may
+    too), so a clamp at the range's end is never silent."""
+    fields: dict[str, Any] = {}
+    for key in ("achieved_epsilon", "first_failing_eps0", "range_upper_end_reached"):
+        value = bound.details.get(key)
+        if value is not None:
+            fields[key] = value
+    return fields
 
 
 def _compare_results(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -238,7 +251,7 @@ def _compare_results(args: argparse.Namespace) -> list[dict[str, Any]]:
             continue
         value = float(bound.value)
         if math.isfinite(value):
-            results.append({"bound": family, "value": value, "kind": bound.kind, "reason": None})
+            results.append({"bound": family, "value": value, "kind": bound.kind, "reason": None, **_cap_fields(bound)})
         else:
             reason = f"no finite value ({value!r})"
             results.append({"bound": family, "value": None, "kind": "refused", "reason": reason})
@@ -264,7 +277,11 @@ def _cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
         rows: list[Sequence[Any]] = [("bound", "epsilon", "kind", "meaning")]
         notes: list[str] = []
         for r in results:
-            if r["reason"] is None:
+            if r["reason"] is None and r.get("capped_by_no_shuffle"):
+                notes.append(f"[{len(notes) + 1}] {r['bound']}: this is the no-shuffle value, which caps the family's "
+                             f"own ({r['uncapped']}); still an upper bound")
+                meaning = f"{_KIND_MEANING[r['kind']]}, capped, see [{len(notes)}]"
+            elif r["reason"] is None:
                 meaning = _KIND_MEANING[r["kind"]]
             else:
                 notes.append(f"[{len(notes) + 1}] {r['bound']}: {r['reason']}")

@@ -96,12 +96,19 @@ def test_delta_renyi_and_calibrate_json_contracts(capsys: pytest.CaptureFixture[
 
     obj = ok_json_in_process(capsys, "account", "calibrate", "--target-epsilon", "1", "--delta", "1e-6",
                              "--n", "10000", "--rounds", "1")
-    assert set(obj) == {"quantity", "value", "kind", "bound", "target_epsilon", "delta", "n", "rounds"}
+    assert set(obj) == {"quantity", "value", "kind", "bound", "target_epsilon", "delta", "n", "rounds",
+                        "achieved_epsilon", "first_failing_eps0"}
     assert obj["quantity"] == "eps0" and obj["target_epsilon"] == 1.0 and obj["rounds"] == 1
     assert obj["kind"] == "upper" and obj["bound"] == "clones"
     eps0 = obj["value"]
     assert isinstance(eps0, float) and eps0 > 1.0  # amplification: n = 1e4 reports allow eps0 well above 1
-    assert bounds.epsilon("clones", eps0, 10000, 1e-6, 1).value <= 1.0  # calibrated eps0 respects the target
+    achieved = bounds.epsilon("clones", eps0, 10000, 1e-6, 1).value
+    assert achieved <= 1.0 and obj["achieved_epsilon"] == achieved  # calibrated eps0 respects the target
+    assert bounds.epsilon("clones", obj["first_failing_eps0"], 10000, 1e-6, 1).value > 1.0
+    # a search that stops at the top of its eps0 range says so (it printed 20.0 with no flag)
+    obj = ok_json_in_process(capsys, "account", "calibrate", "--target-epsilon", "30", "--delta", "1e-6",
+                             "--n", "100", "--rounds", "1")
+    assert obj["range_upper_end_reached"] is True and obj["achieved_epsilon"] <= 30.0
 
     obj = ok_json_in_process(capsys, "account", "calibrate", "--target-epsilon", "0.5", "--delta", "1e-6",
                              "--n", "10000", "--rounds", "2", "--bound", "ccg-gdp")
@@ -177,6 +184,18 @@ def test_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "clones" in out and "rr-lower" in out and "guarantee" in out and "lower bound" in out
     assert "ccg-gdp" not in out
+
+
+def test_compare_says_when_a_value_is_the_no_shuffle_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    # clones at delta 1e-16 over 2 rounds is capped (its PLD carries 1e-15 of truncated mass at infinity); the
+    # compare table printed "clones 2 upper guarantee" with nothing to say it was not the family's own value
+    args = ["account", "compare", "--eps0", "1", "--n", "10000", "--delta", "1e-16", "--rounds", "2", "--bound",
+            "clones"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "capped, see [1]" in out and "no-shuffle value" in out
+    (row,) = ok_json_in_process(capsys, *args)["results"]
+    assert row["capped_by_no_shuffle"] is True and row["value"] == bounds.epsilon("no-shuffle", 1.0, 10000, 1e-16, 2).value
 
 
 def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
