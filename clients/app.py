@@ -155,7 +155,7 @@ def _answer(
 
         settings = data_settings_from_run_config(context.run_config)
         data = load_partition(pinned.partition_id, pinned.num_partitions, **settings)
-    except (ValueError, OSError) as exc:
+    except (ValueError, TypeError, OSError) as exc:  # TypeError: e.g. a run config value of the wrong type
         # The details (paths, file sizes, shapes) are about the client's data: they go to its own log only.
         _log.error("could not load this client's data: %s", exc)
         return _error(ERR_CLIENT_SETUP, "client data: the local dataset could not be loaded (see the client's log)")

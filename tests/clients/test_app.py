@@ -366,3 +366,6 @@ def test_refusals_carry_nothing_about_the_clients_data(keys, model, tmp_path, ca
     assert r.has_error() and r.error.code == ERR_CLIENT_SETUP
     assert str(tmp_path) not in r.error.reason and "client's log" in r.error.reason
     assert str(tmp_path) in caplog.text  # the detail stays on the client
+    # a data setting of the wrong type is a refusal too, not an exception (TypeError escaped the handler)
+    r = train_shuffled(_msg(model, _cfg(1)), _ctx(keys, **{"pca-components": [10]}))
+    assert r.has_error() and r.error.code == ERR_CLIENT_SETUP
