@@ -28,6 +28,7 @@ import numpy as np
 from scipy import optimize, special
 
 from accounting import RefusedError
+from accounting.clones import _binom_logpmf
 
 __all__ = [
     "ROOT_XTOL",
@@ -290,21 +291,25 @@ def _binomial_window(n: int, p: float, tail_exponent: float = _TAIL_EXPONENT) ->
     return max(0, int(math.floor(mean - t))), min(n, int(math.ceil(mean + t)))
 
 
+def _rr_binom_logpmf(k: np.ndarray, trials: int, eps0: float) -> np.ndarray:
+    """log Bin(k; trials, 1/(e^eps0 + 1)) in Loader's saddle-point form (``clones._binom_logpmf``), accurate at
+    large ``trials``, unlike a log-gamma difference such as scipy's ``binom.logpmf``."""
+    return _binom_logpmf(k, trials, -float(np.logaddexp(0.0, eps0)), -float(np.logaddexp(0.0, -eps0)))
+
+
 def rr_shuffle_loss(eps0: float, n: int, *, full_support: bool = False) -> RRShuffleLoss:
     """Support, normalised ``log P0`` and privacy loss of shuffled binary RR (see :class:`RRShuffleLoss`).
 
     With ``full_support=False`` only a window holding all but ``e^{-100}`` of the mass on each side is kept;
     dropping mass can only lower the hockey-stick divergence, so values stay lower bounds.
     """
-    from accounting.clones import _binom_logpmf
-
     q = 1.0 / (math.exp(eps0) + 1.0) if eps0 < 700 else math.exp(-eps0)
     lo, hi = (0, n) if full_support else _binomial_window(n, q)
     k = np.arange(lo, hi + 1, dtype=np.int64)
     # Loader's saddle-point form, not a log-gamma difference (scipy's binom.logpmf): at n = 1e9 the latter is off
     # by 5e-6 relative per mass, and the reverse direction's masses P0 e^loss then summed to more than 1 + 1e-9
     # (multi-round rr-lower raised from n ~ 1e7 at eps0 = 15).
-    log_p0 = _binom_logpmf(k, n, -float(np.logaddexp(0.0, eps0)), -float(np.logaddexp(0.0, -eps0)))
+    log_p0 = _rr_binom_logpmf(k, n, eps0)
     log_p0 = log_p0 - special.logsumexp(log_p0)  # the window holds all but e^-100 of the mass on each side
     kf = k.astype(np.float64)
     with np.errstate(divide="ignore"):
@@ -441,9 +446,7 @@ def no_shuffle_delta(eps0: float, rounds: int, epsilon: float) -> float:
     above = losses > epsilon
     if not above.any():
         return 0.0
-    from accounting.clones import _binom_logpmf  # Loader's form: accurate at large T, unlike log-gamma differences
-
-    log_p = _binom_logpmf(ls[above], t, -float(np.logaddexp(0.0, eps0)), -float(np.logaddexp(0.0, -eps0)))
+    log_p = _rr_binom_logpmf(ls[above], t, eps0)
     return float(np.sum(np.exp(log_p) * -np.expm1(epsilon - losses[above])))
 
 

@@ -62,6 +62,8 @@ from typing import IO, Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from server.report import epsilon_label
+
 __all__ = [
     "main",
     "DeployError",
@@ -1216,8 +1218,6 @@ def format_report(result: DeployResult) -> str:
     lines.append(f"report: {result.report_path}")
     rows = result.report.get("rounds", [])
     if rows:
-        from server.report import epsilon_label
-
         lines.append(f"epsilon: cumulative ({epsilon_label(rows[-1].get('family', ''), rows[-1].get('kind', ''))})")
     lines.append(f"{'round':>5} {'reports':>8} {'accuracy':>9} {'loss':>8} {'eps0':>6} {'epsilon':>10} {'delta':>8}")
     for r in rows:
