@@ -9,6 +9,7 @@ grpc, and ``shuffledp shuffler serve`` never imports torch or flwr.
     shuffledp keys ...           -> shuffler.cli
     shuffledp run|resume ...     -> server.runner
     shuffledp deploy ...         -> server.deploy_cli
+    shuffledp audit ...          -> server.audit
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _ROUTES: dict[str, str] = {
     "run": "server.runner",
     "resume": "server.runner",
     "deploy": "server.deploy_cli",
+    "audit": "server.audit",
 }
 
 _USAGE = """usage: shuffledp <command> [...]
@@ -37,6 +39,7 @@ commands:
   run        run the main job (Flower simulation on the bundled digits data)
   resume     continue a killed run from its last checkpoint
   deploy     local multi-process TLS deployment
+  audit      check that every batch the shuffler released was charged in the ledger
 """
 
 

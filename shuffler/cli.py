@@ -1,6 +1,7 @@
 """``shuffledp shuffler ...`` and ``shuffledp keys ...``.
 
     shuffledp shuffler serve --config FILE [--port-file PATH] [--log-level LEVEL]
+    shuffledp shuffler journal --journal-dir DIR   (read-only: one JSON line per sealed batch, released or not)
     shuffledp keys init --out DIR --clients N [--key-epoch E] [--k K] [--max-envelope-bytes B]   (simulations)
     shuffledp keys client --out DIR --client-id ID            (on a device: its own signing key pair)
     shuffledp keys enrol --enrolment FILE --client-id ID --public-key PATH   (operator: add a client's key)
@@ -25,7 +26,52 @@ def _shuffler_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True, help="TOML config file (see docs/shuffler.md)")
     s.add_argument("--port-file", help="write the bound port here once serving (for port 0)")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    j = sub.add_parser(
+        "journal",
+        help="list the sealed batches in a journal and whether each was released (fetched); reads only, so it is "
+        "safe on a running shuffler's journal",
+    )
+    j.add_argument("--journal-dir", required=True, help="the service's journal_dir")
     return p
+
+
+def journal_listing(journal_dir: str) -> tuple[list[dict[str, object]], int | None]:
+    """One dict per sealed batch of the journal in ``journal_dir``, in commit order, and the offset of a torn
+    tail (None if none). Each dict: ``batch_id``, ``key_epoch``, ``round_id``, ``n`` (the attested count),
+    ``statement`` and ``signature`` (the attestation, as :meth:`shuffler.attestation.Attestation.to_dict`
+    writes it), ``released`` (a Fetch began: its release record is in the journal) and ``released_at``
+    (Unix seconds, or None). Reads only (:func:`shuffler.journal.read_records`).
+
+    Raises FileNotFoundError if there is no ``journal.log``, :class:`shuffler.journal.JournalCorrupt` if it
+    is damaged other than by a torn tail.
+    """
+    from pathlib import Path
+
+    from shuffler.journal import read_records
+
+    path = Path(journal_dir) / "journal.log"
+    if not path.is_file():
+        raise FileNotFoundError(f"no journal at {path} (is --journal-dir the service's journal_dir?)")
+    records, torn_at = read_records(path)
+    released = {r["batch_id"]: r for r in records if r.get("type") == "release"}
+    rows: list[dict[str, object]] = []
+    for r in records:
+        if r.get("type") != "batch":
+            continue
+        rel = released.get(r["batch_id"])
+        rows.append(
+            {
+                "batch_id": r["batch_id"],
+                "key_epoch": r["key_epoch"],
+                "round_id": r["round_id"],
+                "n": r["n"],
+                "statement": r["statement"],
+                "signature": r["signature"],
+                "released": rel is not None,
+                "released_at": None if rel is None else rel["released_at"],
+            }
+        )
+    return rows, torn_at
 
 
 def _keys_parser() -> argparse.ArgumentParser:
@@ -49,6 +95,8 @@ def _keys_parser() -> argparse.ArgumentParser:
 
 def _run_shuffler(args: list[str]) -> int:
     ns = _shuffler_parser().parse_args(args)
+    if ns.verb == "journal":
+        return _list_journal(ns.journal_dir)
     logging.basicConfig(
         level=getattr(logging, ns.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -60,6 +108,28 @@ def _run_shuffler(args: list[str]) -> int:
     except (ConfigError, FileNotFoundError, PermissionError, ValueError) as exc:
         sys.stderr.write(f"shuffledp shuffler: {exc}\n")
         return 2
+
+
+def _list_journal(journal_dir: str) -> int:
+    import json
+
+    from shuffler.journal import JournalCorrupt
+
+    try:
+        rows, torn_at = journal_listing(journal_dir)
+    except (FileNotFoundError, JournalCorrupt, OSError, ValueError, KeyError) as exc:
+        sys.stderr.write(f"shuffledp shuffler journal: {exc}\n")
+        return 2
+    for row in rows:
+        sys.stdout.write(json.dumps(row, sort_keys=True) + "\n")
+    released = sum(1 for r in rows if r["released"])
+    sys.stderr.write(
+        f"{len(rows)} sealed batch(es), {released} released, {sum(int(r['n']) for r in rows if r['released'])} "
+        f"reports released\n"
+    )
+    if torn_at is not None:
+        sys.stderr.write(f"the journal ends in a torn tail at byte {torn_at} (the service cuts it off when it opens)\n")
+    return 0
 
 
 def _run_keys(args: list[str]) -> int:

@@ -214,6 +214,7 @@ class ShufflerClient:
             raise ShufflerError(exc.code(), exc.details() or "") from None
         return {
             "batches_sealed": s.batches_sealed,
+            "batches_released": s.batches_released,
             "batches_refused": s.batches_refused,
             "reports_accepted": s.reports_accepted,
             "dropped": dict(s.dropped),

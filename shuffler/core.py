@@ -30,6 +30,7 @@ import queue
 import secrets
 import struct
 import threading
+import time
 from array import array
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -442,9 +443,14 @@ class ShufflerCore:
         self._seen_enc: dict[int, set[bytes]] = {}
         self._seen_rid: dict[int, set[bytes]] = {}
         self.counters: Counter[str] = Counter()
+        #: batch id -> the release record of its first Fetch (see :meth:`read_batch`)
+        self._released: dict[bytes, dict[str, Any]] = {}
         for rec in self.journal.records:
             if rec.get("type") == "batch":
                 self._load_record(rec)
+            elif rec.get("type") == "release":
+                self._released[bytes.fromhex(rec["batch_id"])] = rec
+        self.counters["batches_released"] = len(self._released)
         self._rng = secrets.SystemRandom()
         #: builders begun and not yet finished or aborted; :meth:`close` waits for them (graceful stop)
         self._open_builders = 0
@@ -715,15 +721,68 @@ class ShufflerCore:
         return sb
 
     def read_batch(self, batch_id: bytes) -> Iterator[bytes]:
-        """The sealed output, one inner ciphertext at a time, in sealed order (the same bytes every time)."""
+        """The sealed output, one inner ciphertext at a time, in sealed order (the same bytes every time).
+
+        The first read of a batch is put on record first (:meth:`record_release`): nothing of a batch leaves
+        the shuffler before its release record is durable. Raises :class:`Refused` (not_found, invalid_argument,
+        or as :meth:`record_release`).
+        """
         sb = self.lookup(batch_id)
+        self.record_release(sb)
         return _read_output(sb.output, sb.n, sb.inner_length)
+
+    def record_release(self, sb: SealedBatch) -> None:
+        """Journal (fsynced) that ``sb`` is being released, once per batch: its first Fetch.
+
+        The journal's release records are the shuffler's own account of which batches the server has read,
+        for an auditor to set against the rounds the server's ledger charged (``shuffledp shuffler journal``
+        lists them): a batch released but never charged is privacy spent off the books. The record holds
+        the batch id, key epoch, round, count and the time of release (whole seconds): nothing about a
+        client or a position. Idempotent: later Fetches of the same batch add nothing.
+
+        Raises :class:`Refused`: resource_exhausted ``disk_full`` if the append was rolled back for want of
+        space, unavailable ``journal_write`` for another rolled-back write error, unavailable
+        ``journal_failed`` if the journal failed for good, unavailable ``shutting_down`` once :meth:`close`
+        closed the journal. Nothing is released then.
+        """
+        with self._lock:
+            if sb.batch_id in self._released:
+                return
+        with self._commit_lock:  # the journal's appends are serialised by the commit lock
+            with self._lock:
+                if sb.batch_id in self._released:
+                    return
+                if self._closed:
+                    raise Refused("unavailable", "shutting_down", "the shuffler is stopping; retry with its successor")
+            record = {
+                "type": "release",
+                "batch_id": sb.batch_id.hex(),
+                "key_epoch": sb.key_epoch,
+                "round_id": sb.round_id,
+                "n": sb.n,
+                "released_at": int(time.time()),
+            }
+            try:
+                self.journal.append(record)
+            except JournalWriteError as exc:
+                log.error("batch not released: its release record could not be written (%s)", exc.strerror)
+                if exc.errno in DISK_FULL_ERRNOS:
+                    raise Refused("resource_exhausted", "disk_full", "no space left to record the release") from None
+                raise Refused("unavailable", "journal_write", "the release record could not be written") from None
+            except JournalFailed:
+                self._mark_unhealthy()
+                raise Refused("unavailable", "journal_failed", "the shuffler's journal failed") from None
+            with self._lock:
+                self._released[sb.batch_id] = record
+                self.counters["batches_released"] += 1
+        log.info("batch released: epoch=%d round=%d n=%d", sb.key_epoch, sb.round_id, sb.n)
 
     def stats(self) -> dict[str, Any]:
         """Aggregate counters only (never per position or per client)."""
         with self._lock:
             return {
                 "batches_sealed": self.counters["batches_sealed"],
+                "batches_released": self.counters["batches_released"],
                 "batches_refused": self.counters["batches_refused"],
                 "reports_accepted": self.counters["reports_accepted"],
                 "dropped": {r: self.counters[f"dropped:{r}"] for r in DROP_REASONS},

@@ -35,7 +35,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Journal", "JournalCorrupt", "JournalFailed", "JournalWriteError", "fsync_dir", "write_file_durably"]
+__all__ = [
+    "Journal",
+    "JournalCorrupt",
+    "JournalFailed",
+    "JournalWriteError",
+    "fsync_dir",
+    "read_records",
+    "write_file_durably",
+]
 
 _MAGIC = b"SJR1"
 _HEAD = struct.Struct(">4sI32s")
@@ -144,6 +152,56 @@ def _create_exclusive(target: Path, data: bytes, mode: int) -> None:
         raise
 
 
+def _is_torn_tail(data: bytes, start: int) -> bool:
+    """True if ``data[start:]`` can be the remains of an interrupted append."""
+    tail = data[start:]
+    if len(tail) < _HEAD.size:
+        return _MAGIC.startswith(tail[:4]) or not tail.strip(b"\0")
+    magic, length, _ = _HEAD.unpack_from(tail, 0)
+    if magic != _MAGIC:
+        return not tail.strip(b"\0")  # a file extended with zeros by the filesystem after a crash
+    # a complete header with a plausible length, and fewer bytes than it announces: an interrupted append
+    return length <= _MAX_RECORD and _HEAD.size + length > len(tail)
+
+
+
+def read_records(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int | None]:
+    """The journal's complete records, in order, and the byte offset of a torn tail (None if there is none).
+
+    Reads only: it never truncates, moves or creates anything, so an auditor may run it on the journal of a
+    live shuffler (``shuffledp shuffler journal``). A torn tail is what :class:`Journal` would cut off on open
+    (see the module docstring); any other damage raises :class:`JournalCorrupt`.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    records: list[dict[str, Any]] = []
+    pos = 0
+    while pos < len(data):
+        if len(data) - pos < _HEAD.size:
+            bad = "incomplete header"
+        else:
+            magic, length, digest = _HEAD.unpack_from(data, pos)
+            end = pos + _HEAD.size + length
+            if magic != _MAGIC or length > _MAX_RECORD:
+                bad = "bad record header"
+            elif end > len(data):
+                bad = "incomplete body"
+            else:
+                body = data[pos + _HEAD.size : end]
+                if hashlib.sha256(body).digest() != digest:
+                    # a complete record cannot be the remains of an interrupted append
+                    more = " with further data after it" if end < len(data) else " (the last record)"
+                    raise JournalCorrupt(f"{path}: checksum mismatch in the complete record at byte {pos}{more}")
+                records.append(json.loads(body))
+                pos = end
+                continue
+        # A damaged record is acceptable only as the very last thing in the file (a torn append).
+        if not _is_torn_tail(data, pos):
+            raise JournalCorrupt(f"{path}: {bad} at byte {pos} and it is not a torn tail (further data)")
+        return records, pos
+    return records, None
+
+
 class Journal:
     """The commit log. ``records`` holds the recovered bodies (dicts), in order."""
 
@@ -171,54 +229,15 @@ class Journal:
             os.close(fd)
             fsync_dir(self.dir)
             return []
-        data = self.path.read_bytes()
-        records: list[dict[str, Any]] = []
-        pos = 0
-        while pos < len(data):
-            start = pos
-            bad: str | None = None
-            if len(data) - pos < _HEAD.size:
-                bad = "incomplete header"
-            else:
-                magic, length, digest = _HEAD.unpack_from(data, pos)
-                end = pos + _HEAD.size + length
-                if magic != _MAGIC or length > _MAX_RECORD:
-                    bad = "bad record header"
-                elif end > len(data):
-                    bad = "incomplete body"
-                else:
-                    body = data[pos + _HEAD.size : end]
-                    if hashlib.sha256(body).digest() != digest:
-                        # a complete record cannot be the remains of an interrupted append
-                        more = " with further data after it" if end < len(data) else " (the last record)"
-                        raise JournalCorrupt(f"{self.path}: checksum mismatch in the complete record at byte {pos}{more}")
-                    else:
-                        records.append(json.loads(body))
-                        pos = end
-                        continue
-            # A damaged record is acceptable only as the very last thing in the file (a torn append).
-            if not self._is_torn_tail(data, start):
-                raise JournalCorrupt(f"{self.path}: {bad} at byte {start} and it is not a torn tail (further data)")
-            self.torn_bytes = len(data) - start
-            log.warning("journal: ignoring a torn tail of %d bytes (%s)", self.torn_bytes, bad)
+        records, torn_at = read_records(self.path)
+        if torn_at is not None:
+            self.torn_bytes = self.path.stat().st_size - torn_at
+            log.warning("journal: ignoring a torn tail of %d bytes", self.torn_bytes)
             with open(self.path, "r+b") as fh:
-                fh.truncate(start)
+                fh.truncate(torn_at)
                 fh.flush()
                 os.fsync(fh.fileno())
-            break
         return records
-
-    @staticmethod
-    def _is_torn_tail(data: bytes, start: int) -> bool:
-        """True if ``data[start:]`` can be the remains of an interrupted append."""
-        tail = data[start:]
-        if len(tail) < _HEAD.size:
-            return _MAGIC.startswith(tail[:4]) or not tail.strip(b"\0")
-        magic, length, _ = _HEAD.unpack_from(tail, 0)
-        if magic != _MAGIC:
-            return not tail.strip(b"\0")  # a file extended with zeros by the filesystem after a crash
-        # a complete header with a plausible length, and fewer bytes than it announces: an interrupted append
-        return length <= _MAX_RECORD and _HEAD.size + length > len(tail)
 
     def _clean_orphans(self) -> None:
         """Quarantine outputs without a commit record (never delete them); remove staging files."""

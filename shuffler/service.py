@@ -10,12 +10,13 @@ INVALID_ARGUMENT       no header / header not first / second header, protocol ve
 FAILED_PRECONDITION    key epoch is not the shuffler's, fewer than k distinct enrolled signers (below_threshold)
 ALREADY_EXISTS         a different batch was already sealed for this (key epoch, round) (binding_used)
 RESOURCE_EXHAUSTED     expected_count above max_batch_reports; disk_full (not enough free space with the journal
-                       reserve, or the commit record could not be written and was rolled back); busy (too
+                       reserve, or the commit or release record could not be written and was rolled back); busy (too
                        many concurrent Submits, or Fetches); a message above the gRPC size limit (gRPC)
 DEADLINE_EXCEEDED      submit_idle: a Submit stream sent nothing for submit_idle_timeout seconds; fetch_stall: the
                        peer of a Fetch took no message for fetch_stall_timeout seconds
 UNAVAILABLE            journal_failed: a failed journal append could not be rolled back; health is
-                       NOT_SERVING and every further Submit is refused. (shutting_down is the core's refusal
+                       NOT_SERVING and every further Submit is refused. journal_write: a Fetch's release record
+                       could not be written (rolled back; not for want of space), so nothing was released. (shutting_down is the core's refusal
                        once ShufflerCore.close began; the service closes the core only after gRPC has
                        cancelled every call, so its clients see gRPC's own UNAVAILABLE or CANCELLED)
 NOT_FOUND              fetch of an unknown batch id
@@ -424,6 +425,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         s = self.core.stats()
         return pb.StatsResponse(
             batches_sealed=s["batches_sealed"],
+            batches_released=s["batches_released"],
             batches_refused=s["batches_refused"],
             reports_accepted=s["reports_accepted"],
             dropped=s["dropped"],

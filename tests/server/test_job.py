@@ -62,6 +62,16 @@ def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
     for entry, row in zip(attested, report["rounds"]):
         att = Attestation.from_dict(entry, verify_key)  # the signature re-verifies
         assert att.round_id == row["round"] and att.n_accepted == row["n_reports"]
+    # the shuffler's own record of what it released agrees with the ledger (shuffledp audit)
+    assert shuffledp_cli.main(["shuffler", "journal", "--journal-dir", str(keys.d.root / "journal")]) == 0
+    releases = tmp_path / "releases.jsonl"
+    releases.write_text(capsys.readouterr().out)
+    assert shuffledp_cli.main(["audit", "--ledger", str(out / "ledger.sqlite"), "--releases", str(releases),
+                               "--shuffler-verify-key", str(keys.d.shuffler_signing_pub)]) == 0
+    audit = json.loads(capsys.readouterr().out)
+    assert (audit["ok"], audit["batches_released"], audit["reports_released"], audit["reports_charged"]) == (
+        True, 3, 36, 36)
+    assert audit["violations"] == [] and audit["notes"] == []
     assert sum("[shuffledp] round" in line for line in lines) == 3
     # every printed epsilon says what it is
     assert sum(f"({cfg.accounting_family}, upper bound, delta {cfg.target_delta:g})" in line for line in lines) == 3

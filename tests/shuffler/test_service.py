@@ -45,6 +45,7 @@ def test_submit_fetch_end_to_end(kit, running) -> None:
         assert again.batch_id == att.batch_id and again.statement == att.statement
         stats = c.stats()
         assert stats["batches_sealed"] == 1 and stats["dropped"]["malformed"] == 1
+        assert stats["batches_released"] == 1  # fetched twice, released (and journalled) once
 
 
 def test_fetched_stream_carries_only_inner_ciphertexts(kit, running) -> None:
@@ -417,6 +418,31 @@ def test_rolled_back_commit_on_a_full_disk_is_disk_full(kit, running, monkeypatc
     monkeypatch.undo()
     assert _submit(kit, running, [kit.seal(i) for i in range(4)]).n_accepted == 4  # nothing was consumed
     assert _health(kit, running.address) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_release_that_cannot_be_recorded_is_refused_with_nothing_streamed(kit, running, monkeypatch) -> None:
+    import errno
+
+    import shuffler.journal as jmod
+
+    att = _submit(kit, running, [kit.seal(i) for i in range(4)])
+    real_write = jmod.os.write
+    monkeypatch.setattr(jmod.os, "write", lambda fd, d: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
+                        if fd == running.core.journal._fd else real_write(fd, d))
+    with _channel(kit, running.address) as ch:
+        call = ch.unary_stream(FETCH, request_serializer=None, response_deserializer=None)(
+            pb.FetchRequest(batch_id=att.batch_id).SerializeToString()
+        )
+        got: list[bytes] = []
+        with pytest.raises(grpc.RpcError) as info:
+            for msg in call:
+                got.append(msg)
+    assert got == [] and info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (info.value.details() or "").startswith("disk_full")
+    monkeypatch.undo()
+    with kit.client(running.address) as c:
+        assert c.stats()["batches_released"] == 0
+        assert len(c.fetch_all(att)) == 4 and c.stats()["batches_released"] == 1
 
 
 def test_announced_length_releases_the_honest_reports_and_oversized_are_skipped(kit, running) -> None:

@@ -1,0 +1,112 @@
+"""``shuffledp audit``: every batch the shuffler released must be charged in the ledger with its attested count."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from accounting.ledger import Ledger
+from server.audit import AuditError, audit, main, read_releases
+from shuffler.attestation import DROP_REASONS, Attestation, sign_statement
+from shuffler.keys import save_public_key
+
+_SK = ed25519.Ed25519PrivateKey.generate()
+_SK_RAW = _SK.private_bytes_raw()
+_PK_RAW = _SK.public_key().public_bytes_raw()
+
+
+def _line(round_id: int, n: int, *, released: bool = True, epoch: int = 0, sign_n: int | None = None) -> dict:
+    batch_id = bytes([round_id]) * 16
+    statement = Attestation.build_statement(
+        batch_id=batch_id, protocol_version=1, key_epoch=epoch, round_id=round_id, model_digest=b"\0" * 32, k=2,
+        n_received=max(n, sign_n or 0), n_accepted=n if sign_n is None else sign_n, inner_length=64, output_digest=b"\1" * 32,
+        dropped={r: 0 for r in DROP_REASONS},
+    )
+    return {"batch_id": batch_id.hex(), "key_epoch": epoch, "round_id": round_id, "n": n,
+            "statement": statement.decode(), "signature": sign_statement(statement, _SK_RAW).hex(),
+            "released": released, "released_at": 1_700_000_000 if released else None}
+
+
+def _rows(*pairs: tuple[int, int]) -> list[dict]:
+    return [{"round": r, "n_reports": n} for r, n in pairs]
+
+
+def test_consistent_run_passes() -> None:
+    rep = audit(_rows((1, 10), (2, 9)), [_line(1, 10), _line(2, 9)], verify_key=_PK_RAW)
+    assert rep.ok and (rep.batches_released, rep.reports_released, rep.reports_charged) == (2, 19, 19)
+    assert rep.notes == []
+
+
+def test_released_but_not_charged_is_a_violation() -> None:
+    rep = audit(_rows((1, 10)), [_line(1, 10), _line(2, 9)])
+    assert not rep.ok and len(rep.violations) == 1 and "round 2" in rep.violations[0]
+    assert "off the books" in rep.violations[0]
+
+
+def test_charged_with_another_count_is_a_violation() -> None:
+    rep = audit(_rows((1, 10), (2, 8)), [_line(1, 10), _line(2, 9)])
+    assert rep.violations == [f"round 2: batch {bytes([2]).hex() * 16} released 9 reports, the ledger charged 8"]
+
+
+def test_over_charging_is_noted_not_a_violation() -> None:
+    rep = audit(_rows((1, 10), (2, 9), (3, 7)), [_line(1, 10), _line(2, 9, released=False)])
+    assert rep.ok and rep.batches_sealed == 2 and rep.batches_released == 1
+    assert len(rep.notes) == 2 and "round 2" in rep.notes[0] and "round 3" in rep.notes[1]
+    # a sealed batch that was neither released nor charged is noted too
+    rep = audit(_rows((1, 10)), [_line(1, 10), _line(2, 9, released=False)])
+    assert rep.ok and rep.notes == ["round 2: sealed, never released, not charged (nothing left the shuffler)"]
+
+
+def test_a_listing_that_disagrees_with_its_signed_attestation_is_a_violation() -> None:
+    doctored = _line(2, 9, sign_n=12)  # the line says 9; the shuffler signed 12
+    rep = audit(_rows((1, 10), (2, 9)), [_line(1, 10), doctored], verify_key=_PK_RAW)
+    assert len(rep.violations) == 1 and "names (batch, epoch, round, n)" in rep.violations[0]
+    assert audit(_rows((1, 10), (2, 9)), [_line(1, 10), doctored]).ok  # without the key it cannot tell
+    forged = _line(1, 10) | {"signature": "00" * 64}
+    assert "does not verify" in audit(_rows((1, 10)), [forged], verify_key=_PK_RAW).violations[0]
+
+
+def test_epochs_must_be_named_when_the_listing_holds_several() -> None:
+    lines = [_line(1, 10, epoch=0), _line(1, 4, epoch=1)]
+    with pytest.raises(AuditError, match="key epochs \\[0, 1\\]"):
+        audit(_rows((1, 10)), lines)
+    assert audit(_rows((1, 10)), lines, key_epoch=0).ok
+    assert not audit(_rows((1, 10)), lines, key_epoch=1).ok  # epoch 1's round 1 released 4, charged 10
+    with pytest.raises(AuditError, match="two batches"):
+        audit(_rows((1, 10)), [_line(1, 10), _line(1, 10)])
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [("{not json", "line 2 is not JSON"), ('{"batch_id": "00"}', "lacks one of"),
+     (json.dumps(_line(1, 3) | {"n": -1}), "n must be an integer >= 0"),
+     (json.dumps(_line(1, 3) | {"released": "yes"}), "released must be true or false")],
+)
+def test_malformed_listing_lines_are_refused_by_number(text: str, match: str) -> None:
+    with pytest.raises(AuditError, match=match):
+        read_releases("\n" + text)
+
+
+def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ledger_path = tmp_path / "ledger.sqlite"
+    with Ledger(ledger_path) as ledger:
+        for rnd, n, eps in ((1, 10, 1.0), (2, 9, 1.5)):
+            ledger.append(round=rnd, n_reports=n, eps0=2.0, mechanism="laplace", delta=1e-6,
+                          epsilons={"clones": eps}, kinds={"clones": "upper"})
+    key = tmp_path / "shuffler-signing.pub"
+    save_public_key(key, _PK_RAW, "ed25519")
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(x) + "\n" for x in (_line(1, 10), _line(2, 9))))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(x) + "\n" for x in (_line(1, 10), _line(2, 9), _line(3, 5))))
+    base = ["audit", "--ledger", str(ledger_path), "--shuffler-verify-key", str(key), "--releases"]
+    assert main(base + [str(good)]) == 0 and json.loads(capsys.readouterr().out)["ok"] is True
+    assert main(base + [str(bad)]) == 1
+    assert "round 3" in json.loads(capsys.readouterr().out)["violations"][0]
+    assert main(base + [str(tmp_path / "missing.jsonl")]) == 2
+    assert "shuffledp audit:" in capsys.readouterr().err
+    assert main(["audit", "--ledger", str(tmp_path / "none.sqlite"), "--releases", str(good)]) == 2
+    assert "no ledger" in capsys.readouterr().err

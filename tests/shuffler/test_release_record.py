@@ -1,0 +1,135 @@
+"""The shuffler's own record of which sealed batches were released (fetched), for an auditor.
+
+Nothing of a batch leaves before its release record is durable; the record is written once per batch and survives
+a restart; ``shuffledp shuffler journal`` lists it without touching the journal of a running shuffler.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+from shuffler.cli import journal_listing, main
+from shuffler.core import Refused, ShufflerCore
+from shuffler.journal import read_records
+
+
+def _seal(core: ShufflerCore, kit, n: int, round_id: int):
+    b = core.begin(kit.header(n, round_id=round_id))
+    for i in range(n):
+        b.add(kit.seal(i, round_id=round_id))
+    return b.finish()
+
+
+def _releases(core: ShufflerCore) -> list[dict]:
+    return [r for r in read_records(core.journal.path)[0] if r.get("type") == "release"]
+
+
+def test_first_fetch_is_journalled_once_and_survives_restart(kit, tmp_path: Path) -> None:
+    jdir = tmp_path / "journal"
+    core = ShufflerCore(kit.core_config(jdir))
+    a = _seal(core, kit, 5, round_id=1)
+    b = _seal(core, kit, 4, round_id=2)
+    assert _releases(core) == [] and core.stats()["batches_released"] == 0  # sealing is not releasing
+    first = list(core.read_batch(a.batch_id))
+    assert list(core.read_batch(a.batch_id)) == first  # a second fetch adds no record
+    recs = _releases(core)
+    assert len(recs) == 1
+    assert {k: recs[0][k] for k in ("batch_id", "key_epoch", "round_id", "n")} == {
+        "batch_id": a.batch_id.hex(), "key_epoch": kit.key_epoch, "round_id": 1, "n": 5,
+    }
+    # nothing about clients or positions: exactly these fields
+    assert set(recs[0]) == {"type", "batch_id", "key_epoch", "round_id", "n", "released_at"}
+    assert core.stats()["batches_released"] == 1
+    core.close()
+    core = ShufflerCore(kit.core_config(jdir))
+    try:
+        assert core.stats()["batches_released"] == 1
+        assert list(core.read_batch(a.batch_id)) == first
+        assert len(_releases(core)) == 1  # still once, after the restart
+        list(core.read_batch(b.batch_id))
+        assert [r["round_id"] for r in _releases(core)] == [1, 2] and core.stats()["batches_released"] == 2
+    finally:
+        core.close()
+
+
+def _fail_next_journal_write(monkeypatch, core: ShufflerCore, err: int) -> None:
+    import os as _os
+
+    import shuffler.journal as jmod
+
+    real_write = _os.write
+
+    def write(fd: int, data: bytes) -> int:
+        if fd == core.journal._fd:
+            raise OSError(err, _os.strerror(err))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(jmod.os, "write", write)
+
+
+@pytest.mark.parametrize(
+    ("err", "code", "reason"),
+    [(errno.ENOSPC, "resource_exhausted", "disk_full"), (errno.EIO, "unavailable", "journal_write")],
+)
+def test_nothing_is_released_when_the_release_cannot_be_recorded(
+    core: ShufflerCore, kit, monkeypatch, err: int, code: str, reason: str
+) -> None:
+    sealed = _seal(core, kit, 5, round_id=1)
+    size = core.journal.path.stat().st_size
+    _fail_next_journal_write(monkeypatch, core, err)
+    with pytest.raises(Refused) as info:
+        core.read_batch(sealed.batch_id)  # refused before any byte is handed out
+    assert (info.value.code, info.value.reason) == (code, reason)
+    monkeypatch.undo()
+    assert core.journal.path.stat().st_size == size and core.stats()["batches_released"] == 0
+    assert core.healthy
+    assert len(list(core.read_batch(sealed.batch_id))) == 5  # with the disk back, the fetch works and is recorded
+    assert len(_releases(core)) == 1
+
+
+def test_a_closed_core_releases_nothing(kit, tmp_path: Path) -> None:
+    core = ShufflerCore(kit.core_config(tmp_path / "j"))
+    sealed = _seal(core, kit, 5, round_id=1)
+    core.close()
+    with pytest.raises(Refused) as info:
+        core.read_batch(sealed.batch_id)
+    assert (info.value.code, info.value.reason) == ("unavailable", "shutting_down")
+
+
+def test_journal_listing_reads_only_and_says_what_was_released(
+    kit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jdir = tmp_path / "journal"
+    core = ShufflerCore(kit.core_config(jdir))
+    a = _seal(core, kit, 5, round_id=1)
+    b = _seal(core, kit, 4, round_id=2)
+    list(core.read_batch(b.batch_id))
+    # a torn tail, as a crash during an append leaves it: the listing reports it and leaves the file as it is
+    with open(core.journal.path, "ab") as fh:
+        fh.write(b"SJR1\x00\x00\x01\x00")
+    before = core.journal.path.read_bytes()
+    try:
+        assert main(["shuffler", "journal", "--journal-dir", str(jdir)]) == 0
+        out, err = capsys.readouterr()
+        rows = [json.loads(line) for line in out.splitlines()]
+        assert [(r["batch_id"], r["round_id"], r["n"], r["released"]) for r in rows] == [
+            (a.batch_id.hex(), 1, 5, False),
+            (b.batch_id.hex(), 2, 4, True),
+        ]
+        assert rows[0]["released_at"] is None and isinstance(rows[1]["released_at"], int)
+        assert rows[1]["statement"] == b.statement.decode() and rows[1]["signature"] == b.signature.hex()
+        assert "2 sealed batch(es), 1 released, 4 reports released" in err and "torn tail" in err
+        assert core.journal.path.read_bytes() == before  # read only
+        assert journal_listing(str(jdir))[1] == len(before) - 8
+    finally:
+        core.close()
+
+
+def test_journal_listing_refuses_a_directory_without_a_journal(tmp_path: Path, capsys) -> None:
+    assert main(["shuffler", "journal", "--journal-dir", str(tmp_path)]) == 2
+    assert "no journal at" in capsys.readouterr().err
+    assert not (tmp_path / "journal.log").exists()  # and creates nothing
