@@ -6,7 +6,8 @@ Flower glue only; the work is :func:`clients.core.make_envelope` (signature docu
 
 Per request: resolve the pinned settings (node_config in deployment, run_config in simulation, see
 :func:`clients.core.pinned_from_configs`), load this node's partition, parse the request, refuse (error reply)
-if its eps0 / clip-l1 differ from the pinned ones, and reply ``content["envelope"] = ArrayRecord({"ct": uint8})``,
+if its eps0 / clip-l1 differ from the pinned ones or it asks for more local work than the pinned limits
+(:func:`clients.core.check_pinned`), and reply ``content["envelope"] = ArrayRecord({"ct": uint8})``,
 no earlier than the pinned ``reply-floor`` after the request arrived (see :func:`train_shuffled`).
 
 Retries: the reply for the latest round is cached in ``context.state``. A request for the same round, key
@@ -29,6 +30,7 @@ from clients.core import (
     ClientSetupError,
     PinnedMismatchError,
     PinnedSettings,
+    check_pinned,
     data_settings_from_run_config,
     make_envelope,
     pinned_from_configs,
@@ -131,12 +133,10 @@ def _answer(
     context: Context, cfg: TrainConfig, arrays: list[np.ndarray], digest: bytes, pinned: PinnedSettings
 ) -> Reply:
     """Steps 2 (the pinned values) to 4 for a well-formed request."""
-    if cfg.eps0 != pinned.eps0 or cfg.clip_l1 != pinned.clip_l1:
-        return _error(
-            ERR_PINNED_MISMATCH,
-            f"refused: request asks eps0={cfg.eps0!r}, clip-l1={cfg.clip_l1!r}; pinned eps0={pinned.eps0!r}, "
-            f"clip-l1={pinned.clip_l1!r}",
-        )
+    try:
+        check_pinned(cfg, pinned)
+    except PinnedMismatchError as exc:
+        return _error(ERR_PINNED_MISMATCH, f"refused: {exc}")
 
     # 3. retry cache: at most one report per round
     key = _request_key(cfg, digest)

@@ -14,7 +14,8 @@ Signature (what the ClientApp and the server's tests with a fake Grid call)::
 
 It raises :class:`clients.messages.RequestError` for a malformed request and :class:`PinnedMismatchError` when
 the request's eps0 or clip-l1 differ from the pinned values (the server is the adversary: the client never lets
-it choose its privacy parameters). Those decisions never depend on the data (see :func:`make_payload`: a local
+it choose its privacy parameters) or it asks for more local work than the pinned work limits allow
+(:func:`check_pinned`). Those decisions never depend on the data (see :func:`make_payload`: a local
 computation that fails is reported as the zero update). Otherwise it returns the envelope: the report computed
 at ``arrays`` (average gradient, or model delta after E local epochs), clipped to L1 ``clip_l1``, randomized
 with the exact discrete Laplace mechanism (eps0-LDP for any two inputs), encoded (clients.report), and sealed
@@ -43,6 +44,7 @@ __all__ = [
     "PinnedSettings",
     "PinnedMismatchError",
     "ClientSetupError",
+    "check_pinned",
     "pinned_from_configs",
     "data_settings_from_run_config",
     "compute_update",
@@ -54,7 +56,8 @@ _log = logging.getLogger("shuffledp.client")
 
 
 class PinnedMismatchError(ValueError):
-    """The server asked for eps0 / clip-l1 different from the client's pinned values."""
+    """The server asked for eps0 / clip-l1 different from the client's pinned values, or for more local work
+    than the client's pinned work limits allow."""
 
 
 class ClientSetupError(ValueError):
@@ -63,6 +66,14 @@ class ClientSetupError(ValueError):
 
 #: The largest ``reply-floor`` a client accepts (seconds).
 MAX_REPLY_FLOOR = 3600.0
+#: Work limits a client pins unless it pins others: requests for more local epochs, or smaller minibatches, are
+#: refused. They bound the local work by the client's own settings, so that a ``reply-floor`` can be chosen to
+#: cover it (see :class:`PinnedSettings`); the server's defaults (1 epoch, batches of 32) are within them.
+DEFAULT_MAX_LOCAL_EPOCHS = 10
+DEFAULT_MIN_BATCH_SIZE = 1
+#: The parser's own bounds on a request (clients.messages.TrainConfig), which the pinned limits must lie in.
+_LOCAL_EPOCHS_CAP = 10_000
+_BATCH_SIZE_CAP = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,13 @@ class PinnedSettings:
     #: seconds: the ClientApp sends no reply earlier than this after the request arrived, so that the reply time
     #: does not reveal how long the local work took (it grows with the local dataset); 0 = off
     reply_floor: float = 0.0
+    #: work limits: a request for more local epochs, or for smaller minibatches, is refused (on the request
+    #: alone, never the data). Without them the server could ask for so much work (10,000 epochs of batch 1)
+    #: that no reply-floor covers it, and read the dataset size off the reply time. With them the work is at most
+    #: ``max_local_epochs`` passes over the data in batches of at least ``min_batch_size``: measure that on the
+    #: device and pin a reply-floor above it.
+    max_local_epochs: int = DEFAULT_MAX_LOCAL_EPOCHS
+    min_batch_size: int = DEFAULT_MIN_BATCH_SIZE
 
     def __post_init__(self) -> None:
         for name in ("eps0", "clip_l1"):
@@ -97,6 +115,10 @@ class PinnedSettings:
                 f"pinned reply-floor must be a number of seconds in [0, {MAX_REPLY_FLOOR:g}], got {rf!r}"
             )
         object.__setattr__(self, "reply_floor", float(rf))
+        for name, cap in (("max_local_epochs", _LOCAL_EPOCHS_CAP), ("min_batch_size", _BATCH_SIZE_CAP)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= cap:
+                raise ClientSetupError(f"pinned {name.replace('_', '-')} must be an int in [1, {cap}], got {v!r}")
         if not (0 <= self.partition_id < self.num_partitions):
             raise ClientSetupError(
                 f"partition-id must be in [0, num-partitions={self.num_partitions}), got {self.partition_id}"
@@ -173,9 +195,9 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
 
     Deployment (``eps0`` in node_config): node_config supplies ``eps0``, ``clip-l1``, ``client-key``,
     ``server-public-key``, ``shuffler-public-key`` (paths), ``partition-id``, ``num-partitions`` and optionally
-    ``log2-grid`` and ``reply-floor``. Simulation: run_config supplies ``eps0``, ``clip-l1``, ``keys-dir`` (client
-    i uses ``keys-dir/clients/client-<i>.key`` and ``keys-dir/public/*``) and optionally ``log2-grid`` and
-    ``reply-floor``; node_config supplies ``partition-id`` and ``num-partitions`` (Flower's simulation engine
+    ``log2-grid``, ``reply-floor``, ``max-local-epochs`` and ``min-batch-size``. Simulation: run_config supplies
+    ``eps0``, ``clip-l1``, ``keys-dir`` (client i uses ``keys-dir/clients/client-<i>.key`` and
+    ``keys-dir/public/*``) and optionally the same four; node_config supplies ``partition-id`` and ``num-partitions`` (Flower's simulation engine
     sets them). Values are checked by :class:`PinnedSettings`.
     """
     if "eps0" in node_config:
@@ -206,6 +228,8 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
         num_partitions=_int(node_config, "num-partitions", "node_config"),
         log2_grid=grid,
         reply_floor=src.get("reply-floor", 0.0),
+        max_local_epochs=src.get("max-local-epochs", DEFAULT_MAX_LOCAL_EPOCHS),
+        min_batch_size=src.get("min-batch-size", DEFAULT_MIN_BATCH_SIZE),
     )
 
 
@@ -255,14 +279,29 @@ def _check_model_fits_data(arrays: Sequence[np.ndarray], x: np.ndarray) -> None:
         raise RequestError(f"the model takes {width} features; this client's data has {found}")
 
 
-def _parse(config: TrainConfig | Mapping[str, Any], pinned: PinnedSettings) -> TrainConfig:
-    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_mapping(config)
-    # exact equality: the pinned values are the contract; any difference is refused, not "close enough"
+def check_pinned(cfg: TrainConfig, pinned: PinnedSettings) -> None:
+    """Refuse a request that the pinned settings do not allow. Raises :class:`PinnedMismatchError`.
+
+    eps0 and clip-l1 must equal the pinned values exactly (the pinned values are the contract; any difference
+    is refused, not "close enough"). With ``report = "delta"``, ``local-epochs`` must be at most the pinned
+    ``max-local-epochs`` and ``batch-size`` at least the pinned ``min-batch-size``. The decision reads the
+    request and the pinned settings only, never the data, so a refusal says nothing about the data.
+    """
     if cfg.eps0 != pinned.eps0 or cfg.clip_l1 != pinned.clip_l1:
         raise PinnedMismatchError(
             f"request asks eps0={cfg.eps0!r}, clip-l1={cfg.clip_l1!r}; this client is pinned to "
             f"eps0={pinned.eps0!r}, clip-l1={pinned.clip_l1!r} and refuses to change them"
         )
+    if cfg.report == "delta" and (cfg.local_epochs > pinned.max_local_epochs or cfg.batch_size < pinned.min_batch_size):
+        raise PinnedMismatchError(
+            f"request asks local-epochs={cfg.local_epochs}, batch-size={cfg.batch_size}; this client's work limits "
+            f"are max-local-epochs={pinned.max_local_epochs}, min-batch-size={pinned.min_batch_size}"
+        )
+
+
+def _parse(config: TrainConfig | Mapping[str, Any], pinned: PinnedSettings) -> TrainConfig:
+    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_mapping(config)
+    check_pinned(cfg, pinned)
     return cfg
 
 

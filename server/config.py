@@ -50,6 +50,8 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "local-epochs": 1,
     "local-lr": 0.1,
     "batch-size": 32,
+    "max-local-epochs": 10,
+    "min-batch-size": 1,
     "server-optimizer": "sgd",
     "server-lr": 20.0,
     "server-momentum": 0.9,
@@ -107,6 +109,9 @@ class ServerConfig:
     local_epochs: int
     local_lr: float
     batch_size: int
+    #: simulation only: the clients' pinned work limits (clients.core.PinnedSettings; deployed clients pin theirs)
+    max_local_epochs: int
+    min_batch_size: int
     server_optimizer: str
     server_lr: float
     server_momentum: float
@@ -299,6 +304,8 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         local_epochs=_int(raw, "local-epochs", minimum=1),
         local_lr=_float(raw, "local-lr", low=0.0),
         batch_size=_int(raw, "batch-size", minimum=1),
+        max_local_epochs=_int(raw, "max-local-epochs", minimum=1, maximum=10_000),
+        min_batch_size=_int(raw, "min-batch-size", minimum=1, maximum=2**31 - 1),
         server_optimizer=_str(raw, "server-optimizer", choices=OPTIMIZERS),
         server_lr=_float(raw, "server-lr", low=0.0),
         server_momentum=_float(raw, "server-momentum", low=0.0, high=1.0, low_inclusive=True, high_inclusive=False),
@@ -330,6 +337,14 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         raise ConfigError(
             f"run config 'reply-floor' ({config.reply_floor:g} s) must be below 'reply-timeout' "
             f"({config.reply_timeout:g} s): every reply would arrive after the server stopped waiting"
+        )
+    if config.report == "delta" and (
+        config.local_epochs > config.max_local_epochs or config.batch_size < config.min_batch_size
+    ):
+        raise ConfigError(
+            f"run config asks local-epochs={config.local_epochs}, batch-size={config.batch_size}, but the simulated "
+            f"clients' work limits are max-local-epochs={config.max_local_epochs}, min-batch-size="
+            f"{config.min_batch_size}: every client would refuse (raise the limits or lower the work)"
         )
     if not config.output_dir.strip():
         raise ConfigError("run config 'output-dir' must be a non-empty path")

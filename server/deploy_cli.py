@@ -62,6 +62,7 @@ from typing import IO, Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from clients.core import DEFAULT_MAX_LOCAL_EPOCHS, DEFAULT_MIN_BATCH_SIZE
 from server.report import epsilon_label
 
 __all__ = [
@@ -366,9 +367,20 @@ def _check_reply_floor(value: object) -> float:
     return float(value)
 
 
+def _check_work_limits(max_local_epochs: object, min_batch_size: object) -> tuple[int, int]:
+    """``--max-local-epochs`` in [1, 10000] and ``--min-batch-size`` >= 1 (clients.core.PinnedSettings)."""
+    return (_check_int("--max-local-epochs", max_local_epochs, 1, 10_000),
+            _check_int("--min-batch-size", min_batch_size, 1, 2**31 - 1))
+
+
 def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str], *, eps0: float, clip_l1: float,
-                         prefix: str | None = None, reply_floor: float = 0.0) -> Path:
+                         prefix: str | None = None, reply_floor: float = 0.0,
+                         max_local_epochs: int = DEFAULT_MAX_LOCAL_EPOCHS,
+                         min_batch_size: int = DEFAULT_MIN_BATCH_SIZE) -> Path:
     """Copy what device ``node`` needs into ``out`` (a new directory) and write its ``node-config.toml``.
+
+    The node config pins eps0, clip-l1, the reply floor and the work limits (the device refuses requests for
+    more local epochs or smaller minibatches; with a reply floor, pick one above the work at these limits).
 
     The bundle holds the device's own secrets (its SuperNode key and its client signing key, 0600) and public
     files only (the SuperLink CA and the pinned server and shuffler HPKE public keys). ``prefix`` is where the
@@ -381,6 +393,7 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
             raise DeployError(f"{name} must be a finite number > 0, got {value!r}")
     reply_floor = _check_reply_floor(reply_floor)
+    max_local_epochs, min_batch_size = _check_work_limits(max_local_epochs, min_batch_size)
     dest = Path(out)
     if dest.exists():
         raise DeployError(f"{dest} already exists; a bundle is written to a new directory")
@@ -406,6 +419,8 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
         "eps0": float(eps0),
         "clip-l1": float(clip_l1),
         "reply-floor": reply_floor,
+        "max-local-epochs": max_local_epochs,
+        "min-batch-size": min_batch_size,
         "client-key": f"{base}/client.key",
         "server-public-key": f"{base}/server_hpke.pub",
         "shuffler-public-key": f"{base}/shuffler_hpke.pub",
@@ -473,6 +488,8 @@ def node_config(keys: DeployKeys, partition_id: int, num_partitions: int, *, eps
         "eps0": float(eps0),
         "clip-l1": float(clip_l1),
         "reply-floor": float(reply_floor),
+        "max-local-epochs": DEFAULT_MAX_LOCAL_EPOCHS,
+        "min-batch-size": DEFAULT_MIN_BATCH_SIZE,
         "client-key": str(keys.client_key(partition_id).resolve()),
         "server-public-key": str(keys.server_public_key.resolve()),
         "shuffler-public-key": str(keys.shuffler_public_key.resolve()),
@@ -1272,6 +1289,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--reply-floor", type=float, default=0.0,
                    help="seconds before which the device sends no reply, so the reply time does not reveal how "
                         "long its local work took (set it above the slowest round's work); 0 = off")
+    b.add_argument("--max-local-epochs", type=int, default=DEFAULT_MAX_LOCAL_EPOCHS,
+                   help="the most local epochs the device does for one request (more is refused)")
+    b.add_argument("--min-batch-size", type=int, default=DEFAULT_MIN_BATCH_SIZE,
+                   help="the smallest minibatch the device trains with (smaller is refused)")
     b.add_argument("--prefix", default=None,
                    help="where the bundle will be on the device (default: --out; /device for the client image)")
 
@@ -1331,7 +1352,8 @@ def main(argv: Sequence[str]) -> int:
             return 0
         if args.action == "bundle":
             dest = create_device_bundle(DeployKeys(args.keys), args.node, args.out, eps0=args.eps0,
-                                        clip_l1=args.clip_l1, prefix=args.prefix, reply_floor=args.reply_floor)
+                                        clip_l1=args.clip_l1, prefix=args.prefix, reply_floor=args.reply_floor,
+                                        max_local_epochs=args.max_local_epochs, min_batch_size=args.min_batch_size)
             print(f"wrote the bundle of device {args.node} to {dest}; copy it to the device and start it with")
             print(f"  flower-supernode --superlink <superlink-host>:8000 --root-certificates <dir>/superlink-ca.crt "
                   f"--auth-supernode-private-key <dir>/supernode.key --node-config <dir>/node-config.toml")

@@ -122,6 +122,31 @@ def test_refuses_a_request_for_other_privacy_parameters(keys, model, field: str,
     assert STATE_ENVELOPE not in ctx.state.array_records  # nothing computed, nothing cached
 
 
+def test_work_beyond_the_pinned_limits_is_refused_on_the_request_alone(keys, model, monkeypatch) -> None:
+    """The server cannot push the local work past what the client pinned (so past a reply-floor chosen to cover
+    it): more local epochs, or smaller batches, than the pinned limits are refused before any data is loaded."""
+    import clients.data
+
+    def no_data(*a, **k):  # pragma: no cover - must not be reached
+        raise AssertionError("the data was loaded for a request the limits refuse")
+
+    ctx = _ctx(keys, **{"max-local-epochs": 3, "min-batch-size": 8})
+    with monkeypatch.context() as m:
+        m.setattr(clients.data, "load_partition", no_data)
+        for over in ({"local_epochs": 4}, {"batch_size": 7}):
+            r = train_shuffled(_msg(model, _cfg(1, report="delta", **{"local_epochs": 3, "batch_size": 8, **over})),
+                               ctx)
+            assert r.has_error() and r.error.code == ERR_PINNED_MISMATCH
+            assert "max-local-epochs=3, min-batch-size=8" in r.error.reason
+    assert STATE_ENVELOPE not in ctx.state.array_records  # nothing computed, nothing cached
+    # at the limits the request is answered; a gradient report does no local epochs, so they do not apply
+    assert not train_shuffled(_msg(model, _cfg(1, report="delta", local_epochs=3, batch_size=8)), ctx).has_error()
+    assert not train_shuffled(_msg(model, _cfg(2, local_epochs=50, batch_size=1)), ctx).has_error()
+    # defaults: 10 epochs, batches of 1
+    default = _ctx(keys)
+    assert train_shuffled(_msg(model, _cfg(1, report="delta", local_epochs=11)), default).has_error()
+
+
 def test_bad_requests_are_error_replies(keys, model) -> None:
     ctx = _ctx(keys)
     good = _cfg(1).to_dict()
@@ -202,6 +227,13 @@ def test_pinned_settings_resolution_errors(keys) -> None:
         pinned_from_configs({"partition-id": 2, "num-partitions": 2}, run)
     with pytest.raises(ClientSetupError, match="log2-grid"):
         pinned_from_configs(node, {**run, "log2-grid": 1.5})
+    for key, bad in (("max-local-epochs", 0), ("max-local-epochs", 10_001), ("max-local-epochs", 2.0),
+                     ("min-batch-size", 0), ("min-batch-size", True)):
+        with pytest.raises(ClientSetupError, match=f"pinned {key} must be an int in"):
+            pinned_from_configs(node, {**run, key: bad})
+    limits = pinned_from_configs(node, {**run, "max-local-epochs": 2, "min-batch-size": 16})
+    assert (limits.max_local_epochs, limits.min_batch_size) == (2, 16)
+    assert (p.max_local_epochs, p.min_batch_size) == (10, 1)
     # settings only the randomizer refuses are setup errors too, found before any request uses the data (they
     # raised ValueError -> "bad request" after compute_update had run)
     with pytest.raises(ClientSetupError, match="eps0=100.0.*<= 64"):

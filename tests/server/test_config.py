@@ -73,12 +73,23 @@ def test_default_family_is_removed_from_comparisons() -> None:
         ("reply-floor", -0.5, "'reply-floor' must be in [0.0, 3600.0]"),
         ("reply-floor", 3601.0, "'reply-floor' must be in [0.0, 3600.0]"),
         ("reply-floor", 900.0, "'reply-floor' (900 s) must be below 'reply-timeout' (900 s)"),
+        ("max-local-epochs", 0, "'max-local-epochs' must be an integer in [1, 10000]"),
+        ("min-batch-size", 0, "'min-batch-size' must be an integer in [1, 2147483647]"),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(key: str, value: object, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_run_config({key: value})
     assert fragment in str(info.value)
+
+
+def test_work_beyond_the_simulated_clients_limits_is_refused_at_startup() -> None:
+    with pytest.raises(ConfigError, match="max-local-epochs=10, min-batch-size=1: every client would refuse"):
+        parse_run_config({"report": "delta", "local-epochs": 11})
+    with pytest.raises(ConfigError, match="batch-size=8, .* min-batch-size=16"):
+        parse_run_config({"report": "delta", "min-batch-size": 16, "batch-size": 8})
+    assert parse_run_config({"report": "delta", "local-epochs": 20, "max-local-epochs": 20}).local_epochs == 20
+    assert parse_run_config({"local-epochs": 11}).local_epochs == 11  # a gradient report does no local epochs
 
 
 def test_unknown_key_is_refused_unless_allowed() -> None:
