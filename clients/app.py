@@ -134,7 +134,7 @@ def _answer(
 ) -> Reply:
     """Steps 2 (the pinned values) to 4 for a well-formed request."""
     try:
-        check_pinned(cfg, pinned)
+        check_pinned(cfg, pinned, sum(int(a.size) for a in arrays))
     except PinnedMismatchError as exc:
         return _error(ERR_PINNED_MISMATCH, f"refused: {exc}")
 

@@ -71,9 +71,13 @@ MAX_REPLY_FLOOR = 3600.0
 #: cover it (see :class:`PinnedSettings`); the server's defaults (1 epoch, batches of 32) are within them.
 DEFAULT_MAX_LOCAL_EPOCHS = 10
 DEFAULT_MIN_BATCH_SIZE = 1
+#: The model's size scales the work per sample, and the server chooses the model: a model with more parameters
+#: is refused. The default admits the bundled models on MNIST without PCA (an mlp of 64 hidden units has 50,890).
+DEFAULT_MAX_MODEL_PARAMETERS = 1_000_000
 #: The parser's own bounds on a request (clients.messages.TrainConfig), which the pinned limits must lie in.
 _LOCAL_EPOCHS_CAP = 10_000
 _BATCH_SIZE_CAP = 2**31 - 1
+_MODEL_PARAMETERS_CAP = 2**28  # clients.report.MAX_DIM: no larger report can be encoded
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,8 @@ class PinnedSettings:
     #: device and pin a reply-floor above it.
     max_local_epochs: int = DEFAULT_MAX_LOCAL_EPOCHS
     min_batch_size: int = DEFAULT_MIN_BATCH_SIZE
+    #: the largest model (total number of parameters) the client trains: the work per sample grows with it
+    max_model_parameters: int = DEFAULT_MAX_MODEL_PARAMETERS
 
     def __post_init__(self) -> None:
         for name in ("eps0", "clip_l1"):
@@ -115,7 +121,8 @@ class PinnedSettings:
                 f"pinned reply-floor must be a number of seconds in [0, {MAX_REPLY_FLOOR:g}], got {rf!r}"
             )
         object.__setattr__(self, "reply_floor", float(rf))
-        for name, cap in (("max_local_epochs", _LOCAL_EPOCHS_CAP), ("min_batch_size", _BATCH_SIZE_CAP)):
+        for name, cap in (("max_local_epochs", _LOCAL_EPOCHS_CAP), ("min_batch_size", _BATCH_SIZE_CAP),
+                          ("max_model_parameters", _MODEL_PARAMETERS_CAP)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= cap:
                 raise ClientSetupError(f"pinned {name.replace('_', '-')} must be an int in [1, {cap}], got {v!r}")
@@ -195,9 +202,9 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
 
     Deployment (``eps0`` in node_config): node_config supplies ``eps0``, ``clip-l1``, ``client-key``,
     ``server-public-key``, ``shuffler-public-key`` (paths), ``partition-id``, ``num-partitions`` and optionally
-    ``log2-grid``, ``reply-floor``, ``max-local-epochs`` and ``min-batch-size``. Simulation: run_config supplies
-    ``eps0``, ``clip-l1``, ``keys-dir`` (client i uses ``keys-dir/clients/client-<i>.key`` and
-    ``keys-dir/public/*``) and optionally the same four; node_config supplies ``partition-id`` and ``num-partitions`` (Flower's simulation engine
+    ``log2-grid``, ``reply-floor``, ``max-local-epochs``, ``min-batch-size`` and ``max-model-parameters``.
+    Simulation: run_config supplies ``eps0``, ``clip-l1``, ``keys-dir`` (client i uses
+    ``keys-dir/clients/client-<i>.key`` and ``keys-dir/public/*``) and optionally the same five; node_config supplies ``partition-id`` and ``num-partitions`` (Flower's simulation engine
     sets them). Values are checked by :class:`PinnedSettings`.
     """
     if "eps0" in node_config:
@@ -230,6 +237,7 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
         reply_floor=src.get("reply-floor", 0.0),
         max_local_epochs=src.get("max-local-epochs", DEFAULT_MAX_LOCAL_EPOCHS),
         min_batch_size=src.get("min-batch-size", DEFAULT_MIN_BATCH_SIZE),
+        max_model_parameters=src.get("max-model-parameters", DEFAULT_MAX_MODEL_PARAMETERS),
     )
 
 
@@ -279,14 +287,20 @@ def _check_model_fits_data(arrays: Sequence[np.ndarray], x: np.ndarray) -> None:
         raise RequestError(f"the model takes {width} features; this client's data has {found}")
 
 
-def check_pinned(cfg: TrainConfig, pinned: PinnedSettings) -> None:
+def check_pinned(cfg: TrainConfig, pinned: PinnedSettings, n_parameters: int | None = None) -> None:
     """Refuse a request that the pinned settings do not allow. Raises :class:`PinnedMismatchError`.
 
     eps0 and clip-l1 must equal the pinned values exactly (the pinned values are the contract; any difference
-    is refused, not "close enough"). With ``report = "delta"``, ``local-epochs`` must be at most the pinned
-    ``max-local-epochs`` and ``batch-size`` at least the pinned ``min-batch-size``. The decision reads the
-    request and the pinned settings only, never the data, so a refusal says nothing about the data.
+    is refused, not "close enough"). The model (``n_parameters``, the total size of the request's arrays) must
+    have at most ``max-model-parameters``; with ``report = "delta"``, ``local-epochs`` must be at most the
+    pinned ``max-local-epochs`` and ``batch-size`` at least the pinned ``min-batch-size``. The decision reads
+    the request and the pinned settings only, never the data, so a refusal says nothing about the data.
     """
+    if n_parameters is not None and n_parameters > pinned.max_model_parameters:
+        raise PinnedMismatchError(
+            f"the model has {n_parameters} parameters; this client's limit is max-model-parameters="
+            f"{pinned.max_model_parameters}"
+        )
     if cfg.eps0 != pinned.eps0 or cfg.clip_l1 != pinned.clip_l1:
         raise PinnedMismatchError(
             f"request asks eps0={cfg.eps0!r}, clip-l1={cfg.clip_l1!r}; this client is pinned to "
@@ -299,9 +313,11 @@ def check_pinned(cfg: TrainConfig, pinned: PinnedSettings) -> None:
         )
 
 
-def _parse(config: TrainConfig | Mapping[str, Any], pinned: PinnedSettings) -> TrainConfig:
+def _parse(
+    config: TrainConfig | Mapping[str, Any], pinned: PinnedSettings, arrays: Sequence[np.ndarray]
+) -> TrainConfig:
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_mapping(config)
-    check_pinned(cfg, pinned)
+    check_pinned(cfg, pinned, sum(int(np.asarray(a).size) for a in arrays))
     return cfg
 
 
@@ -325,7 +341,7 @@ def make_payload(
     mechanism is (post-processing of the input side). Such a substitution is logged on the client only, by
     exception type.
     """
-    cfg = _parse(config, pinned)
+    cfg = _parse(config, pinned, arrays)
     if len(arrays) == 0:
         raise RequestError("the request carries no model arrays")
     x, y = data
@@ -357,7 +373,7 @@ def make_envelope(
     """The sealed envelope for this request (see the module docstring)."""
     from shuffler.envelope import seal
 
-    cfg = _parse(config, pinned)
+    cfg = _parse(config, pinned, arrays)
     arrays = [np.asarray(a) for a in arrays]
     digest = arrays_digest(arrays)
     payload = make_payload(arrays, cfg, pinned, data, rng=rng)

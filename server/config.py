@@ -52,6 +52,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "batch-size": 32,
     "max-local-epochs": 10,
     "min-batch-size": 1,
+    "max-model-parameters": 1_000_000,
     "server-optimizer": "sgd",
     "server-lr": 20.0,
     "server-momentum": 0.9,
@@ -112,6 +113,7 @@ class ServerConfig:
     #: simulation only: the clients' pinned work limits (clients.core.PinnedSettings; deployed clients pin theirs)
     max_local_epochs: int
     min_batch_size: int
+    max_model_parameters: int
     server_optimizer: str
     server_lr: float
     server_momentum: float
@@ -306,6 +308,7 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         batch_size=_int(raw, "batch-size", minimum=1),
         max_local_epochs=_int(raw, "max-local-epochs", minimum=1, maximum=10_000),
         min_batch_size=_int(raw, "min-batch-size", minimum=1, maximum=2**31 - 1),
+        max_model_parameters=_int(raw, "max-model-parameters", minimum=1, maximum=2**28),
         server_optimizer=_str(raw, "server-optimizer", choices=OPTIMIZERS),
         server_lr=_float(raw, "server-lr", low=0.0),
         server_momentum=_float(raw, "server-momentum", low=0.0, high=1.0, low_inclusive=True, high_inclusive=False),

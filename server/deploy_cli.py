@@ -62,7 +62,7 @@ from typing import IO, Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from clients.core import DEFAULT_MAX_LOCAL_EPOCHS, DEFAULT_MIN_BATCH_SIZE
+from clients.core import DEFAULT_MAX_LOCAL_EPOCHS, DEFAULT_MAX_MODEL_PARAMETERS, DEFAULT_MIN_BATCH_SIZE
 from server.report import epsilon_label
 
 __all__ = [
@@ -367,16 +367,20 @@ def _check_reply_floor(value: object) -> float:
     return float(value)
 
 
-def _check_work_limits(max_local_epochs: object, min_batch_size: object) -> tuple[int, int]:
-    """``--max-local-epochs`` in [1, 10000] and ``--min-batch-size`` >= 1 (clients.core.PinnedSettings)."""
+def _check_work_limits(max_local_epochs: object, min_batch_size: object,
+                       max_model_parameters: object) -> tuple[int, int, int]:
+    """``--max-local-epochs`` in [1, 10000], ``--min-batch-size`` >= 1 and ``--max-model-parameters`` in
+    [1, 2**28] (clients.core.PinnedSettings)."""
     return (_check_int("--max-local-epochs", max_local_epochs, 1, 10_000),
-            _check_int("--min-batch-size", min_batch_size, 1, 2**31 - 1))
+            _check_int("--min-batch-size", min_batch_size, 1, 2**31 - 1),
+            _check_int("--max-model-parameters", max_model_parameters, 1, 2**28))
 
 
 def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str], *, eps0: float, clip_l1: float,
                          prefix: str | None = None, reply_floor: float = 0.0,
                          max_local_epochs: int = DEFAULT_MAX_LOCAL_EPOCHS,
-                         min_batch_size: int = DEFAULT_MIN_BATCH_SIZE) -> Path:
+                         min_batch_size: int = DEFAULT_MIN_BATCH_SIZE,
+                         max_model_parameters: int = DEFAULT_MAX_MODEL_PARAMETERS) -> Path:
     """Copy what device ``node`` needs into ``out`` (a new directory) and write its ``node-config.toml``.
 
     The node config pins eps0, clip-l1, the reply floor and the work limits (the device refuses requests for
@@ -393,7 +397,8 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
             raise DeployError(f"{name} must be a finite number > 0, got {value!r}")
     reply_floor = _check_reply_floor(reply_floor)
-    max_local_epochs, min_batch_size = _check_work_limits(max_local_epochs, min_batch_size)
+    max_local_epochs, min_batch_size, max_model_parameters = _check_work_limits(
+        max_local_epochs, min_batch_size, max_model_parameters)
     dest = Path(out)
     if dest.exists():
         raise DeployError(f"{dest} already exists; a bundle is written to a new directory")
@@ -421,6 +426,7 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
         "reply-floor": reply_floor,
         "max-local-epochs": max_local_epochs,
         "min-batch-size": min_batch_size,
+        "max-model-parameters": max_model_parameters,
         "client-key": f"{base}/client.key",
         "server-public-key": f"{base}/server_hpke.pub",
         "shuffler-public-key": f"{base}/shuffler_hpke.pub",
@@ -490,6 +496,7 @@ def node_config(keys: DeployKeys, partition_id: int, num_partitions: int, *, eps
         "reply-floor": float(reply_floor),
         "max-local-epochs": DEFAULT_MAX_LOCAL_EPOCHS,
         "min-batch-size": DEFAULT_MIN_BATCH_SIZE,
+        "max-model-parameters": DEFAULT_MAX_MODEL_PARAMETERS,
         "client-key": str(keys.client_key(partition_id).resolve()),
         "server-public-key": str(keys.server_public_key.resolve()),
         "shuffler-public-key": str(keys.shuffler_public_key.resolve()),
@@ -1293,6 +1300,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the most local epochs the device does for one request (more is refused)")
     b.add_argument("--min-batch-size", type=int, default=DEFAULT_MIN_BATCH_SIZE,
                    help="the smallest minibatch the device trains with (smaller is refused)")
+    b.add_argument("--max-model-parameters", type=int, default=DEFAULT_MAX_MODEL_PARAMETERS,
+                   help="the largest model (total parameters) the device trains (larger is refused)")
     b.add_argument("--prefix", default=None,
                    help="where the bundle will be on the device (default: --out; /device for the client image)")
 
@@ -1353,7 +1362,8 @@ def main(argv: Sequence[str]) -> int:
         if args.action == "bundle":
             dest = create_device_bundle(DeployKeys(args.keys), args.node, args.out, eps0=args.eps0,
                                         clip_l1=args.clip_l1, prefix=args.prefix, reply_floor=args.reply_floor,
-                                        max_local_epochs=args.max_local_epochs, min_batch_size=args.min_batch_size)
+                                        max_local_epochs=args.max_local_epochs, min_batch_size=args.min_batch_size,
+                                        max_model_parameters=args.max_model_parameters)
             print(f"wrote the bundle of device {args.node} to {dest}; copy it to the device and start it with")
             print(f"  flower-supernode --superlink <superlink-host>:8000 --root-certificates <dir>/superlink-ca.crt "
                   f"--auth-supernode-private-key <dir>/supernode.key --node-config <dir>/node-config.toml")

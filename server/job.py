@@ -275,6 +275,12 @@ def run_job(
         central = CentralEvaluator(cfg)
         evaluator = evaluator or central.evaluate
         initial_arrays = initial_arrays if initial_arrays is not None else central.initial_arrays()
+    n_parameters = sum(int(np.asarray(a).size) for a in initial_arrays)
+    if n_parameters > cfg.max_model_parameters:
+        raise ConfigError(
+            f"the model has {n_parameters} parameters, more than run config 'max-model-parameters' "
+            f"({cfg.max_model_parameters}), the clients' limit: every client would refuse it"
+        )
     server_key = load_private_key(paths.keys_dir / "server" / "hpke.key", "x25519")
 
     def opener(inner: bytes, round_id: int) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -145,6 +146,14 @@ def test_work_beyond_the_pinned_limits_is_refused_on_the_request_alone(keys, mod
     # defaults: 10 epochs, batches of 1
     default = _ctx(keys)
     assert train_shuffled(_msg(model, _cfg(1, report="delta", local_epochs=11)), default).has_error()
+    # the model's size scales the work per sample, and the server chooses it: a larger model is refused too
+    small = _ctx(keys, **{"max-model-parameters": 649})  # the logreg on 64 pixels has 650
+    with monkeypatch.context() as m:
+        m.setattr(clients.data, "load_partition", no_data)
+        r = train_shuffled(_msg(model, _cfg(1)), small)
+    assert r.has_error() and r.error.code == ERR_PINNED_MISMATCH
+    assert "the model has 650 parameters; this client's limit is max-model-parameters=649" in r.error.reason
+    assert not train_shuffled(_msg(model, _cfg(1)), _ctx(keys, **{"max-model-parameters": 650})).has_error()
 
 
 def test_bad_requests_are_error_replies(keys, model) -> None:
@@ -200,6 +209,8 @@ def test_core_without_flower(keys, model) -> None:
     assert len(env) == len(make_payload(model, _cfg(9), pinned, (x, y))) + envelope.ENVELOPE_OVERHEAD
     with pytest.raises(PinnedMismatchError):
         make_envelope(model, _cfg(9, eps0=8.0), pinned, (x, y))
+    with pytest.raises(PinnedMismatchError, match="max-model-parameters=100"):
+        make_envelope(model, _cfg(9), dataclasses.replace(pinned, max_model_parameters=100), (x, y))
     with pytest.raises(RequestError):
         make_envelope(model, {"round": 1}, pinned, (x, y))
 
@@ -233,7 +244,9 @@ def test_pinned_settings_resolution_errors(keys) -> None:
             pinned_from_configs(node, {**run, key: bad})
     limits = pinned_from_configs(node, {**run, "max-local-epochs": 2, "min-batch-size": 16})
     assert (limits.max_local_epochs, limits.min_batch_size) == (2, 16)
-    assert (p.max_local_epochs, p.min_batch_size) == (10, 1)
+    assert (p.max_local_epochs, p.min_batch_size, p.max_model_parameters) == (10, 1, 1_000_000)
+    with pytest.raises(ClientSetupError, match="pinned max-model-parameters must be an int in \\[1, 268435456\\]"):
+        pinned_from_configs(node, {**run, "max-model-parameters": 2**28 + 1})
     # settings only the randomizer refuses are setup errors too, found before any request uses the data (they
     # raised ValueError -> "bad request" after compute_update had run)
     with pytest.raises(ClientSetupError, match="eps0=100.0.*<= 64"):

@@ -68,7 +68,7 @@ def test_node_config_file_round_trips_through_toml(tmp_path: Path) -> None:
     assert loaded == conf
     assert Path(loaded["client-key"]).is_file() and " " in loaded["client-key"]
     assert set(conf) == {"partition-id", "num-partitions", "eps0", "clip-l1", "reply-floor", "max-local-epochs",
-                         "min-batch-size", "client-key", "server-public-key", "shuffler-public-key"}
+                         "min-batch-size", "max-model-parameters", "client-key", "server-public-key", "shuffler-public-key"}
     flwr_conf = tomllib.loads(dc.write_flower_config(tmp_path / "home", "127.0.0.1:9", keys.superlink_ca_cert)
                               .read_text())
     conn = flwr_conf["superlink"][dc.CONNECTION_NAME]
@@ -106,12 +106,14 @@ def test_bundle_holds_only_the_devices_files(tmp_path: Path) -> None:
     with pytest.raises(dc.DeployError, match="--reply-floor .* must be below --reply-timeout"):
         dc.LocalDeployment(reply_floor=300.0, reply_timeout=300.0).validate()
     # the work limits the device pins (defaults: 10 epochs, batches of 1), and the CLI flags that set them
-    assert (conf["max-local-epochs"], conf["min-batch-size"]) == (10, 1)
+    assert (conf["max-local-epochs"], conf["min-batch-size"], conf["max-model-parameters"]) == (10, 1, 1_000_000)
     assert dc.main(["deploy", "bundle", "--keys", str(keys.root), "--node", "0", "--out", str(tmp_path / "w"),
-                    "--eps0", "1", "--clip-l1", "1", "--max-local-epochs", "2", "--min-batch-size", "16"]) == 0
+                    "--eps0", "1", "--clip-l1", "1", "--max-local-epochs", "2", "--min-batch-size", "16",
+                    "--max-model-parameters", "5000"]) == 0
     limited = pinned_from_configs(tomllib.loads((tmp_path / "w" / "node-config.toml").read_text()), {})
-    assert (limited.max_local_epochs, limited.min_batch_size) == (2, 16)
-    for kw, flag in (({"max_local_epochs": 0}, "--max-local-epochs"), ({"min_batch_size": 1.5}, "--min-batch-size")):
+    assert (limited.max_local_epochs, limited.min_batch_size, limited.max_model_parameters) == (2, 16, 5000)
+    for kw, flag in (({"max_local_epochs": 0}, "--max-local-epochs"), ({"min_batch_size": 1.5}, "--min-batch-size"),
+                     ({"max_model_parameters": 2**28 + 1}, "--max-model-parameters")):
         with pytest.raises(dc.DeployError, match=flag):
             dc.create_device_bundle(keys, 0, tmp_path / "badlimit", eps0=1.0, clip_l1=1.0, **kw)
         assert not (tmp_path / "badlimit").exists()

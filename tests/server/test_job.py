@@ -91,6 +91,14 @@ def test_resolve_paths_needs_a_key_directory(tmp_path: Path, keys: Any, kit: Any
     assert paths.out_dir.name == "run-42"
 
 
+def test_a_model_larger_than_the_clients_limit_is_refused_before_any_round(tmp_path: Path, keys: Any, kit: Any) -> None:
+    cfg = kit.make_config(tmp_path, keys, **{"max-model-parameters": 649})  # the digits logreg has 650
+    grid = kit.FakeGrid.build([kit.honest_factory(keys)] * 12)
+    with pytest.raises(ConfigError, match="the model has 650 parameters, more than run config 'max-model-parameters'"):
+        run_job(cfg, grid, run_id=1, node_wait=0.0, progress=lambda line: None)
+    assert not (tmp_path / "outputs" / "t" / "ledger.sqlite").exists()
+
+
 _CHILD = """
 import sys
 from pathlib import Path
