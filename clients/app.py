@@ -7,7 +7,9 @@ Flower glue only; the work is :func:`clients.core.make_envelope` (signature docu
 Per request: resolve the pinned settings (node_config in deployment, run_config in simulation, see
 :func:`clients.core.pinned_from_configs`), load this node's partition, parse the request, refuse (error reply)
 if its eps0 / clip-l1 differ from the pinned ones or it asks for more local work than the pinned limits
-(:func:`clients.core.check_pinned`), and reply ``content["envelope"] = ArrayRecord({"ct": uint8})``,
+(:func:`clients.core.check_pinned`) or, in a deployment, for another dataset or PCA than the device's
+(:func:`clients.core.data_settings_from_configs`: the device's node config says which data it reads), and
+reply ``content["envelope"] = ArrayRecord({"ct": uint8})``,
 no earlier than the pinned ``reply-floor`` after the request arrived (see :func:`train_shuffled`).
 
 Retries: the reply for the latest round is cached in ``context.state``. A request for the same round, key
@@ -31,7 +33,7 @@ from clients.core import (
     PinnedMismatchError,
     PinnedSettings,
     check_pinned,
-    data_settings_from_run_config,
+    data_settings_from_configs,
     make_envelope,
     pinned_from_configs,
 )
@@ -135,8 +137,12 @@ def _answer(
     """Steps 2 (the pinned values) to 4 for a well-formed request."""
     try:
         check_pinned(cfg, pinned, sum(int(a.size) for a in arrays))
+        # in a deployment, the device's own (node config); the run's dataset and PCA must be the device's
+        settings = data_settings_from_configs(context.node_config, context.run_config)
     except PinnedMismatchError as exc:
         return _error(ERR_PINNED_MISMATCH, f"refused: {exc}")
+    except ClientSetupError as exc:
+        return _error(ERR_CLIENT_SETUP, f"client setup: {exc}")
 
     # 3. retry cache: at most one report per round
     key = _request_key(cfg, digest)
@@ -153,9 +159,8 @@ def _answer(
     try:
         from clients.data import load_partition
 
-        settings = data_settings_from_run_config(context.run_config)
         data = load_partition(pinned.partition_id, pinned.num_partitions, **settings)
-    except (ValueError, TypeError, OSError) as exc:  # TypeError: e.g. a run config value of the wrong type
+    except (ValueError, TypeError, OSError) as exc:
         # The details (paths, file sizes, shapes) are about the client's data: they go to its own log only.
         _log.error("could not load this client's data: %s", exc)
         return _error(ERR_CLIENT_SETUP, "client data: the local dataset could not be loaded (see the client's log)")

@@ -46,7 +46,9 @@ __all__ = [
     "ClientSetupError",
     "check_pinned",
     "pinned_from_configs",
-    "data_settings_from_run_config",
+    "DATA_SETTINGS_DEFAULTS",
+    "data_settings_from_configs",
+    "parse_data_settings",
     "compute_update",
     "make_payload",
     "make_envelope",
@@ -56,8 +58,8 @@ _log = logging.getLogger("shuffledp.client")
 
 
 class PinnedMismatchError(ValueError):
-    """The server asked for eps0 / clip-l1 different from the client's pinned values, or for more local work
-    than the client's pinned work limits allow."""
+    """The server asked for eps0 / clip-l1 different from the client's pinned values, for more local work than
+    the client's pinned work limits allow, or (in a deployment) for another dataset or PCA than the device's."""
 
 
 class ClientSetupError(ValueError):
@@ -241,19 +243,73 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
     )
 
 
-def data_settings_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for :func:`clients.data.load_partition` from the run config (all optional):
-    ``dataset`` ("digits"), ``data-dir``, ``pca-components`` (10; 0 = none), ``partition`` ("iid" |
-    "dirichlet"), ``dirichlet-alpha`` (0.5), ``partition-seed`` (0)."""
-    pca = int(run_config.get("pca-components", 10))
+#: The data settings and their defaults (docs/interfaces.md): which dataset, where its files are, the PCA fitted
+#: on it, and how its training split is partitioned among the clients.
+DATA_SETTINGS_DEFAULTS: dict[str, Any] = {
+    "dataset": "digits",
+    "data-dir": "",
+    "pca-components": 10,
+    "partition": "iid",
+    "dirichlet-alpha": 0.5,
+    "partition-seed": 0,
+}
+#: The data settings that fix the model's input (its width and the features' meaning). In a deployment a run
+#: config that names other values than the device pins is refused (pinned-mismatch): the server's model and
+#: evaluation would not fit this device's data. ``data-dir`` is a path on each machine and may differ.
+_MODEL_INPUT_KEYS = ("dataset", "pca-components")
+_PARTITION_SCHEMES = ("iid", "dirichlet")
+
+
+def parse_data_settings(src: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The keyword arguments of :func:`clients.data.load_partition` from the data settings in ``src`` (keys of
+    :data:`DATA_SETTINGS_DEFAULTS`; defaults for missing keys, other keys ignored), each checked for its type
+    and range; ``where`` names ``src`` in the error message. Raises :class:`ClientSetupError`."""
+    v = {key: src.get(key, default) for key, default in DATA_SETTINGS_DEFAULTS.items()}
+    for key in ("dataset", "data-dir", "partition"):
+        if not isinstance(v[key], str):
+            raise ClientSetupError(f"{where}[{key!r}] must be a string, got {v[key]!r}")
+    if v["partition"] not in _PARTITION_SCHEMES:
+        raise ClientSetupError(f"{where}['partition'] must be one of {_PARTITION_SCHEMES}, got {v['partition']!r}")
+    for key in ("pca-components", "partition-seed"):
+        if isinstance(v[key], bool) or not isinstance(v[key], int) or v[key] < 0:
+            raise ClientSetupError(f"{where}[{key!r}] must be an int >= 0, got {v[key]!r}")
+    alpha = v["dirichlet-alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+        raise ClientSetupError(f"{where}['dirichlet-alpha'] must be a finite number > 0, got {alpha!r}")
     return {
-        "dataset": str(run_config.get("dataset", "digits")),
-        "data_dir": str(run_config["data-dir"]) if run_config.get("data-dir") else None,
-        "pca_components": pca if pca > 0 else None,
-        "scheme": str(run_config.get("partition", "iid")),
-        "alpha": float(run_config.get("dirichlet-alpha", 0.5)),
-        "seed": int(run_config.get("partition-seed", 0)),
+        "dataset": v["dataset"],
+        "data_dir": v["data-dir"] or None,
+        "pca_components": v["pca-components"] or None,
+        "scheme": v["partition"],
+        "alpha": float(alpha),
+        "seed": v["partition-seed"],
     }
+
+
+def data_settings_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for :func:`clients.data.load_partition`: ``dataset`` ("digits" | "mnist"),
+    ``data-dir`` (a folder; "" = none), ``pca-components`` (10; 0 = none), ``partition`` ("iid" | "dirichlet"),
+    ``dirichlet-alpha`` (0.5), ``partition-seed`` (0), each optional.
+
+    Deployment (``eps0`` in node_config, as for :func:`pinned_from_configs`): from the node config. Which files
+    on the device are read, and which of their records, is the device's choice: a server that chose
+    ``data-dir`` could point the client at any folder and learn from the reply whether a loadable dataset is
+    there, outside the eps0-LDP mechanism. The run config's ``dataset`` and ``pca-components``, if given, must
+    equal the device's (else :class:`PinnedMismatchError`: the server's model would not fit this data); its
+    other data settings are not read. Simulation: from the run config (every simulated client is the
+    operator's). Raises :class:`ClientSetupError` for a value of the wrong type or range. Decided on the
+    configs alone, never the data.
+    """
+    if "eps0" not in node_config:
+        return parse_data_settings(run_config, "run_config")
+    settings = parse_data_settings(node_config, "node_config")
+    for key in _MODEL_INPUT_KEYS:
+        pinned = node_config.get(key, DATA_SETTINGS_DEFAULTS[key])
+        if key in run_config and run_config[key] != pinned:
+            raise PinnedMismatchError(
+                f"the run asks for {key}={run_config[key]!r}; this device's data is pinned to {key}={pinned!r}"
+            )
+    return settings
 
 
 def compute_update(arrays: Sequence[np.ndarray], cfg: TrainConfig, x: np.ndarray, y: np.ndarray) -> np.ndarray:

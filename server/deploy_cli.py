@@ -62,7 +62,14 @@ from typing import IO, Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from clients.core import DEFAULT_MAX_LOCAL_EPOCHS, DEFAULT_MAX_MODEL_PARAMETERS, DEFAULT_MIN_BATCH_SIZE
+from clients.core import (
+    DATA_SETTINGS_DEFAULTS,
+    DEFAULT_MAX_LOCAL_EPOCHS,
+    DEFAULT_MAX_MODEL_PARAMETERS,
+    DEFAULT_MIN_BATCH_SIZE,
+    ClientSetupError,
+    parse_data_settings,
+)
 from server.report import epsilon_label
 
 __all__ = [
@@ -376,15 +383,31 @@ def _check_work_limits(max_local_epochs: object, min_batch_size: object,
             _check_int("--max-model-parameters", max_model_parameters, 1, 2**28))
 
 
+def device_data_settings(values: Mapping[str, object] | None) -> dict[str, object]:
+    """The data settings a device pins in its node config (clients.core.DATA_SETTINGS_DEFAULTS: ``dataset``,
+    ``data-dir``, ``pca-components``, ``partition``, ``dirichlet-alpha``, ``partition-seed``): the defaults,
+    overridden by the data keys of ``values`` (other keys ignored), checked as the ClientApp checks them
+    (clients.core.parse_data_settings). The device reads its data as its node config says, never as the server's
+    run config says; the run's ``dataset`` and ``pca-components`` must be the same (else the device refuses)."""
+    chosen = {key: (values or {}).get(key, default) for key, default in DATA_SETTINGS_DEFAULTS.items()}
+    try:
+        parse_data_settings(chosen, "the device's data settings")
+    except ClientSetupError as exc:
+        raise DeployError(str(exc)) from None
+    return chosen
+
+
 def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str], *, eps0: float, clip_l1: float,
                          prefix: str | None = None, reply_floor: float = 0.0,
                          max_local_epochs: int = DEFAULT_MAX_LOCAL_EPOCHS,
                          min_batch_size: int = DEFAULT_MIN_BATCH_SIZE,
-                         max_model_parameters: int = DEFAULT_MAX_MODEL_PARAMETERS) -> Path:
+                         max_model_parameters: int = DEFAULT_MAX_MODEL_PARAMETERS,
+                         data: Mapping[str, object] | None = None) -> Path:
     """Copy what device ``node`` needs into ``out`` (a new directory) and write its ``node-config.toml``.
 
-    The node config pins eps0, clip-l1, the reply floor and the work limits (the device refuses requests for
-    more local epochs or smaller minibatches; with a reply floor, pick one above the work at these limits).
+    The node config pins eps0, clip-l1, the reply floor, the work limits (the device refuses requests for
+    more local epochs or smaller minibatches; with a reply floor, pick one above the work at these limits) and
+    the data settings (``data``, see :func:`device_data_settings`; ``data-dir`` is a path on the device).
 
     The bundle holds the device's own secrets (its SuperNode key and its client signing key, 0600) and public
     files only (the SuperLink CA and the pinned server and shuffler HPKE public keys). ``prefix`` is where the
@@ -399,6 +422,7 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
     reply_floor = _check_reply_floor(reply_floor)
     max_local_epochs, min_batch_size, max_model_parameters = _check_work_limits(
         max_local_epochs, min_batch_size, max_model_parameters)
+    data_settings = device_data_settings(data)
     dest = Path(out)
     if dest.exists():
         raise DeployError(f"{dest} already exists; a bundle is written to a new directory")
@@ -427,6 +451,7 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
         "max-local-epochs": max_local_epochs,
         "min-batch-size": min_batch_size,
         "max-model-parameters": max_model_parameters,
+        **data_settings,
         "client-key": f"{base}/client.key",
         "server-public-key": f"{base}/server_hpke.pub",
         "shuffler-public-key": f"{base}/shuffler_hpke.pub",
@@ -482,11 +507,13 @@ def write_flower_config(flwr_home: Path, address: str, root_certificates: Path,
 
 
 def node_config(keys: DeployKeys, partition_id: int, num_partitions: int, *, eps0: float,
-                clip_l1: float, reply_floor: float = 0.0) -> dict[str, object]:
+                clip_l1: float, reply_floor: float = 0.0,
+                data: Mapping[str, object] | None = None) -> dict[str, object]:
     """The node config one SuperNode runs with (the keys the ClientApp reads, docs/interfaces.md).
 
     eps0 and clip-l1 are pinned here, on the device: the ClientApp refuses a server request that asks for
-    other values. Keys are referred to by path; nothing secret is inlined.
+    other values. So are the data settings (``data``, see :func:`device_data_settings`): the device reads the
+    data its node config names. Keys are referred to by path; nothing secret is inlined.
     """
     return {
         "partition-id": partition_id,
@@ -497,6 +524,7 @@ def node_config(keys: DeployKeys, partition_id: int, num_partitions: int, *, eps
         "max-local-epochs": DEFAULT_MAX_LOCAL_EPOCHS,
         "min-batch-size": DEFAULT_MIN_BATCH_SIZE,
         "max-model-parameters": DEFAULT_MAX_MODEL_PARAMETERS,
+        **device_data_settings(data),
         "client-key": str(keys.client_key(partition_id).resolve()),
         "server-public-key": str(keys.server_public_key.resolve()),
         "shuffler-public-key": str(keys.shuffler_public_key.resolve()),
@@ -821,6 +849,20 @@ class LocalDeployment:
                 raise DeployError(
                     f"--workdir {work} is inside the app directory {app}: `flwr run` would pack its TOML/JSON files "
                     "(key paths, the enrolment file) into the app bundle; choose a directory outside it")
+        self.data_settings()
+
+    def data_settings(self) -> dict[str, object]:
+        """The data settings every SuperNode pins (:func:`device_data_settings`): the app's run-config defaults
+        (``[tool.flwr.app.config]`` of its pyproject.toml) with ``run_config`` on top, so that the devices read
+        what the run's dataset and PCA say."""
+        import tomllib
+
+        app = (self.app_dir or _app_dir_default()).resolve()
+        try:
+            defaults = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+        except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
+            raise DeployError(f"cannot read the run-config defaults of {app / 'pyproject.toml'}: {exc!r}") from None
+        return device_data_settings({**defaults, **self.run_config})
 
 
 @dataclass
@@ -1056,6 +1098,7 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
     """
     cfg.validate()
     app_dir = (cfg.app_dir or _app_dir_default()).resolve()
+    data = cfg.data_settings()  # what every SuperNode pins (the devices read their data as their config says)
     work = Path(cfg.workdir).resolve() if cfg.workdir else Path(tempfile.mkdtemp(prefix="shuffledp-deploy-"))
     work.mkdir(parents=True, exist_ok=True)
     logs = work / "logs"
@@ -1115,7 +1158,7 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
                                          range(cfg.nodes)))
             confs = [write_toml(work / "supernodes" / f"node-{i}" / "node-config.toml",
                                 node_config(keys, i, cfg.nodes, eps0=cfg.eps0, clip_l1=cfg.clip_l1,
-                                            reply_floor=cfg.reply_floor))
+                                            reply_floor=cfg.reply_floor, data=data))
                      for i in range(cfg.nodes)]
             start_supernodes(group, keys, address, confs, work / "supernodes", base_env, logs, host=host)
             timings["startup-s"] = time.monotonic() - t_start
@@ -1302,6 +1345,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="the smallest minibatch the device trains with (smaller is refused)")
     b.add_argument("--max-model-parameters", type=int, default=DEFAULT_MAX_MODEL_PARAMETERS,
                    help="the largest model (total parameters) the device trains (larger is refused)")
+    # the device's data settings (clients.core.DATA_SETTINGS_DEFAULTS); the server's run config does not choose them
+    b.add_argument("--dataset", default=None, help="digits (bundled, default) | mnist (IDX files under --data-dir)")
+    b.add_argument("--data-dir", default=None, help="folder on the device holding the dataset's files (mnist)")
+    b.add_argument("--pca-components", type=int, default=None, help="PCA components (default 10; 0 = none)")
+    b.add_argument("--partition", default=None, help="iid (default) | dirichlet: this device's share of the data")
+    b.add_argument("--dirichlet-alpha", type=float, default=None, help="Dirichlet concentration (default 0.5)")
+    b.add_argument("--partition-seed", type=int, default=None, help="seed of the partition (default 0)")
     b.add_argument("--prefix", default=None,
                    help="where the bundle will be on the device (default: --out; /device for the client image)")
 
@@ -1363,7 +1413,12 @@ def main(argv: Sequence[str]) -> int:
             dest = create_device_bundle(DeployKeys(args.keys), args.node, args.out, eps0=args.eps0,
                                         clip_l1=args.clip_l1, prefix=args.prefix, reply_floor=args.reply_floor,
                                         max_local_epochs=args.max_local_epochs, min_batch_size=args.min_batch_size,
-                                        max_model_parameters=args.max_model_parameters)
+                                        max_model_parameters=args.max_model_parameters,
+                                        data={key: value for key, value in (
+                                            ("dataset", args.dataset), ("data-dir", args.data_dir),
+                                            ("pca-components", args.pca_components), ("partition", args.partition),
+                                            ("dirichlet-alpha", args.dirichlet_alpha),
+                                            ("partition-seed", args.partition_seed)) if value is not None})
             print(f"wrote the bundle of device {args.node} to {dest}; copy it to the device and start it with")
             print(f"  flower-supernode --superlink <superlink-host>:8000 --root-certificates <dir>/superlink-ca.crt "
                   f"--auth-supernode-private-key <dir>/supernode.key --node-config <dir>/node-config.toml")

@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordD
 from flwr.clientapp import ClientApp
 
 from clients.app import train_shuffled
-from clients.core import PinnedSettings, data_settings_from_run_config, make_payload
+from clients.core import PinnedSettings, data_settings_from_configs, make_payload
 from clients.messages import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -114,7 +114,7 @@ def train_plain(msg: Message, context: Context) -> Message:
     try:
         from clients.data import load_partition
 
-        data = load_partition(pinned.partition_id, pinned.num_partitions, **data_settings_from_run_config(rc))
+        data = load_partition(pinned.partition_id, pinned.num_partitions, **data_settings_from_configs(nc, rc))
         report = make_payload(arrays, cfg, pinned, data)
     except (RequestError, ValueError, OSError) as exc:
         return _error(msg, ERR_BAD_REQUEST, f"cannot compute a report: {exc}")

@@ -184,6 +184,7 @@ def test_deployment_node_config_pins_override_run_config(keys, model) -> None:
         "shuffler-public-key": str(keys.shuffler_hpke_pub),
         "partition-id": PID,
         "num-partitions": N_PART,
+        "pca-components": 0,  # the device's data settings (the model takes 64 pixels)
     }
     ctx = Context(run_id=1, node_id=7, node_config=node, state=RecordDict(),
                   run_config={"eps0": 2.0, "clip-l1": 1.0, "pca-components": 0})  # simulation values are ignored in deployment
@@ -216,7 +217,7 @@ def test_core_without_flower(keys, model) -> None:
 
 
 def test_pinned_settings_resolution_errors(keys) -> None:
-    from clients.core import ClientSetupError, data_settings_from_run_config, pinned_from_configs
+    from clients.core import ClientSetupError, data_settings_from_configs, pinned_from_configs
 
     node = {"partition-id": 0, "num-partitions": N_PART}
     run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root), "pca-components": 0}  # model uses 64 pixels
@@ -258,9 +259,64 @@ def test_pinned_settings_resolution_errors(keys) -> None:
            "partition-id": 0, "num-partitions": 1}
     with pytest.raises(ClientSetupError, match="cannot load"):
         pinned_from_configs(dep, {})
-    assert data_settings_from_run_config({}) == {"dataset": "digits", "data_dir": None, "pca_components": 10,
-                                                 "scheme": "iid", "alpha": 0.5, "seed": 0}
-    assert data_settings_from_run_config({"pca-components": 0})["pca_components"] is None
+    assert data_settings_from_configs(node, {}) == {"dataset": "digits", "data_dir": None, "pca_components": 10,
+                                                    "scheme": "iid", "alpha": 0.5, "seed": 0}
+    assert data_settings_from_configs(node, {"pca-components": 0})["pca_components"] is None
+    for key, bad in (("dataset", 3), ("data-dir", 1.0), ("pca-components", 2.5), ("pca-components", -1),
+                     ("pca-components", True), ("partition", "zipf"), ("dirichlet-alpha", 0.0),
+                     ("dirichlet-alpha", float("nan")), ("dirichlet-alpha", "0.5"), ("partition-seed", -3)):
+        with pytest.raises(ClientSetupError, match=f"run_config\\['{key}'\\] must be"):
+            data_settings_from_configs(node, {key: bad})
+
+
+def _deployment_node(keys, **data) -> dict:
+    return {"eps0": EPS0, "clip-l1": CLIP, "client-key": str(keys.client_key(PID)),
+            "server-public-key": str(keys.server_hpke_pub), "shuffler-public-key": str(keys.shuffler_hpke_pub),
+            "partition-id": PID, "num-partitions": N_PART, **data}
+
+
+def test_deployment_reads_the_data_its_node_config_names_not_the_servers(keys, model, tmp_path,
+                                                                        monkeypatch) -> None:
+    """In a deployment the server chose which files the device read (``data-dir``, ``dataset`` in its run
+    config): it could point the client at any folder and tell from the reply (report, or "could not be
+    loaded") whether a loadable dataset was there. Now the device's node config says; the run's dataset and
+    PCA must agree with it, and the run's data-dir and partition settings are not read."""
+    import clients.data
+
+    loads: list[dict] = []
+    real = clients.data.load_partition
+
+    def recording(pid, n, **kw):
+        loads.append(kw)
+        return real(pid, n, dataset="digits", pca_components=None)
+
+    monkeypatch.setattr(clients.data, "load_partition", recording)
+    (tmp_path / "MNIST" / "raw").mkdir(parents=True)  # a server-chosen folder holding a dataset
+    node = _deployment_node(keys, **{"pca-components": 0, "data-dir": "/device/data", "partition-seed": 3})
+    # the run names the device's dataset and PCA, and its own data-dir and partition: a report, read as pinned
+    run = {"pca-components": 0, "dataset": "digits", "data-dir": str(tmp_path), "partition": "dirichlet",
+           "partition-seed": 11}
+    r = train_shuffled(_msg(model, _cfg(1)), Context(run_id=1, node_id=7, node_config=node, state=RecordDict(),
+                                                     run_config=run))
+    assert not r.has_error(), r.error
+    assert loads == [{"dataset": "digits", "data_dir": "/device/data", "pca_components": None, "scheme": "iid",
+                      "alpha": 0.5, "seed": 3}]
+    # another dataset or PCA than the device's: refused on the configs alone, nothing loaded
+    for other in ({**run, "dataset": "mnist"}, {**run, "pca-components": 10}):
+        r = train_shuffled(_msg(model, _cfg(1)), Context(run_id=1, node_id=7, node_config=node,
+                                                         state=RecordDict(), run_config=other))
+        assert r.has_error() and r.error.code == ERR_PINNED_MISMATCH, r.error
+        assert "this device's data is pinned to" in r.error.reason
+    # a node config without data settings pins the defaults (digits, PCA 10), which the run must then use
+    r = train_shuffled(_msg(model, _cfg(1)), Context(run_id=1, node_id=7, node_config=_deployment_node(keys),
+                                                     state=RecordDict(), run_config=run))
+    assert r.has_error() and r.error.code == ERR_PINNED_MISMATCH and "pca-components=10" in r.error.reason
+    # a data setting of the wrong type in the node config is the device's setup error
+    bad = _deployment_node(keys, **{"pca-components": "ten"})
+    r = train_shuffled(_msg(model, _cfg(1)), Context(run_id=1, node_id=7, node_config=bad, state=RecordDict(),
+                                                     run_config={}))
+    assert r.has_error() and r.error.code == ERR_CLIENT_SETUP and "node_config['pca-components']" in r.error.reason
+    assert len(loads) == 1
 
 
 def test_reply_floor_holds_every_reply_after_pinning(keys, model, caplog) -> None:

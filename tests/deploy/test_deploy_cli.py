@@ -68,7 +68,8 @@ def test_node_config_file_round_trips_through_toml(tmp_path: Path) -> None:
     assert loaded == conf
     assert Path(loaded["client-key"]).is_file() and " " in loaded["client-key"]
     assert set(conf) == {"partition-id", "num-partitions", "eps0", "clip-l1", "reply-floor", "max-local-epochs",
-                         "min-batch-size", "max-model-parameters", "client-key", "server-public-key", "shuffler-public-key"}
+                         "min-batch-size", "max-model-parameters", "client-key", "server-public-key", "shuffler-public-key",
+                         "dataset", "data-dir", "pca-components", "partition", "dirichlet-alpha", "partition-seed"}
     flwr_conf = tomllib.loads(dc.write_flower_config(tmp_path / "home", "127.0.0.1:9", keys.superlink_ca_cert)
                               .read_text())
     conn = flwr_conf["superlink"][dc.CONNECTION_NAME]
@@ -117,6 +118,52 @@ def test_bundle_holds_only_the_devices_files(tmp_path: Path) -> None:
         with pytest.raises(dc.DeployError, match=flag):
             dc.create_device_bundle(keys, 0, tmp_path / "badlimit", eps0=1.0, clip_l1=1.0, **kw)
         assert not (tmp_path / "badlimit").exists()
+
+
+def test_devices_pin_their_data_settings(tmp_path: Path) -> None:
+    """The device reads the data its node config names (clients.core.data_settings_from_configs), so the bundle
+    and `deploy local` write the data settings there: bundle flags, or the run's (app defaults + --run-config)."""
+    from clients.core import data_settings_from_configs
+
+    keys = dc.create_deploy_keys(tmp_path / "keys", 2)
+    plain = tomllib.loads((dc.create_device_bundle(keys, 0, tmp_path / "b0", eps0=1.0, clip_l1=1.0)
+                           / "node-config.toml").read_text())
+    assert {k: plain[k] for k in ("dataset", "data-dir", "pca-components", "partition", "dirichlet-alpha",
+                                  "partition-seed")} == {"dataset": "digits", "data-dir": "", "pca-components": 10,
+                                                         "partition": "iid", "dirichlet-alpha": 0.5,
+                                                         "partition-seed": 0}
+    assert dc.main(["deploy", "bundle", "--keys", str(keys.root), "--node", "1", "--out", str(tmp_path / "b1"),
+                    "--eps0", "1", "--clip-l1", "1", "--dataset", "mnist", "--data-dir", "/device/data",
+                    "--pca-components", "0", "--partition", "dirichlet", "--dirichlet-alpha", "0.3",
+                    "--partition-seed", "7"]) == 0
+    conf = tomllib.loads((tmp_path / "b1" / "node-config.toml").read_text())
+    # what the device's ClientApp reads, whatever the server's run config says about data-dir or partitions
+    assert data_settings_from_configs(conf, {"data-dir": "/srv", "partition-seed": 0, "dataset": "mnist"}) == {
+        "dataset": "mnist", "data_dir": "/device/data", "pca_components": None, "scheme": "dirichlet",
+        "alpha": 0.3, "seed": 7}
+    for flags, data in ((["--pca-components", "-1"], {"pca-components": -1}),
+                        (["--partition", "zipf"], {"partition": "zipf"}),
+                        (["--dirichlet-alpha", "0"], {"dirichlet-alpha": 0.0})):
+        assert dc.main(["deploy", "bundle", "--keys", str(keys.root), "--node", "0", "--out", str(tmp_path / "bad"),
+                        "--eps0", "1", "--clip-l1", "1", *flags]) == 1
+        with pytest.raises(dc.DeployError, match=f"data settings\\['{next(iter(data))}'\\] must be"):
+            dc.create_device_bundle(keys, 0, tmp_path / "bad", eps0=1.0, clip_l1=1.0, data=data)
+        assert not (tmp_path / "bad").exists()  # refused before anything was written
+    # deploy local: the app's run-config defaults with --run-config on top, the same for every node
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "pyproject.toml").write_text('[tool.flwr.app.config]\ndataset = "digits"\npca-components = 20\n'
+                                        'partition-seed = 4\n')
+    local = dc.LocalDeployment(app_dir=app, run_config={"pca-components": 0, "num-server-rounds": 2})
+    local.validate()
+    data = local.data_settings()
+    assert (data["pca-components"], data["partition-seed"], data["dataset"]) == (0, 4, "digits")
+    assert dc.node_config(keys, 1, 2, eps0=1.0, clip_l1=1.0, data=data)["pca-components"] == 0
+    with pytest.raises(dc.DeployError, match="pca-components"):
+        dc.LocalDeployment(app_dir=app, run_config={"pca-components": "many"}).validate()
+    (app / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    with pytest.raises(dc.DeployError, match="run-config defaults"):
+        local.data_settings()
 
 
 def test_round_timings_splits_each_round() -> None:
