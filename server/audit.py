@@ -158,6 +158,11 @@ def audit(
     for r in batches:
         if not r["released"] and int(r["round_id"]) not in charged:
             notes.append(f"round {r['round_id']}: sealed, never released, not charged (nothing left the shuffler)")
+    others = [r for r in releases if int(r["key_epoch"]) != epoch]
+    if others:
+        notes.append(f"{len(others)} sealed batch(es) of other key epochs "
+                     f"{sorted({int(r['key_epoch']) for r in others})} ({sum(1 for r in others if r['released'])} "
+                     "released) were not audited: they are not this run's")
     return AuditReport(
         key_epoch=epoch,
         batches_sealed=len(batches),

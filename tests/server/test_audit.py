@@ -73,7 +73,11 @@ def test_epochs_must_be_named_when_the_listing_holds_several() -> None:
     lines = [_line(1, 10, epoch=0), _line(1, 4, epoch=1)]
     with pytest.raises(AuditError, match="key epochs \\[0, 1\\]"):
         audit(_rows((1, 10)), lines)
-    assert audit(_rows((1, 10)), lines, key_epoch=0).ok
+    rep = audit(_rows((1, 10)), lines, key_epoch=0)
+    assert rep.ok and rep.batches_sealed == 1
+    # the other epoch's batch is not silently dropped from the report
+    assert rep.notes == ["1 sealed batch(es) of other key epochs [1] (1 released) were not audited: they are not "
+                         "this run's"]
     assert not audit(_rows((1, 10)), lines, key_epoch=1).ok  # epoch 1's round 1 released 4, charged 10
     with pytest.raises(AuditError, match="two batches"):
         audit(_rows((1, 10)), [_line(1, 10), _line(1, 10)])
