@@ -1355,6 +1355,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--prefix", default=None,
                    help="where the bundle will be on the device (default: --out; /device for the client image)")
 
+    tw = sub.add_parser("time-work", help="on the device: time its worst-case local work under its pinned limits "
+                                          "(to choose a reply-floor that covers it)")
+    tw.add_argument("--node-config", required=True, type=Path, help="the device's node-config.toml (from `bundle`)")
+    tw.add_argument("--repeat", type=int, default=3, help="timed repetitions per model shape (default 3)")
+
     loc = sub.add_parser("local", help="run a TLS deployment with N SuperNodes on this machine")
     loc.add_argument("--nodes", type=int, default=3)
     loc.add_argument("--rounds", type=int, default=2)
@@ -1393,6 +1398,36 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, object]:
     return out
 
 
+def _time_work(node_config_path: Path, repeat: int) -> int:
+    """``deploy time-work``: print :func:`clients.worktime.time_worst_case` as JSON; warn on stderr if the pinned
+    reply-floor does not cover the measured worst case. Exit 0 once measured (1 for a bad node config)."""
+    import tomllib
+
+    from clients.worktime import time_worst_case
+
+    try:
+        node = tomllib.loads(node_config_path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise DeployError(f"cannot read the node config {node_config_path}: {exc}") from None
+    if "eps0" not in node:
+        raise DeployError(f"{node_config_path} pins no eps0: it is not a device's node config (see `deploy bundle`)")
+    try:
+        result = time_worst_case(node, repeat=repeat)
+    except ValueError as exc:  # ClientSetupError (keys, limits, data settings), a bad --repeat, unloadable data
+        raise DeployError(str(exc)) from None
+    print(json.dumps(result, indent=1))
+    worst, floor = result["worst_s"], result["reply_floor_s"]
+    if not result["covered"]:
+        state = "off" if floor == 0 else f"{floor:g} s"
+        print(f"shuffledp deploy: the reply-floor ({state}) does not cover the measured worst case ({worst:.2f} s): "
+              f"set it well above that (e.g. {math.ceil(2 * worst)} s) with `bundle --reply-floor`, and below the "
+              "server's reply-timeout", file=sys.stderr)
+    else:
+        print(f"the reply-floor ({floor:g} s) covers the measured worst case ({worst:.2f} s); this is a measurement, "
+              "not a bound: keep a margin", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
     """``shuffledp deploy ...``; ``argv[0]`` is ``"deploy"``. Returns the exit code."""
     args_list = list(argv)[1:] if argv and argv[0] == "deploy" else list(argv)
@@ -1423,6 +1458,8 @@ def main(argv: Sequence[str]) -> int:
             print(f"  flower-supernode --superlink <superlink-host>:8000 --root-certificates <dir>/superlink-ca.crt "
                   f"--auth-supernode-private-key <dir>/supernode.key --node-config <dir>/node-config.toml")
             return 0
+        if args.action == "time-work":
+            return _time_work(args.node_config, args.repeat)
         cfg = LocalDeployment(nodes=args.nodes, rounds=args.rounds, workdir=args.workdir, keys_dir=args.keys,
                               app_dir=args.app, eps0=args.eps0, clip_l1=args.clip_l1,
                               min_reports=args.min_reports, reply_timeout=args.reply_timeout,
