@@ -12,7 +12,9 @@ one pass over the data: less.
 :func:`time_worst_case` measures that on this device, with its own data and settings, end to end as the
 ClientApp does it (:func:`clients.core.make_envelope`: train, clip, randomize, encode, seal), for the two
 extreme shapes of a model at the parameter limit: an mlp with as many hidden units as fit, and a logreg with as
-many output classes as fit. It is a measurement, not a bound: other shapes of the same size, another load on
+many output classes as fit. The first repetition in a fresh process also pays one-time costs (importing torch
+and its optimizer machinery: about 4 s of a 6 s first run here, against 1.9 s warm, for the default limits on
+a quarter of digits), as the first request of a new ClientApp process does. It is a measurement, not a bound: other shapes of the same size, another load on
 the device, or a slower moment can take longer, so choose the floor with a margin above the measured worst.
 """
 
