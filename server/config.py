@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clients.core import DATA_SETTINGS_DEFAULTS
+
 __all__ = [
     "ConfigError",
     "ServerConfig",
@@ -58,12 +60,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "server-momentum": 0.9,
     "model": "logreg",
     "hidden-units": 64,
-    "dataset": "digits",
-    "data-dir": "",
-    "pca-components": 10,
-    "partition": "iid",
-    "dirichlet-alpha": 0.5,
-    "partition-seed": 0,
+    **DATA_SETTINGS_DEFAULTS,  # dataset, data-dir, pca-components, partition, dirichlet-alpha, partition-seed
     "target-delta": 1e-6,
     "budget-epsilon": 10.0,
     "accounting-family": "clones",
