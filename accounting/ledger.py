@@ -18,6 +18,13 @@ Schema (version 1)::
            delta REAL, default_family TEXT)
     epsilons(round INTEGER REFERENCES rounds, family TEXT, value REAL NULL, kind TEXT, reason TEXT NULL,
              PRIMARY KEY (round, family))                      -- one row per (round, family)
+    batches(round INTEGER PRIMARY KEY REFERENCES rounds, key_epoch INTEGER, batch_id TEXT)
+                                                               -- the shuffler batch a round was charged for
+
+The ``batches`` table was added to schema version 1 later (an additive change: older readers ignore it). A
+ledger written before it gets the table when it is next opened for writing; its earlier rounds have no batch
+row, and :meth:`Ledger.rows` reports ``key_epoch`` and ``batch_id`` as None for them. A round recorded with
+its batch lets ``shuffledp audit`` match the shuffler's release record by batch id, not by round number alone.
 """
 
 from __future__ import annotations
@@ -39,12 +46,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from accounting.accountant import ShuffleAccountant
 
-__all__ = ["Ledger", "LedgerError", "LEDGER_FORMAT", "LEDGER_SCHEMA_VERSION", "KINDS"]
+__all__ = ["Ledger", "LedgerError", "LEDGER_FORMAT", "LEDGER_SCHEMA_VERSION", "KINDS", "BATCH_ID_BYTES"]
 
 LEDGER_FORMAT = "shuffledp.ledger"
 LEDGER_SCHEMA_VERSION = 1
 KINDS = ("upper", "approximate", "lower", "refused")
 _ROW_KEYS = ("round", "time", "n_reports", "eps0", "mechanism", "delta", "default_family")
+_BATCH_KEYS = ("key_epoch", "batch_id")
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (
@@ -71,6 +79,16 @@ CREATE TABLE IF NOT EXISTS epsilons (
 );
 """
 
+# Separate from _SCHEMA because a ledger written before it existed gets it on its next writable open.
+_BATCHES_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS batches (
+    round     INTEGER PRIMARY KEY REFERENCES rounds(round),
+    key_epoch INTEGER NOT NULL CHECK (typeof(key_epoch) = 'integer' AND key_epoch BETWEEN 0 AND {2**32 - 1}),
+    batch_id  TEXT    NOT NULL CHECK (length(batch_id) = 32 AND batch_id NOT GLOB '*[^0-9a-f]*')
+)
+"""
+BATCH_ID_BYTES = 16  # the shuffler's batch ids (shuffler.core) are 16 random bytes
+
 _TRIGGERS = """
 CREATE TRIGGER IF NOT EXISTS {table}_no_update BEFORE UPDATE ON {table}
 BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: UPDATE on {table} is refused'); END;
@@ -87,6 +105,7 @@ _TABLE_KEYS = {
     "meta": "key = NEW.key",
     "rounds": "round = NEW.round",
     "epsilons": "round = NEW.round AND family = NEW.family",
+    "batches": "round = NEW.round",
 }
 
 
@@ -128,6 +147,30 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(result)
 
 
+def _check_batch(key_epoch: Any, batch_id: Any) -> tuple[int, str] | None:
+    """Validate an (optional) charged batch: a u32 key epoch and a 16-byte batch id; returns (epoch, hex)."""
+    if key_epoch is None and batch_id is None:
+        return None
+    if key_epoch is None or batch_id is None:
+        raise LedgerError("key_epoch and batch_id name the charged batch together: give both or neither, got "
+                          f"key_epoch={key_epoch!r}, batch_id={batch_id!r}")
+    epoch = _check_int("key_epoch", key_epoch, 0)
+    if epoch > 2**32 - 1:
+        raise LedgerError(f"key_epoch must be a u32 (at most {2**32 - 1}), got {epoch}")
+    if isinstance(batch_id, str):
+        try:
+            raw = bytes.fromhex(batch_id)
+        except ValueError:
+            raise LedgerError(f"batch_id must be {BATCH_ID_BYTES} bytes or their hex, got {batch_id!r}") from None
+    elif isinstance(batch_id, (bytes, bytearray)):
+        raw = bytes(batch_id)
+    else:
+        raise LedgerError(f"batch_id must be bytes or a hex string, got {type(batch_id).__name__}")
+    if len(raw) != BATCH_ID_BYTES:
+        raise LedgerError(f"batch_id must be {BATCH_ID_BYTES} bytes, got {len(raw)}")
+    return epoch, raw.hex()
+
+
 def _check_real(name: str, value: Any, *, low: float, high: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise LedgerError(f"{name} must be a finite real number, got {value!r}")
@@ -165,6 +208,9 @@ class Ledger:
             raise LedgerError(f"cannot open the ledger {str(self.path)!r}: {exc}") from None
         try:
             self._setup(create)
+        except sqlite3.DatabaseError as exc:  # e.g. a table with the expected name but other columns
+            self._conn.close()
+            raise LedgerError(f"{str(self.path)!r} is not a readable shuffledp ledger: {exc}") from None
         except BaseException:
             self._conn.close()
             raise
@@ -189,6 +235,7 @@ class Ledger:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)
+                conn.execute(_BATCHES_SCHEMA)
                 for statement in _trigger_statements():
                     conn.execute(statement)
                 conn.executemany(
@@ -215,11 +262,12 @@ class Ledger:
                 f"this version of shuffledp reads version {LEDGER_SCHEMA_VERSION} only"
             )
         triggers = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
-        if not {f"{table}_no_replace" for table in _TABLE_KEYS} <= triggers:
-            # A ledger written before the no-replace triggers existed gets them now. A read-only file cannot, and
-            # need not: nothing can be appended to it through this connection either.
+        if "batches" not in tables or not {f"{table}_no_replace" for table in _TABLE_KEYS} <= triggers:
+            # A ledger written before the batches table or the no-replace triggers existed gets them now. A
+            # read-only file cannot, and need not: nothing can be appended to it through this connection either.
             try:
                 conn.execute("BEGIN IMMEDIATE")
+                conn.execute(_BATCHES_SCHEMA)
                 for statement in _trigger_statements():
                     conn.execute(statement)
                 conn.execute("COMMIT")
@@ -230,6 +278,8 @@ class Ledger:
             except BaseException:
                 _rollback(conn)
                 raise
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        self._has_batches = "batches" in tables  # False only for a read-only ledger written before the table
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -256,6 +306,8 @@ class Ledger:
         default_family: str = "clones",
         reasons: Mapping[str, str] | None = None,
         time: datetime | None = None,
+        key_epoch: int | None = None,
+        batch_id: bytes | str | None = None,
     ) -> None:
         """Record one round, atomically; the values are the cumulative epsilons *after* this round.
 
@@ -271,6 +323,9 @@ class Ledger:
                 be refused.
             reasons: family -> reason, required for (and only for) every refused family.
             time: when the round was recorded (timezone-aware); defaults to now, UTC.
+            key_epoch, batch_id: the shuffler batch this round was charged for (both or neither): its key epoch
+                (a u32) and its 16-byte batch id (bytes or 32 lowercase hex digits), from the batch's verified
+                attestation. Stored in the ``batches`` table in the same transaction as the round.
 
         Raises:
             LedgerError: any field is invalid, the round is already recorded, or it is not after the last one.
@@ -288,6 +343,10 @@ class Ledger:
             reasons=reasons or {},
             time=time,
         )
+        batch = _check_batch(key_epoch, batch_id)
+        if batch is not None and not self._has_batches:
+            raise LedgerError(f"the ledger {str(self.path)!r} has no batches table (a read-only ledger written by an "
+                              "older shuffledp): it cannot record a round's batch")
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -315,16 +374,28 @@ class Ledger:
                     for family, entry in record["epsilons"].items()
                 ],
             )
+            if batch is not None:
+                conn.execute("INSERT INTO batches(round, key_epoch, batch_id) VALUES (?, ?, ?)",
+                             (record["round"], *batch))
             conn.execute("COMMIT")
         except BaseException:
             _rollback(conn)
             raise
 
-    def record(self, accountant: ShuffleAccountant, *, round: int, mechanism: str) -> dict[str, Any]:  # noqa: A002
+    def record(
+        self,
+        accountant: ShuffleAccountant,
+        *,
+        round: int,  # noqa: A002
+        mechanism: str,
+        key_epoch: int | None = None,
+        batch_id: bytes | str | None = None,
+    ) -> dict[str, Any]:
         """Append the accountant's latest round with its cumulative epsilons (default + comparison families).
 
         The accountant must already have composed the round; its last composed :class:`ShuffleRound` supplies
-        ``n_reports`` and ``eps0`` and its target delta supplies ``delta``. Returns the row as :meth:`rows`
+        ``n_reports`` and ``eps0`` and its target delta supplies ``delta``. ``key_epoch`` and ``batch_id`` name
+        the shuffler batch the round was charged for (see :meth:`append`). Returns the row as :meth:`rows`
         would. Refused comparison families are stored as refused, with their reasons.
 
         Raises:
@@ -353,6 +424,8 @@ class Ledger:
             kinds=kinds,
             default_family=accountant.family,
             reasons=reasons,
+            key_epoch=key_epoch,
+            batch_id=batch_id,
         )
         return self.row(round)
 
@@ -446,22 +519,34 @@ class Ledger:
     def rows(self) -> list[dict[str, Any]]:
         """Return every round in order, each as a dict.
 
-        Keys: ``round, time, n_reports, eps0, mechanism, delta, default_family`` and ``epsilons``, a dict
+        Keys: ``round, time, n_reports, eps0, mechanism, delta, default_family``, ``key_epoch`` and ``batch_id``
+        (the shuffler batch charged, hex; None for a round recorded without one), and ``epsilons``, a dict
         family -> ``{"value": float | None, "kind": str, "reason": str | None}`` with the default family first.
         All reads happen in one snapshot, so a concurrent writer never shows a half-written round.
+
+        Raises:
+            LedgerError: SQLite cannot read the tables (a damaged file, or tables of another layout).
         """
         conn = self._conn
-        conn.execute("BEGIN")
+        batch_columns = "b.key_epoch, b.batch_id" if self._has_batches else "NULL, NULL"
+        batch_join = "LEFT JOIN batches AS b ON b.round = r.round" if self._has_batches else ""
         try:
-            base = conn.execute(f"SELECT {', '.join(_ROW_KEYS)} FROM rounds ORDER BY round").fetchall()
-            per_family = conn.execute(
-                "SELECT e.round, e.family, e.value, e.kind, e.reason FROM epsilons AS e "
-                "JOIN rounds AS r ON r.round = e.round "
-                "ORDER BY e.round, (e.family = r.default_family) DESC, e.rowid"
-            ).fetchall()
-        finally:
-            conn.execute("COMMIT")
-        rows = {row[0]: dict(zip(_ROW_KEYS, row)) | {"epsilons": {}} for row in base}
+            conn.execute("BEGIN")
+            try:
+                base = conn.execute(
+                    f"SELECT {', '.join('r.' + k for k in _ROW_KEYS)}, {batch_columns} FROM rounds AS r "
+                    f"{batch_join} ORDER BY r.round"
+                ).fetchall()
+                per_family = conn.execute(
+                    "SELECT e.round, e.family, e.value, e.kind, e.reason FROM epsilons AS e "
+                    "JOIN rounds AS r ON r.round = e.round "
+                    "ORDER BY e.round, (e.family = r.default_family) DESC, e.rowid"
+                ).fetchall()
+            finally:
+                conn.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            raise LedgerError(f"cannot read the ledger {str(self.path)!r}: {exc}") from None
+        rows = {row[0]: dict(zip((*_ROW_KEYS, *_BATCH_KEYS), row)) | {"epsilons": {}} for row in base}
         for rnd, family, value, kind, reason in per_family:
             rows[rnd]["epsilons"][family] = {"value": value, "kind": kind, "reason": reason}
         return list(rows.values())
@@ -494,8 +579,9 @@ class Ledger:
         _atomic_write(Path(path), text)
 
     def csv_header(self) -> list[str]:
-        """Return the CSV columns: the round fields, then ``eps[F]``, ``kind[F]``, ``reason[F]`` per family F."""
-        header = list(_ROW_KEYS)
+        """Return the CSV columns: the round fields, ``key_epoch`` and ``batch_id`` (empty for a round recorded
+        without its batch), then ``eps[F]``, ``kind[F]``, ``reason[F]`` per family F."""
+        header = [*_ROW_KEYS, *_BATCH_KEYS]
         for family in self.families():
             header += [f"eps[{family}]", f"kind[{family}]", f"reason[{family}]"]
         return header
@@ -511,6 +597,7 @@ class Ledger:
         lines: list[list[str]] = [header]
         for row in rows:
             line = [repr(row[key]) if isinstance(row[key], float) else str(row[key]) for key in _ROW_KEYS]
+            line += ["" if row[key] is None else str(row[key]) for key in _BATCH_KEYS]
             for family in families:
                 entry = row["epsilons"].get(family)
                 if entry is None:

@@ -19,8 +19,8 @@ One round ``r`` (:meth:`RoundEngine.run_round`):
    received another model) and signs the count it accepted; the client library verifies the attestation;
 7. attested count below ``k`` or a budget overrun at the attested count: do not fetch (nothing is released to
    the server), skip or stop;
-8. charge the accountant with the attested count and append the ledger row — BEFORE fetching, so a crash
-   while the server holds opened reports can never leave a release unrecorded;
+8. charge the accountant with the attested count and append the ledger row (with the batch's key epoch and id)
+   — BEFORE fetching, so a crash while the server holds opened reports can never leave a release unrecorded;
 9. stream the permuted inner ciphertexts, open and decode each one and add it to a running sum (O(model)
    memory, never the batch); a report that fails to open or decode is counted and skipped;
 10. one server-optimizer step with the mean; central evaluation on the held-out test set;
@@ -683,7 +683,8 @@ class RoundEngine:
         before = self.accountant.state_dict()
         self.accountant.compose(event)
         try:
-            self.ledger.record(self.accountant, round=round_id, mechanism=self.mechanism)
+            self.ledger.record(self.accountant, round=round_id, mechanism=self.mechanism,
+                               key_epoch=attestation.key_epoch, batch_id=attestation.batch_id)
         except BaseException:
             self.accountant.load_state_dict(before)
             raise

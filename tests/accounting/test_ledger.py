@@ -203,6 +203,90 @@ def test_a_ledger_from_before_the_replace_triggers_gets_them_at_open(tmp_path: P
     conn.close()
 
 
+def test_a_round_records_the_batch_it_charged(tmp_path: Path) -> None:
+    batch = bytes(range(16))
+    with Ledger(tmp_path / "l.db") as ledger:
+        _append(ledger, 1)  # without its batch (as a caller that has none)
+        _append(ledger, 2, key_epoch=7, batch_id=batch)
+        _append(ledger, 3, key_epoch=2**32 - 1, batch_id=(b"\xff" * 16).hex())
+        rows = ledger.rows()
+        ledger.export_csv(tmp_path / "out.csv")
+    assert [(r["key_epoch"], r["batch_id"]) for r in rows] == [(None, None), (7, batch.hex()), (2**32 - 1, "ff" * 16)]
+    with open(tmp_path / "out.csv", newline="", encoding="utf-8") as handle:
+        table = list(csv.DictReader(handle))
+    assert [(r["key_epoch"], r["batch_id"]) for r in table] == [("", ""), ("7", batch.hex()), (str(2**32 - 1), "ff" * 16)]
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [({"key_epoch": 1}, "both or neither"), ({"batch_id": b"\0" * 16}, "both or neither"),
+     ({"key_epoch": -1, "batch_id": b"\0" * 16}, "key_epoch must be an integer >= 0"),
+     ({"key_epoch": 2**32, "batch_id": b"\0" * 16}, "u32"),
+     ({"key_epoch": True, "batch_id": b"\0" * 16}, "key_epoch"),
+     ({"key_epoch": 0, "batch_id": b"\0" * 15}, "16 bytes, got 15"),
+     ({"key_epoch": 0, "batch_id": "zz" * 16}, "bytes or their hex"),
+     ({"key_epoch": 0, "batch_id": 5}, "bytes or a hex string")],
+)
+def test_a_bad_batch_is_refused_and_nothing_is_written(tmp_path: Path, batch: dict, match: str) -> None:
+    with Ledger(tmp_path / "l.db") as ledger:
+        _append(ledger, 1, key_epoch=0, batch_id=b"\1" * 16)
+        before = ledger.rows()
+        with pytest.raises(LedgerError, match=match):
+            _append(ledger, 2, **batch)
+        assert ledger.rows() == before
+
+
+def test_the_batches_table_is_append_only_too(tmp_path: Path) -> None:
+    path = tmp_path / "l.db"
+    with Ledger(path) as ledger:
+        _append(ledger, 1, key_epoch=0, batch_id=b"\1" * 16)
+        before = ledger.rows()
+    conn = sqlite3.connect(path)
+    try:
+        for statement in ("UPDATE batches SET batch_id = '" + "22" * 16 + "'", "DELETE FROM batches",
+                          "INSERT OR REPLACE INTO batches VALUES (1, 0, '" + "22" * 16 + "')"):
+            with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+                conn.execute(statement)
+        with pytest.raises(sqlite3.IntegrityError):  # not hex, even bypassing the Python API
+            conn.execute("INSERT INTO batches VALUES (2, 0, '" + "ZZ" * 16 + "')")
+    finally:
+        conn.close()
+    with Ledger(path, create=False) as ledger:
+        assert ledger.rows() == before
+
+
+def test_a_ledger_from_before_the_batches_table_gets_it_and_keeps_its_rounds(tmp_path: Path) -> None:
+    path = tmp_path / "l.db"
+    with Ledger(path) as ledger:
+        _append(ledger, 1)
+        before = ledger.rows()
+    conn = sqlite3.connect(path)
+    for kind in ("update", "delete", "replace"):
+        conn.execute(f"DROP TRIGGER batches_no_{kind}")
+    conn.execute("DROP TABLE batches")
+    conn.commit()
+    conn.close()
+    with Ledger(path, create=False) as ledger:
+        assert ledger.rows() == before and before[0]["batch_id"] is None
+        _append(ledger, 2, key_epoch=3, batch_id=b"\2" * 16)
+        assert ledger.rows()[1]["batch_id"] == "02" * 16
+
+
+def test_unreadable_tables_are_a_ledger_error_not_a_traceback(tmp_path: Path) -> None:
+    for name, script in (
+        ("meta.db", "CREATE TABLE meta(k TEXT); CREATE TABLE rounds(x); CREATE TABLE epsilons(y);"),
+        ("rounds.db", "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT); CREATE TABLE rounds(x); "
+                      "CREATE TABLE epsilons(y); INSERT INTO meta VALUES ('format', 'shuffledp.ledger'), "
+                      "('schema_version', '1');"),
+    ):
+        conn = sqlite3.connect(tmp_path / name)
+        conn.executescript(script)
+        conn.close()
+        with pytest.raises(LedgerError, match="shuffledp ledger|cannot read the ledger"):
+            with Ledger(tmp_path / name, create=False) as ledger:
+                ledger.rows()
+
+
 def test_a_full_disk_is_reported_as_such_and_loses_no_recorded_round(tmp_path: Path) -> None:
     with Ledger(tmp_path / "l.db") as ledger:
         _append(ledger, 1)

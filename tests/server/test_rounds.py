@@ -42,6 +42,8 @@ def test_honest_round_is_applied_charged_and_checkpointed(h: Any) -> None:
         return payload
 
     engine = h.engine(cfg, grid, open_inner=recording_opener)
+    attested: list[Any] = []
+    engine.on_attestation = lambda round_id, att, charged: attested.append((round_id, att, charged))
     assert engine.restore() == 1
     before = [a.copy() for a in engine.arrays]
     out = engine.run_round(1)
@@ -55,6 +57,9 @@ def test_honest_round_is_applied_charged_and_checkpointed(h: Any) -> None:
     np.testing.assert_allclose(flatten(engine.arrays), expected, rtol=0, atol=1e-5)
     rows = engine.ledger.rows()
     assert [(r["round"], r["n_reports"], r["eps0"]) for r in rows] == [(1, h.N, cfg.eps0)]
+    # the row names the batch it charged, as the shuffler's signed attestation names it (for shuffledp audit)
+    [(_, att, charged)] = attested
+    assert charged and (rows[0]["key_epoch"], rows[0]["batch_id"]) == (cfg.key_epoch, att.batch_id.hex())
     assert [(e.n, e.eps0) for e in engine.accountant.rounds] == [(h.N, cfg.eps0)]
     ckpt = engine.store.load()
     assert ckpt.round == 1
