@@ -345,7 +345,7 @@ def _cmd_plot(args: argparse.Namespace, out: TextIO) -> int:
 
 # -- ledger commands ---------------------------------------------------------------------------------------------
 def _cmd_ledger_show(args: argparse.Namespace, out: TextIO) -> int:
-    with Ledger(args.path, create=False) as ledger:
+    with Ledger(args.path, read_only=True) as ledger:
         rows = ledger.rows()
         families = ledger.families()
     obj = {"path": str(args.path), "rows": rows}
@@ -376,7 +376,7 @@ def _cmd_ledger_show(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_ledger_export(args: argparse.Namespace, out: TextIO) -> int:
-    with Ledger(args.path, create=False) as ledger:
+    with Ledger(args.path, read_only=True) as ledger:
         count = len(ledger)
         if args.format == "json":
             ledger.export_json(args.out)

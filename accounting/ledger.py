@@ -38,6 +38,7 @@ import operator
 import os
 import sqlite3
 import tempfile
+import urllib.parse
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -188,6 +189,9 @@ class Ledger:
         path: the database file. It is created (with its schema) if it does not exist, unless ``create`` is
             False, in which case a missing file is an error.
         create: allow creating a new ledger file.
+        read_only: open for reading only (implies ``create=False``): SQLite refuses every write through this
+            connection and nothing is added to an older ledger (no table, no trigger), so an auditor's look
+            leaves the file as it was. :meth:`append` and :meth:`record` then raise LedgerError.
 
     Raises:
         LedgerError: the file is missing (``create=False``) or is not a shuffledp ledger of a known version.
@@ -195,15 +199,22 @@ class Ledger:
     Use as a context manager or call :meth:`close`.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, create: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, create: bool = True, read_only: bool = False) -> None:
         self.path = Path(path)
+        self.read_only = bool(read_only)
+        if read_only:
+            create = False
         if not create and not self.path.is_file():
             raise LedgerError(f"no ledger at {str(self.path)!r}: the file does not exist")
         # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT) below.
         if not self.path.parent.is_dir():
             raise LedgerError(f"cannot open the ledger {str(self.path)!r}: its directory does not exist")
         try:
-            self._conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
+            if self.read_only:
+                uri = "file:" + urllib.parse.quote(str(self.path.resolve())) + "?mode=ro"
+                self._conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0)
+            else:
+                self._conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
         except sqlite3.Error as exc:
             raise LedgerError(f"cannot open the ledger {str(self.path)!r}: {exc}") from None
         try:
@@ -220,11 +231,11 @@ class Ledger:
         conn = self._conn
         try:
             conn.execute("PRAGMA foreign_keys = ON")
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            mode = conn.execute("PRAGMA journal_mode" if self.read_only else "PRAGMA journal_mode = WAL").fetchone()[0]
             conn.execute("PRAGMA synchronous = FULL")
         except sqlite3.DatabaseError as exc:
             raise LedgerError(f"{str(self.path)!r} is not a shuffledp ledger (not an SQLite database: {exc})") from None
-        if str(mode).lower() != "wal":
+        if str(mode).lower() != "wal" and not self.read_only:  # a reader need not care (e.g. a copy of the file)
             raise LedgerError(f"could not put the ledger {str(self.path)!r} in WAL mode (SQLite reports {mode!r})")
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not tables:
@@ -262,7 +273,9 @@ class Ledger:
                 f"this version of shuffledp reads version {LEDGER_SCHEMA_VERSION} only"
             )
         triggers = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
-        if "batches" not in tables or not {f"{table}_no_replace" for table in _TABLE_KEYS} <= triggers:
+        if not self.read_only and (
+            "batches" not in tables or not {f"{table}_no_replace" for table in _TABLE_KEYS} <= triggers
+        ):
             # A ledger written before the batches table or the no-replace triggers existed gets them now. A
             # read-only file cannot, and need not: nothing can be appended to it through this connection either.
             try:
@@ -343,6 +356,8 @@ class Ledger:
             reasons=reasons or {},
             time=time,
         )
+        if self.read_only:
+            raise LedgerError(f"the ledger {str(self.path)!r} was opened read-only: nothing can be appended")
         batch = _check_batch(key_epoch, batch_id)
         if batch is not None and not self._has_batches:
             raise LedgerError(f"the ledger {str(self.path)!r} has no batches table (a read-only ledger written by an "

@@ -294,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shuffler.keys import load_public_key
 
             verify_key = load_public_key(ns.shuffler_verify_key, "ed25519")
-        with Ledger(ns.ledger, create=False) as ledger:
+        with Ledger(ns.ledger, read_only=True) as ledger:  # the audit leaves the evidence as it was
             rows = ledger.rows()
         report = audit(rows, releases, key_epoch=ns.key_epoch, verify_key=verify_key)
     except (AuditError, LedgerError, OSError, ValueError, sqlite3.Error) as exc:

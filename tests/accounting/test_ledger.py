@@ -272,6 +272,30 @@ def test_a_ledger_from_before_the_batches_table_gets_it_and_keeps_its_rounds(tmp
         assert ledger.rows()[1]["batch_id"] == "02" * 16
 
 
+def test_a_read_only_open_changes_nothing_and_refuses_appends(tmp_path: Path) -> None:
+    path = tmp_path / "l.db"
+    with Ledger(path) as ledger:
+        _append(ledger, 1)
+    conn = sqlite3.connect(path)  # as written by an older shuffledp: no batches table
+    for kind in ("update", "delete", "replace"):
+        conn.execute(f"DROP TRIGGER batches_no_{kind}")
+    conn.execute("DROP TABLE batches")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    with Ledger(path, read_only=True) as ledger:
+        rows = ledger.rows()
+        assert [(r["round"], r["key_epoch"], r["batch_id"]) for r in rows] == [(1, None, None)]
+        with pytest.raises(LedgerError, match="read-only"):
+            _append(ledger, 2)
+    assert path.read_bytes() == before  # no table added, nothing written
+    wal = tmp_path / "l.db-wal"  # SQLite may create the WAL side files to read; it writes no frame to them
+    assert not wal.exists() or wal.stat().st_size == 0
+    with pytest.raises(LedgerError, match="does not exist"):
+        Ledger(tmp_path / "missing.db", read_only=True)
+    assert not (tmp_path / "missing.db").exists()
+
+
 def test_unreadable_tables_are_a_ledger_error_not_a_traceback(tmp_path: Path) -> None:
     for name, script in (
         ("meta.db", "CREATE TABLE meta(k TEXT); CREATE TABLE rounds(x); CREATE TABLE epsilons(y);"),
