@@ -38,7 +38,7 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from scipy import optimize
@@ -67,6 +67,7 @@ __all__ = [
     "calibrate",
     "epsilon_for_rounds",
     "epsilon_bracket",
+    "EpsilonBracket",
 ]
 
 #: Families with a Renyi-divergence curve (:func:`renyi`).
@@ -921,11 +922,29 @@ def _heterogeneous_epsilon(
     raise AssertionError(family)  # pragma: no cover
 
 
-def epsilon_bracket(family: str, eps0: float, n: int, delta: float, rounds: int) -> tuple[float, float]:
-    """``(optimistic, pessimistic)`` PLD epsilons of ``clones``/``clones-focs`` over ``rounds`` rounds.
+class EpsilonBracket(NamedTuple):
+    """Two PLD epsilons that bracket the true composed epsilon of the clone pair (see :func:`epsilon_bracket`).
+
+    ``lower``: optimistic discretisation, a LOWER bound on the pair's epsilon; ``upper``: pessimistic
+    discretisation, an UPPER bound (the value the ``clones`` families report, before the no-shuffle cap).
+    Unpacks as ``(lower, upper)``.
+    """
+
+    lower: float
+    upper: float
+
+    @property
+    def kinds(self) -> dict[str, str]:
+        """What each number is, in the accountant's vocabulary."""
+        return {"lower": "lower", "upper": "upper"}
+
+
+def epsilon_bracket(family: str, eps0: float, n: int, delta: float, rounds: int) -> EpsilonBracket:
+    """``(lower, upper)`` PLD epsilons of ``clones``/``clones-focs`` over ``rounds`` rounds.
 
     The true composed epsilon of the clone pair lies in this bracket (pessimistic discretisation over-, and
-    optimistic discretisation under-estimates every hockey-stick divergence). Uncapped.
+    optimistic discretisation under-estimates every hockey-stick divergence; Koskela et al. / Google
+    ``dp_accounting`` PLD). Uncapped. Returns an :class:`EpsilonBracket` whose fields name which bound is which.
     """
     if family not in _VARIANT:
         raise RefusedError(f"epsilon_bracket is available for {list(_VARIANT)}, got {family!r}")
@@ -941,4 +960,4 @@ def epsilon_bracket(family: str, eps0: float, n: int, delta: float, rounds: int)
         )
         for pessimistic in (False, True)
     ]
-    return out[0], out[1]
+    return EpsilonBracket(lower=out[0], upper=out[1])

@@ -47,7 +47,9 @@ def test_composed_reference_value_inside_bracket() -> None:
     b = bounds.epsilon("clones", 1.0, 100_000, 1e-6, rounds=100)
     assert b.kind == "upper"
     assert lo <= b.value <= hi * (1 + BRACKET_SLACK)
-    opt, pess = bounds.epsilon_bracket("clones", 1.0, 100_000, 1e-6, 100)
+    bracket = bounds.epsilon_bracket("clones", 1.0, 100_000, 1e-6, 100)
+    opt, pess = bracket
+    assert (bracket.lower, bracket.upper) == (opt, pess) and bracket.kinds == {"lower": "lower", "upper": "upper"}
     assert opt <= pess
     assert pess == pytest.approx(b.value, rel=EXACT_RTOL)
     assert opt <= hi and pess >= lo  # our bracket overlaps the reference bracket
