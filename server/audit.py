@@ -1,38 +1,48 @@
-"""``shuffledp audit``: set the shuffler's record of released batches against the server's privacy ledger.
+"""``shuffledp audit``: set the shuffler's record of released batches against the server's privacy ledgers.
 
 The server charges its accountant, and appends the ledger row, *before* it fetches a batch (server.rounds); the
 shuffler journals a release record before the first byte of a batch leaves it (shuffler.core, ``record_release``).
-So every batch the shuffler released must have a ledger row for its round charged with exactly its attested
-count. A released batch without one is privacy spent off the books; that, a count that differs, or an
-attestation that does not verify is a **violation** (exit code 1). A ledger row whose batch was never released
-(the server crashed between charge and fetch, or the fetch failed) over-charges, which is safe, and is only
-noted; so is a sealed batch that was never released (nothing left the shuffler).
+So every batch the shuffler released must have a ledger row charged with exactly its attested count. A released
+batch without one is privacy spent off the books; that, a count that differs, a row that names another batch, or
+an attestation that does not verify is a **violation** (exit code 1). A ledger row whose batch was never
+released (the server crashed between charge and fetch, or the fetch failed) over-charges, which is safe, and is
+only noted; so is a sealed batch that was never released (nothing left the shuffler).
 
-The two inputs come from two parties, which the trust model assumes do not collude:
+The inputs come from two parties, which the trust model assumes do not collude:
 
     shuffledp shuffler journal --journal-dir DIR > releases.jsonl      (the shuffler's operator)
-    shuffledp audit --ledger ledger.sqlite --releases releases.jsonl \\
-        [--shuffler-verify-key shuffler-signing.pub] [--key-epoch E]    (the auditor)
+    shuffledp audit --ledger ledger.sqlite [--ledger other-run.sqlite ...] --releases releases.jsonl \\
+        [--shuffler-verify-key shuffler-signing.pub] [--shuffler-verify-key 0=epoch0-signing.pub] \\
+        [--key-epoch E ...]                                            (the auditor)
 
-With ``--shuffler-verify-key`` every listed attestation, of whatever key epoch, is verified and must name the
-batch id, key epoch, round and count of its line. The release bit and ``released_at`` are the shuffler
-operator's statement (they are not signed).
+**Scope.** A run keeps one key epoch (a resume with another is refused, and the shuffler seals one batch per
+(key epoch, round)), so a ledger charges the batches of one epoch, and an honest ledger records one. The audit
+covers every key epoch in the listing unless the auditor names the epochs to audit (``--key-epoch``, repeatable):
+the scope is the auditor's choice or the shuffler's record, never the audited server's, so leaving a run's ledger
+out makes its released batches violations instead of hiding them. Epochs the auditor leaves out are noted.
 
-Matching: the server records with each ledger row the key epoch and batch id of the batch it charged (taken
-from the verified attestation; ``accounting.ledger``, table ``batches``). A row is matched to the listing's
-batch of its (key epoch, round), and a different batch id there is a violation, so a listing of another run
-cannot pass for this one. The audited epochs are the ledger's; batches of other epochs are noted, not audited.
-A ledger written before rows recorded their batch is matched by round number alone, in the epoch given by
-``--key-epoch`` (needed only if the listing holds several), and the report notes it.
+**Signatures.** A bare ``--shuffler-verify-key`` verifies the lines of the audited epochs; ``E=PEM`` gives epoch
+E its own key (the signing key changes with the key epoch). A verified attestation must name the batch id, key
+epoch, round and count of its line, so relabelling a line's unsigned fields cannot move a released batch out of
+the audit. Lines outside the scope are checked with their own key if given, else with the bare key where it
+verifies; those that verify with no key given are counted in a note. The release bit and ``released_at`` are
+the shuffler operator's statement (they are not signed).
+
+**Matching.** The server records with each ledger row the key epoch and batch id of the batch it charged (from
+the verified attestation; ``accounting.ledger``, table ``batches``). A row is matched to the listing's batch of
+its (key epoch, round), and a different batch id there is a violation, so a listing of another run cannot pass
+for this one. A ledger written before rows recorded their batch is matched by round number alone, in the only
+audited epoch (name it with ``--key-epoch`` if the listing holds several), and the report notes it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sqlite3
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +50,7 @@ __all__ = ["AuditError", "AuditReport", "audit", "main", "read_releases"]
 
 _LISTING_KEYS = ("batch_id", "key_epoch", "round_id", "n", "statement", "signature", "released")
 _U32_MAX = 2**32 - 1  # key epochs are u32 in the envelope binding and the attestation
+_BATCH_ID_HEX = re.compile(r"[0-9a-f]{32}")  # accounting.ledger.BATCH_ID_BYTES = 16, stored as lowercase hex
 
 
 class AuditError(ValueError):
@@ -48,9 +59,15 @@ class AuditError(ValueError):
 
 @dataclass(frozen=True)
 class AuditReport:
-    """What :func:`audit` found. ``violations`` empty means every released batch was charged as attested."""
+    """What :func:`audit` found. ``violations`` empty means every released batch of the audited key epochs was
+    charged, in the ledger of its epoch, with its attested count.
+
+    ``key_epochs`` are the audited epochs; ``ledger_epochs`` maps each ledger's name to the key epoch it charged
+    (None for a ledger with no rounds).
+    """
 
     key_epochs: list[int]
+    ledger_epochs: dict[str, int | None]
     batches_sealed: int
     batches_released: int
     reports_released: int
@@ -67,6 +84,7 @@ class AuditReport:
         return {
             "ok": self.ok,
             "key_epochs": list(self.key_epochs),
+            "ledger_epochs": dict(self.ledger_epochs),
             "batches_sealed": self.batches_sealed,
             "batches_released": self.batches_released,
             "reports_released": self.reports_released,
@@ -117,6 +135,41 @@ def read_releases(text: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _is_int(value: Any, low: int, high: int | None = None) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, int) and value >= low
+            and (high is None or value <= high))
+
+
+def _u32(value: Any, what: str) -> int:
+    if not _is_int(value, 0, _U32_MAX):
+        raise AuditError(f"{what} must be an integer in [0, {_U32_MAX}] (a u32), got {value!r}")
+    return int(value)
+
+
+def _check_ledger_rows(name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse (AuditError) a ledger whose rows are not what :meth:`Ledger.rows` of a well-formed ledger gives:
+    a hand-made or damaged file need not carry the CHECK constraints the ledger's schema does."""
+    seen: set[int] = set()
+    for row in rows:
+        rnd = row.get("round")
+        if not _is_int(rnd, 0):
+            raise AuditError(f"ledger {name}: a round number is {rnd!r}, not an integer >= 0")
+        if rnd in seen:
+            raise AuditError(f"ledger {name}: round {rnd} is recorded twice")
+        seen.add(rnd)
+        n = row.get("n_reports")
+        if not _is_int(n, 1):
+            raise AuditError(f"ledger {name}, round {rnd}: n_reports is {n!r}, not an integer >= 1")
+        epoch, batch_id = row.get("key_epoch"), row.get("batch_id")
+        if (epoch is None) != (batch_id is None):
+            raise AuditError(f"ledger {name}, round {rnd}: key_epoch {epoch!r} and batch_id {batch_id!r} name the "
+                             "charged batch together (both or neither)")
+        if epoch is not None:
+            _u32(epoch, f"ledger {name}, round {rnd}: key_epoch")
+            if not isinstance(batch_id, str) or not _BATCH_ID_HEX.fullmatch(batch_id):
+                raise AuditError(f"ledger {name}, round {rnd}: batch_id {batch_id!r} is not 32 lowercase hex digits")
+
+
 def _check_attestation(row: Mapping[str, Any], verify_key: bytes) -> str | None:
     """None if the line's attestation verifies and names its batch, epoch, round and count; else why not."""
     from shuffler.attestation import Attestation, AttestationError
@@ -132,143 +185,216 @@ def _check_attestation(row: Mapping[str, Any], verify_key: bytes) -> str | None:
     return None
 
 
-def _key_epoch_arg(key_epoch: Any) -> int | None:
-    if key_epoch is None:
-        return None
-    if isinstance(key_epoch, bool) or not isinstance(key_epoch, int) or not 0 <= key_epoch <= _U32_MAX:
-        raise AuditError(f"the key epoch must be an integer in [0, {_U32_MAX}] (a u32), got {key_epoch!r}")
-    return key_epoch
-
-
-def _ledger_epochs(ledger_rows: Sequence[Mapping[str, Any]], releases: Sequence[Mapping[str, Any]],
-                   key_epoch: int | None) -> tuple[list[int], int | None, list[str]]:
-    """Which key epochs the ledger's run used: (epochs audited, epoch assumed for rows without one, notes)."""
-    recorded = sorted({int(r["key_epoch"]) for r in ledger_rows if r.get("key_epoch") is not None})
-    unbound = [int(r["round"]) for r in ledger_rows if r.get("key_epoch") is None]
-    listed = sorted({int(r["key_epoch"]) for r in releases})
-    notes: list[str] = []
-    if recorded and key_epoch is not None and key_epoch not in recorded:
-        raise AuditError(f"--key-epoch {key_epoch} is not an epoch of this ledger: it records batches of key "
-                         f"epochs {recorded}")
-    assumed: int | None = None
-    if unbound or not recorded:
-        if key_epoch is not None:
-            assumed = key_epoch
-        elif len(recorded) == 1:
-            assumed = recorded[0]
-        elif len(listed) == 1 and not recorded:
-            assumed = listed[0]
-        elif listed or recorded:
-            raise AuditError(f"the ledger does not record the key epoch of rounds {unbound} and the releases hold "
-                             f"batches of key epochs {listed}: say which one the ledger's run used (--key-epoch)")
-        if unbound:
-            notes.append(f"the ledger does not record which batch rounds {unbound} charged (written by an older "
-                         f"shuffledp): they were matched by round number in key epoch {assumed}")
-    epochs = sorted(set(recorded) | ({assumed} if assumed is not None else set()))
-    if listed and not set(epochs) & set(listed):
-        raise AuditError(f"the releases hold no batch of key epoch(s) {epochs}, only of {listed}: the wrong "
-                         "--key-epoch, or the listing of another shuffler")
-    return epochs, assumed, notes
+def _ledger_epoch(name: str, rows: Sequence[Mapping[str, Any]], scope: set[int],
+                  named: bool) -> tuple[int | None, list[str]]:
+    """The key epoch a ledger charged, and notes. A run keeps one epoch, so a ledger that records several is not
+    one run's; a ledger that records none (an older shuffledp) is put in the only audited epoch."""
+    recorded = sorted({int(r["key_epoch"]) for r in rows if r.get("key_epoch") is not None})
+    unbound = [int(r["round"]) for r in rows if r.get("key_epoch") is None]
+    if len(recorded) > 1:
+        raise AuditError(f"ledger {name} records batches of key epochs {recorded}: a run keeps one key epoch "
+                         "(a resume with another is refused), so this is not one run's ledger")
+    if recorded:
+        epoch = recorded[0]
+        if named and epoch not in scope:
+            raise AuditError(f"ledger {name} charged batches of key epoch {epoch}, which --key-epoch leaves out of "
+                             f"the audit (it names {sorted(scope)})")
+    elif not rows:
+        return None, [f"ledger {name} has no rounds"]
+    elif len(scope) == 1:
+        epoch = next(iter(scope))
+    else:
+        raise AuditError(f"ledger {name} does not record the key epoch it charged (written by an older shuffledp) "
+                         f"and the audit covers key epochs {sorted(scope)}: name its epoch with --key-epoch")
+    notes = []
+    if unbound:
+        notes.append(f"ledger {name} does not record which batch rounds {unbound} charged (written by an older "
+                     f"shuffledp): they were matched by round number in key epoch {epoch}")
+    return epoch, notes
 
 
 def audit(
-    ledger_rows: Sequence[Mapping[str, Any]],
+    ledgers: Mapping[str, Sequence[Mapping[str, Any]]],
     releases: Sequence[Mapping[str, Any]],
     *,
-    key_epoch: int | None = None,
+    key_epochs: Collection[int] | None = None,
     verify_key: bytes | None = None,
+    epoch_keys: Mapping[int, bytes] | None = None,
 ) -> AuditReport:
-    """Check that every released batch of the run's key epochs was charged in the ledger with its attested count.
+    """Check that every released batch of the audited key epochs was charged with its attested count.
 
-    ``ledger_rows`` as :meth:`accounting.ledger.Ledger.rows` returns them (``round``, ``n_reports`` and, for
-    rounds recorded with their batch, ``key_epoch`` and ``batch_id``); ``releases`` as :func:`read_releases`.
-
-    * With ``verify_key`` every line's attestation is verified first, whatever its epoch, so relabelling a line's
-      (unsigned) epoch or round cannot move a released batch out of the audit.
-    * The run's key epochs are those the ledger records. For rounds recorded without their batch (an older
-      ledger) ``key_epoch`` names the epoch; it may be omitted when the ledger or the listing has only one.
-    * A ledger row is matched to the listing's batch of its (epoch, round); where the row names its batch id,
-      a different batch there is a violation (the two records disagree on what was charged).
+    Args:
+        ledgers: ledger name (e.g. its path) -> its rows, as :meth:`accounting.ledger.Ledger.rows` returns them
+            (``round``, ``n_reports`` and, for rounds recorded with their batch, ``key_epoch`` and ``batch_id``).
+            One ledger per run, so one per key epoch.
+        releases: the shuffler's listing, as :func:`read_releases` returns it.
+        key_epochs: the epochs to audit; None (the default) audits every epoch in the listing. Released batches
+            of an audited epoch that no ledger charges are violations.
+        verify_key: the shuffler's Ed25519 public key (raw 32 bytes) for the audited epochs without their own.
+        epoch_keys: key epoch -> its own verify key (the signing key changes with the key epoch).
 
     Raises:
-        AuditError: ``key_epoch`` is not a u32 or not one of the ledger's epochs; the epoch is ambiguous; the
-            listing holds no batch of the run's epochs; or it names an (epoch, round) twice.
+        AuditError: a key epoch is not a u32; the listing is empty, names an (epoch, round) twice, or holds no
+            batch of an audited ledger's epoch; a ledger's rows are malformed, record several epochs, record an
+            epoch outside ``key_epochs``, share an epoch with another ledger, or (older ledgers) leave the epoch
+            ambiguous.
     """
-    key_epoch = _key_epoch_arg(key_epoch)
+    if not isinstance(ledgers, Mapping):
+        raise TypeError(f"ledgers must map each ledger's name to its rows, got {type(ledgers).__name__}")
+    named = key_epochs is not None
+    scope = {_u32(e, "--key-epoch") for e in key_epochs} if key_epochs is not None else set()
+    own_keys = {_u32(e, "the epoch of a verify key"): k for e, k in (epoch_keys or {}).items()}
+    if named and not scope:
+        raise AuditError("key_epochs is empty: name at least one epoch to audit, or None to audit every epoch")
+    if not releases:
+        raise AuditError("the releases list no sealed batch: nothing to audit against (the wrong --journal-dir, "
+                         "or a shuffler that sealed nothing)")
     by_key: dict[tuple[int, int], Mapping[str, Any]] = {}
     for r in releases:
         key = (int(r["key_epoch"]), int(r["round_id"]))
         if key in by_key:  # the shuffler seals one batch per (epoch, round): a listing with two is not its own
             raise AuditError(f"the releases list two batches for key epoch {key[0]}, round {key[1]}")
         by_key[key] = r
+    listed = {epoch for epoch, _ in by_key}
+    if not named:
+        scope = set(listed)
+    elif scope - listed:
+        raise AuditError(f"--key-epoch names key epochs {sorted(scope - listed)} of which the releases hold no batch "
+                         f"(they hold {sorted(listed)})")
+
+    notes: list[str] = []
+    charged: dict[tuple[int, int], tuple[str, Mapping[str, Any]]] = {}
+    ledger_epochs: dict[str, int | None] = {}
+    for name, rows in ledgers.items():
+        _check_ledger_rows(name, rows)
+        epoch, why = _ledger_epoch(name, rows, scope, named)
+        notes += why
+        ledger_epochs[name] = epoch
+        if epoch is None:
+            continue
+        other = next((n for n, e in ledger_epochs.items() if e == epoch and n != name), None)
+        if other is not None:
+            raise AuditError(f"ledgers {other} and {name} both charged key epoch {epoch}: one run per key epoch "
+                             "(the shuffler seals one batch per epoch and round)")
+        if epoch not in listed:
+            raise AuditError(f"the releases hold no batch of key epoch {epoch}, which ledger {name} charged (only "
+                             f"of {sorted(listed)}): the listing of another shuffler or journal")
+        for row in rows:
+            charged[(epoch, int(row["round"]))] = (name, row)
+
+    def where(epoch: int, rnd: int) -> str:
+        return f"round {rnd}" if len(scope) == 1 else f"key epoch {epoch}, round {rnd}"
+
     violations: list[str] = []
-    if verify_key is not None:
-        for r in releases:
+    unverified: dict[str, set[int]] = {"no key": set(), "another key": set()}
+    for r in releases:
+        epoch = int(r["key_epoch"])
+        key = own_keys.get(epoch, verify_key if epoch in scope else None)
+        if key is None:
+            if verify_key is None and not own_keys:
+                continue  # no signature checks asked for
+            if verify_key is None:
+                unverified["no key"].add(epoch)
+                continue
+            # outside the scope, with only the audited epochs' key: a line it verifies must still name itself
+            # (a line relabelled out of the audit is caught); one it does not may be another key's, so noted.
             why = _check_attestation(r, verify_key)
-            if why is not None:
-                violations.append(f"key epoch {r['key_epoch']}, round {r['round_id']} (batch {r['batch_id']}): {why}")
-    epochs, assumed, notes = _ledger_epochs(ledger_rows, releases, key_epoch)
-    batches = [r for r in releases if int(r["key_epoch"]) in epochs]
-    released = [r for r in batches if r["released"]]
-    charged_keys: set[tuple[int, int]] = set()
-    for row in ledger_rows:
-        rnd, n = int(row["round"]), int(row["n_reports"])
-        epoch = assumed if row.get("key_epoch") is None else int(row["key_epoch"])
-        charged_keys.add((epoch, rnd))
+            if why is not None and why.startswith("its attestation does not verify"):
+                unverified["another key"].add(epoch)
+                continue
+        else:
+            why = _check_attestation(r, key)
+        if why is not None:
+            violations.append(f"key epoch {epoch}, round {r['round_id']} (batch {r['batch_id']}): {why}")
+    if unverified["no key"]:
+        notes.append(f"the lines of key epochs {sorted(unverified['no key'])} were not verified: no key was given "
+                     "for them")
+    if unverified["another key"]:
+        notes.append(f"the lines of key epochs {sorted(unverified['another key'])}, outside the audit, do not verify "
+                     "with the given key (expected if their epoch had another signing key: give it as EPOCH=PEM)")
+
+    for (epoch, rnd), (name, row) in sorted(charged.items()):
+        n = int(row["n_reports"])
         line = by_key.get((epoch, rnd))
-        where = f"round {rnd}" if len(epochs) == 1 else f"key epoch {epoch}, round {rnd}"
         if line is None:
-            notes.append(f"{where}: charged ({n} reports) with no sealed batch in the releases "
+            notes.append(f"{where(epoch, rnd)}: charged ({n} reports) with no sealed batch in the releases "
                          "(over-charged, safe; is this the shuffler that served the run?)")
         elif row.get("batch_id") is not None and row["batch_id"] != line["batch_id"]:
-            violations.append(f"{where}: the ledger charged batch {row['batch_id']} ({n} reports), the shuffler "
-                              f"sealed batch {line['batch_id']} ({line['n']} reports, "
+            violations.append(f"{where(epoch, rnd)}: the ledger charged batch {row['batch_id']} ({n} reports), the "
+                              f"shuffler sealed batch {line['batch_id']} ({line['n']} reports, "
                               f"{'released' if line['released'] else 'not released'}): the records disagree")
         elif not line["released"]:
-            notes.append(f"{where}: charged ({n} reports) but its batch was never released "
+            notes.append(f"{where(epoch, rnd)}: charged ({n} reports) but its batch was never released "
                          "(over-charged, safe: e.g. the server stopped between charge and fetch)")
         elif int(line["n"]) != n:
-            violations.append(f"{where}: batch {line['batch_id']} released {line['n']} reports, the ledger "
-                              f"charged {n}")
+            violations.append(f"{where(epoch, rnd)}: batch {line['batch_id']} released {line['n']} reports, the "
+                              f"ledger charged {n}")
+    batches = [r for r in releases if int(r["key_epoch"]) in scope]
+    covered = {e for e in ledger_epochs.values() if e is not None}
     for r in batches:
-        key = (int(r["key_epoch"]), int(r["round_id"]))
-        if key in charged_keys:
+        epoch, rnd = int(r["key_epoch"]), int(r["round_id"])
+        if (epoch, rnd) in charged:
             continue
-        where = f"round {key[1]}" if len(epochs) == 1 else f"key epoch {key[0]}, round {key[1]}"
         if r["released"]:
-            violations.append(f"{where}: batch {r['batch_id']} ({r['n']} reports) was released but the ledger has "
-                              "no row for the round: privacy spent off the books")
+            hint = "" if epoch in covered else (f" (no ledger given charged key epoch {epoch}: give that run's "
+                                                "ledger with --ledger, or leave the epoch out with --key-epoch)")
+            violations.append(f"{where(epoch, rnd)}: batch {r['batch_id']} ({r['n']} reports) was released but no "
+                              f"ledger row charged it: privacy spent off the books{hint}")
         else:
-            notes.append(f"{where}: sealed, never released, not charged (nothing left the shuffler)")
-    others = [r for r in releases if int(r["key_epoch"]) not in epochs]
+            notes.append(f"{where(epoch, rnd)}: sealed, never released, not charged (nothing left the shuffler)")
+    others = [r for r in releases if int(r["key_epoch"]) not in scope]
     if others:
-        notes.append(f"{len(others)} sealed batch(es) of other key epochs "
-                     f"{sorted({int(r['key_epoch']) for r in others})} ({sum(1 for r in others if r['released'])} "
-                     "released) were not audited: they are not this run's")
+        notes.append(f"{len(others)} sealed batch(es) of key epochs {sorted({int(r['key_epoch']) for r in others})} "
+                     f"({sum(1 for r in others if r['released'])} released) were left out of the audit by "
+                     "--key-epoch")
+    released = [r for r in batches if r["released"]]
+    all_rows = [row for rows in ledgers.values() for row in rows]
     return AuditReport(
-        key_epochs=epochs,
+        key_epochs=sorted(scope),
+        ledger_epochs=ledger_epochs,
         batches_sealed=len(batches),
         batches_released=len(released),
         reports_released=sum(int(r["n"]) for r in released),
-        ledger_rounds=len(ledger_rows),
-        reports_charged=sum(int(row["n_reports"]) for row in ledger_rows),
+        ledger_rounds=len(all_rows),
+        reports_charged=sum(int(row["n_reports"]) for row in all_rows),
         violations=violations,
         notes=notes,
     )
 
 
+def _verify_key_arg(values: Sequence[str]) -> tuple[str | None, dict[int, str]]:
+    """Split the ``--shuffler-verify-key`` values into the bare key (at most one) and ``EPOCH=PATH`` keys."""
+    bare: str | None = None
+    per_epoch: dict[int, str] = {}
+    for value in values:
+        match = re.fullmatch(r"(\d+)=(.+)", value, flags=re.DOTALL)
+        if match is None:
+            if bare is not None:
+                raise AuditError(f"--shuffler-verify-key is given twice without an epoch ({bare!r}, {value!r}): "
+                                 "give other epochs' keys as EPOCH=PATH")
+            bare = value
+            continue
+        epoch = _u32(int(match.group(1)), f"the epoch of --shuffler-verify-key {value!r}")
+        if epoch in per_epoch:
+            raise AuditError(f"--shuffler-verify-key names key epoch {epoch} twice")
+        per_epoch[epoch] = match.group(2)
+    return bare, per_epoch
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shuffledp audit",
-        description="check that every batch the shuffler released was charged in the privacy ledger",
+        description="check that every batch the shuffler released was charged in the privacy ledgers",
     )
-    p.add_argument("--ledger", required=True, help="the run's ledger.sqlite")
+    p.add_argument("--ledger", required=True, action="append",
+                   help="a run's ledger.sqlite; repeat for each run (one per key epoch) the listing covers")
     p.add_argument("--releases", required=True,
                    help="the output of 'shuffledp shuffler journal --journal-dir DIR' (JSON lines)")
-    p.add_argument("--shuffler-verify-key", help="the shuffler's Ed25519 public key (PEM): verify every attestation")
-    p.add_argument("--key-epoch", type=int,
-                   help="the run's key epoch, for a ledger that does not record it (written by an older shuffledp) "
-                        "when the releases hold several; with a ledger that records its epochs, a check")
+    p.add_argument("--shuffler-verify-key", action="append", default=[], metavar="[EPOCH=]PEM",
+                   help="the shuffler's Ed25519 public key (PEM): verifies the audited epochs' attestations; "
+                        "EPOCH=PEM gives one key epoch its own key (repeatable)")
+    p.add_argument("--key-epoch", type=int, action="append",
+                   help="audit only this key epoch (repeatable); default: every epoch in the releases")
     return p
 
 
@@ -289,14 +415,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with open(ns.releases, encoding="utf-8") as fh:
             releases = read_releases(fh.read())
-        verify_key = None
-        if ns.shuffler_verify_key:
-            from shuffler.keys import load_public_key
+        bare, per_epoch = _verify_key_arg(ns.shuffler_verify_key)
+        from shuffler.keys import load_public_key
 
-            verify_key = load_public_key(ns.shuffler_verify_key, "ed25519")
-        with Ledger(ns.ledger, read_only=True) as ledger:  # the audit leaves the evidence as it was
-            rows = ledger.rows()
-        report = audit(rows, releases, key_epoch=ns.key_epoch, verify_key=verify_key)
+        verify_key = load_public_key(bare, "ed25519") if bare is not None else None
+        epoch_keys = {epoch: load_public_key(path, "ed25519") for epoch, path in per_epoch.items()}
+        ledgers: dict[str, list[dict[str, Any]]] = {}
+        for path in ns.ledger:
+            if path in ledgers:
+                raise AuditError(f"--ledger {path} is given twice")
+            with Ledger(path, read_only=True) as ledger:  # the audit leaves the evidence as it was
+                ledgers[path] = ledger.rows()
+        report = audit(ledgers, releases, key_epochs=ns.key_epoch, verify_key=verify_key, epoch_keys=epoch_keys)
     except (AuditError, LedgerError, OSError, ValueError, sqlite3.Error) as exc:
         sys.stderr.write(f"shuffledp audit: {exc}\n")
         return 2
