@@ -110,6 +110,18 @@ _TABLE_KEYS = {
 }
 
 
+# A round's batch row is written in the round's own transaction, after its ``rounds`` row and before its
+# ``epsilons`` rows (:meth:`Ledger.append`). So a batch row may name only the last round, and only while that round
+# has no epsilons yet: a round recorded earlier (every round of a ledger written before the table existed, or one
+# appended without its batch) cannot be given a batch afterwards, nor can a future round be pre-seeded.
+_BATCH_IN_ROUND_TRIGGER = """
+CREATE TRIGGER IF NOT EXISTS batches_in_round BEFORE INSERT ON batches
+WHEN NEW.round IS NOT (SELECT MAX(round) FROM rounds) OR EXISTS (SELECT 1 FROM epsilons WHERE round = NEW.round)
+BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: a batch is recorded with its round, not after'); END;
+"""
+_TRIGGER_NAMES = frozenset({f"{table}_no_replace" for table in _TABLE_KEYS} | {"batches_in_round"})
+
+
 def _trigger_statements() -> list[str]:
     """The append-only triggers of every table, one CREATE TRIGGER IF NOT EXISTS statement each."""
     statements = []
@@ -117,7 +129,7 @@ def _trigger_statements() -> list[str]:
         for statement in _TRIGGERS.format(table=table, key_match=key_match).split("END;"):
             if statement.strip():
                 statements.append(statement + "END;")
-    return statements
+    return [*statements, _BATCH_IN_ROUND_TRIGGER.strip()]
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
@@ -191,7 +203,9 @@ class Ledger:
         create: allow creating a new ledger file.
         read_only: open for reading only (implies ``create=False``): SQLite refuses every write through this
             connection and nothing is added to an older ledger (no table, no trigger), so an auditor's look
-            leaves the file as it was. :meth:`append` and :meth:`record` then raise LedgerError.
+            leaves the ledger file as it was (SQLite may leave empty ``-wal``/``-shm`` side files next to it; in
+            a directory it cannot write, a ledger with no pending write-ahead log is read ``immutable``).
+            :meth:`append` and :meth:`record` then raise LedgerError.
 
     Raises:
         LedgerError: the file is missing (``create=False``) or is not a shuffledp ledger of a known version.
@@ -211,8 +225,7 @@ class Ledger:
             raise LedgerError(f"cannot open the ledger {str(self.path)!r}: its directory does not exist")
         try:
             if self.read_only:
-                uri = "file:" + urllib.parse.quote(str(self.path.resolve())) + "?mode=ro"
-                self._conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0)
+                self._conn = self._connect_read_only()
             else:
                 self._conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
         except sqlite3.Error as exc:
@@ -225,6 +238,30 @@ class Ledger:
         except BaseException:
             self._conn.close()
             raise
+
+    def _connect_read_only(self) -> sqlite3.Connection:
+        """Open with SQLite's ``mode=ro``. In WAL mode SQLite needs the ``-wal`` and ``-shm`` files next to the
+        ledger to read it, and creates them (empty) if the directory is writable; the ledger file itself is not
+        changed. Where the directory is not writable (read-only media, another user's run) and there is no
+        write-ahead log to read (no ``-wal`` file, or an empty one: every committed round is in the main file),
+        the file is opened ``immutable``: read as it is, without locks or side files."""
+        base = "file:" + urllib.parse.quote(os.fsencode(self.path.resolve()))  # bytes: any file name, quoted
+        conn = sqlite3.connect(base + "?mode=ro", uri=True, isolation_level=None, timeout=30.0)
+        try:
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError as exc:
+            conn.close()
+            if "readonly" not in str(exc) and "unable to open" not in str(exc):
+                raise
+            wal = self.path.with_name(self.path.name + "-wal")
+            if wal.exists() and wal.stat().st_size > 0:
+                raise LedgerError(
+                    f"cannot read the ledger {str(self.path)!r}: it has a write-ahead log ({wal.name}: a writer is "
+                    "running, or stopped without a checkpoint), and SQLite needs write access to the directory to "
+                    f"read it ({exc}); copy the ledger and its -wal file to a writable directory"
+                ) from None
+        return sqlite3.connect(base + "?mode=ro&immutable=1", uri=True, isolation_level=None, timeout=30.0)
 
     # -- setup -------------------------------------------------------------------------------------------------
     def _setup(self, create: bool) -> None:
@@ -274,7 +311,7 @@ class Ledger:
             )
         triggers = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
         if not self.read_only and (
-            "batches" not in tables or not {f"{table}_no_replace" for table in _TABLE_KEYS} <= triggers
+            "batches" not in tables or not _TRIGGER_NAMES <= triggers
         ):
             # A ledger written before the batches table or the no-replace triggers existed gets them now. A
             # read-only file cannot, and need not: nothing can be appended to it through this connection either.
@@ -382,6 +419,9 @@ class Ledger:
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 tuple(record[key] for key in _ROW_KEYS),
             )
+            if batch is not None:  # before the epsilons: the batches_in_round trigger refuses it after them
+                conn.execute("INSERT INTO batches(round, key_epoch, batch_id) VALUES (?, ?, ?)",
+                             (record["round"], *batch))
             conn.executemany(
                 "INSERT INTO epsilons(round, family, value, kind, reason) VALUES (?, ?, ?, ?, ?)",
                 [
@@ -389,10 +429,10 @@ class Ledger:
                     for family, entry in record["epsilons"].items()
                 ],
             )
-            if batch is not None:
-                conn.execute("INSERT INTO batches(round, key_epoch, batch_id) VALUES (?, ?, ?)",
-                             (record["round"], *batch))
             conn.execute("COMMIT")
+        except sqlite3.IntegrityError as exc:  # a constraint or trigger of the file refused it (e.g. an edited file)
+            _rollback(conn)
+            raise LedgerError(f"the ledger {str(self.path)!r} refused round {record['round']}: {exc}") from exc
         except BaseException:
             _rollback(conn)
             raise

@@ -296,6 +296,109 @@ def test_a_read_only_open_changes_nothing_and_refuses_appends(tmp_path: Path) ->
     assert not (tmp_path / "missing.db").exists()
 
 
+def _read_only_rows_as_a_reader_without_write_access(directory: Path, ledger: Path) -> str:
+    """Open ``ledger`` read-only in a forked child that cannot write ``directory`` (made 0555; as root, the child
+    also drops to uid 65534, which root's permission override would otherwise defeat). A fork, not an exec: the
+    interpreter may live where uid 65534 cannot reach."""
+    for p in (directory, *directory.iterdir()):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    directory.chmod(0o555)
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            try:
+                os.close(read_end)
+                if os.geteuid() == 0:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                try:
+                    with Ledger(ledger, read_only=True) as opened:
+                        said = f"rows {[r['round'] for r in opened.rows()]}"
+                except LedgerError as exc:
+                    said = f"LedgerError {exc}"
+                os.write(write_end, said.encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        chunks = []
+        while chunk := os.read(read_end, 65536):
+            chunks.append(chunk)
+        os.waitpid(pid, 0)
+    finally:
+        os.close(read_end)
+        directory.chmod(0o755)
+    return b"".join(chunks).decode()
+
+
+def test_a_reader_who_cannot_write_the_directory_can_read_a_checkpointed_ledger(tmp_path: Path) -> None:
+    import tempfile
+
+    evidence = Path(tempfile.mkdtemp(prefix="shuffledp-ro-", dir="/tmp"))  # tmp_path is not readable by uid 65534
+    try:
+        with Ledger(evidence / "l.db") as ledger:
+            _append(ledger, 1, key_epoch=0, batch_id=b"\1" * 16)
+            _append(ledger, 2)
+            # a copy taken while the writer is open: its committed rounds are still in the write-ahead log
+            pending = Path(tempfile.mkdtemp(prefix="shuffledp-ro-wal-", dir="/tmp"))
+            (pending / "l.db").write_bytes((evidence / "l.db").read_bytes())
+            (pending / "l.db-wal").write_bytes((evidence / "l.db-wal").read_bytes())
+        before = (evidence / "l.db").read_bytes()
+        assert sorted(p.name for p in evidence.iterdir()) == ["l.db"]  # the writer checkpointed on close
+        assert _read_only_rows_as_a_reader_without_write_access(evidence, evidence / "l.db") == "rows [1, 2]"
+        assert sorted(p.name for p in evidence.iterdir()) == ["l.db"] and (evidence / "l.db").read_bytes() == before
+        # with a pending log it cannot read every committed round without SQLite's shared memory: refused, clearly
+        said = _read_only_rows_as_a_reader_without_write_access(pending, pending / "l.db")
+        assert said.startswith("LedgerError") and "write-ahead log" in said and "copy the ledger" in said
+        with Ledger(pending / "l.db", read_only=True) as ledger:  # where it can write, the same copy reads whole
+            assert [r["round"] for r in ledger.rows()] == [1, 2]
+    finally:
+        import shutil
+
+        shutil.rmtree(evidence, ignore_errors=True)
+        shutil.rmtree(pending, ignore_errors=True)
+
+
+def test_a_read_only_open_takes_any_file_name(tmp_path: Path) -> None:
+    for name in ("a b%20c#?x=1&mode=rw.db", "caf\u00e9.db", "bad\udcff.db", "file:x.db"):
+        path = tmp_path / name
+        try:
+            with Ledger(path) as ledger:
+                _append(ledger, 1)
+        except UnicodeEncodeError:  # a file system that cannot store the name at all
+            continue
+        with Ledger(path, read_only=True) as ledger:
+            assert [r["round"] for r in ledger.rows()] == [1], name
+
+
+def test_a_batch_cannot_be_added_to_an_earlier_round_or_a_future_one(tmp_path: Path) -> None:
+    path = tmp_path / "l.db"
+    with Ledger(path) as ledger:
+        _append(ledger, 1)  # as a round of a ledger written before the batches table: no batch
+        _append(ledger, 2, key_epoch=0, batch_id=b"\2" * 16)
+        before = ledger.rows()
+    conn = sqlite3.connect(path)  # another SQLite client: foreign keys off
+    try:
+        for rnd in (1, 3):  # re-label an earlier round; pre-seed a future one
+            with pytest.raises(sqlite3.IntegrityError, match="a batch is recorded with its round"):
+                conn.execute("INSERT INTO batches VALUES (?, 7, ?)", (rnd, "ee" * 16))
+        conn.execute("DROP TRIGGER batches_in_round")  # an older ledger, or an edit: pre-seed round 3
+        conn.execute("INSERT INTO batches VALUES (3, 7, ?)", ("ee" * 16,))
+        conn.commit()
+    finally:
+        conn.close()
+    with Ledger(path) as ledger:  # the writable open puts the trigger back
+        with pytest.raises(LedgerError, match="refused round 3"):  # not a raw sqlite3.IntegrityError
+            _append(ledger, 3, key_epoch=0, batch_id=b"\3" * 16)
+        assert ledger.rows() == before
+    conn = sqlite3.connect(path)
+    try:
+        with pytest.raises(sqlite3.IntegrityError, match="a batch is recorded with its round"):
+            conn.execute("INSERT INTO batches VALUES (1, 7, ?)", ("ee" * 16,))
+    finally:
+        conn.close()
+
+
 def test_unreadable_tables_are_a_ledger_error_not_a_traceback(tmp_path: Path) -> None:
     for name, script in (
         ("meta.db", "CREATE TABLE meta(k TEXT); CREATE TABLE rounds(x); CREATE TABLE epsilons(y);"),
