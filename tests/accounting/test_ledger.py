@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -19,6 +21,28 @@ import pytest
 from accounting.ledger import LEDGER_FORMAT, Ledger, LedgerError
 
 FAMILIES_IN_TEST = ("clones", "ccg-gdp", "rr-lower")
+
+
+@contextlib.contextmanager
+def _raw(path: Path) -> Iterator[sqlite3.Connection]:
+    """Another SQLite client on the ledger file, bypassing the Python API (foreign keys off, its default)."""
+    conn = sqlite3.connect(path)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def _rows_of(path: Path) -> list[dict]:
+    with Ledger(path, read_only=True) as ledger:
+        return ledger.rows()
+
+
+def _as_written_before_the_batches_table(path: Path) -> None:
+    """Make ``path`` a ledger as an older shuffledp wrote it: no batches table (its triggers go with it)."""
+    with _raw(path) as conn:
+        conn.execute("DROP TABLE batches")
+        conn.commit()
 
 
 def _append(ledger: Ledger, rnd: int, **overrides: object) -> None:
@@ -158,8 +182,7 @@ def test_sqlite_itself_refuses_update_and_delete(tmp_path: Path) -> None:
     with Ledger(path) as ledger:
         _append(ledger, 1)
         before = ledger.rows()
-    conn = sqlite3.connect(path)
-    try:
+    with _raw(path) as conn:
         for statement in (
             "UPDATE rounds SET eps0 = 0.5",
             "DELETE FROM rounds",
@@ -180,10 +203,7 @@ def test_sqlite_itself_refuses_update_and_delete(tmp_path: Path) -> None:
         with pytest.raises(sqlite3.IntegrityError):
             conn.execute("INSERT INTO epsilons VALUES (1, 'fmt', 0.5, 'refused', 'x')")
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    finally:
-        conn.close()
-    with Ledger(path, create=False) as ledger:
-        assert ledger.rows() == before
+    assert _rows_of(path) == before  # the API's view is unchanged
 
 
 def test_a_ledger_from_before_the_replace_triggers_gets_them_at_open(tmp_path: Path) -> None:
@@ -241,18 +261,14 @@ def test_the_batches_table_is_append_only_too(tmp_path: Path) -> None:
     with Ledger(path) as ledger:
         _append(ledger, 1, key_epoch=0, batch_id=b"\1" * 16)
         before = ledger.rows()
-    conn = sqlite3.connect(path)
-    try:
+    with _raw(path) as conn:
         for statement in ("UPDATE batches SET batch_id = '" + "22" * 16 + "'", "DELETE FROM batches",
                           "INSERT OR REPLACE INTO batches VALUES (1, 0, '" + "22" * 16 + "')"):
             with pytest.raises(sqlite3.DatabaseError, match="append-only"):
                 conn.execute(statement)
         with pytest.raises(sqlite3.IntegrityError):  # not hex, even bypassing the Python API
             conn.execute("INSERT INTO batches VALUES (2, 0, '" + "ZZ" * 16 + "')")
-    finally:
-        conn.close()
-    with Ledger(path, create=False) as ledger:
-        assert ledger.rows() == before
+    assert _rows_of(path) == before  # the API's view is unchanged
 
 
 def test_a_ledger_from_before_the_batches_table_gets_it_and_keeps_its_rounds(tmp_path: Path) -> None:
@@ -260,12 +276,7 @@ def test_a_ledger_from_before_the_batches_table_gets_it_and_keeps_its_rounds(tmp
     with Ledger(path) as ledger:
         _append(ledger, 1)
         before = ledger.rows()
-    conn = sqlite3.connect(path)
-    for kind in ("update", "delete", "replace"):
-        conn.execute(f"DROP TRIGGER batches_no_{kind}")
-    conn.execute("DROP TABLE batches")
-    conn.commit()
-    conn.close()
+    _as_written_before_the_batches_table(path)
     with Ledger(path, create=False) as ledger:
         assert ledger.rows() == before and before[0]["batch_id"] is None
         _append(ledger, 2, key_epoch=3, batch_id=b"\2" * 16)
@@ -276,12 +287,7 @@ def test_a_read_only_open_changes_nothing_and_refuses_appends(tmp_path: Path) ->
     path = tmp_path / "l.db"
     with Ledger(path) as ledger:
         _append(ledger, 1)
-    conn = sqlite3.connect(path)  # as written by an older shuffledp: no batches table
-    for kind in ("update", "delete", "replace"):
-        conn.execute(f"DROP TRIGGER batches_no_{kind}")
-    conn.execute("DROP TABLE batches")
-    conn.commit()
-    conn.close()
+    _as_written_before_the_batches_table(path)
     before = path.read_bytes()
     with Ledger(path, read_only=True) as ledger:
         rows = ledger.rows()
@@ -377,26 +383,20 @@ def test_a_batch_cannot_be_added_to_an_earlier_round_or_a_future_one(tmp_path: P
         _append(ledger, 1)  # as a round of a ledger written before the batches table: no batch
         _append(ledger, 2, key_epoch=0, batch_id=b"\2" * 16)
         before = ledger.rows()
-    conn = sqlite3.connect(path)  # another SQLite client: foreign keys off
-    try:
+    with _raw(path) as conn:  # another SQLite client: foreign keys off
         for rnd in (1, 3):  # re-label an earlier round; pre-seed a future one
             with pytest.raises(sqlite3.IntegrityError, match="a batch is recorded with its round"):
                 conn.execute("INSERT INTO batches VALUES (?, 7, ?)", (rnd, "ee" * 16))
         conn.execute("DROP TRIGGER batches_in_round")  # an older ledger, or an edit: pre-seed round 3
         conn.execute("INSERT INTO batches VALUES (3, 7, ?)", ("ee" * 16,))
         conn.commit()
-    finally:
-        conn.close()
     with Ledger(path) as ledger:  # the writable open puts the trigger back
         with pytest.raises(LedgerError, match="refused round 3"):  # not a raw sqlite3.IntegrityError
             _append(ledger, 3, key_epoch=0, batch_id=b"\3" * 16)
         assert ledger.rows() == before
-    conn = sqlite3.connect(path)
-    try:
+    with _raw(path) as conn:
         with pytest.raises(sqlite3.IntegrityError, match="a batch is recorded with its round"):
             conn.execute("INSERT INTO batches VALUES (1, 7, ?)", ("ee" * 16,))
-    finally:
-        conn.close()
 
 
 def test_unreadable_tables_are_a_ledger_error_not_a_traceback(tmp_path: Path) -> None:
@@ -520,11 +520,8 @@ def test_ledger_survives_sigkill_mid_stream(tmp_path: Path) -> None:
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
 
-    conn = sqlite3.connect(path)
-    try:
+    with _raw(path) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    finally:
-        conn.close()
     with Ledger(path, create=False) as ledger:
         rows = ledger.rows()
         stored = [r["round"] for r in rows]
