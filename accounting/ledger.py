@@ -110,16 +110,17 @@ _TABLE_KEYS = {
 }
 
 
-# A round's batch row is written in the round's own transaction, after its ``rounds`` row and before its
-# ``epsilons`` rows (:meth:`Ledger.append`). So a batch row may name only the last round, and only while that round
-# has no epsilons yet: a round recorded earlier (every round of a ledger written before the table existed, or one
-# appended without its batch) cannot be given a batch afterwards, nor can a future round be pre-seeded.
+# A round's batch row is written in the round's own transaction (:meth:`Ledger.append`), so it names the last
+# recorded round. The trigger refuses any other: an earlier round (every round of a ledger written before the table
+# existed) cannot be given a batch afterwards, nor can a future round be pre-seeded. (The last round, if recorded
+# without a batch, still can: a stricter check, e.g. "before its epsilons", would refuse an older shuffledp's
+# appends, which write the batch row last.)
 _BATCH_IN_ROUND_TRIGGER = """
-CREATE TRIGGER IF NOT EXISTS batches_in_round BEFORE INSERT ON batches
-WHEN NEW.round IS NOT (SELECT MAX(round) FROM rounds) OR EXISTS (SELECT 1 FROM epsilons WHERE round = NEW.round)
+CREATE TRIGGER IF NOT EXISTS batches_last_round BEFORE INSERT ON batches
+WHEN NEW.round IS NOT (SELECT MAX(round) FROM rounds)
 BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: a batch is recorded with its round, not after'); END;
 """
-_TRIGGER_NAMES = frozenset({f"{table}_no_replace" for table in _TABLE_KEYS} | {"batches_in_round"})
+_TRIGGER_NAMES = frozenset({f"{table}_no_replace" for table in _TABLE_KEYS} | {"batches_last_round"})
 
 
 def _trigger_statements() -> list[str]:
@@ -203,8 +204,8 @@ class Ledger:
         create: allow creating a new ledger file.
         read_only: open for reading only (implies ``create=False``): SQLite refuses every write through this
             connection and nothing is added to an older ledger (no table, no trigger), so an auditor's look
-            leaves the ledger file as it was (SQLite may leave empty ``-wal``/``-shm`` side files next to it; in
-            a directory it cannot write, a ledger with no pending write-ahead log is read ``immutable``).
+            leaves the ledger file as it was (SQLite may leave empty ``-wal``/``-shm`` side files next to it,
+            owned by the reader; a reader who cannot write the directory must read a copy).
             :meth:`append` and :meth:`record` then raise LedgerError.
 
     Raises:
@@ -240,28 +241,26 @@ class Ledger:
             raise
 
     def _connect_read_only(self) -> sqlite3.Connection:
-        """Open with SQLite's ``mode=ro``. In WAL mode SQLite needs the ``-wal`` and ``-shm`` files next to the
-        ledger to read it, and creates them (empty) if the directory is writable; the ledger file itself is not
-        changed. Where the directory is not writable (read-only media, another user's run) and there is no
-        write-ahead log to read (no ``-wal`` file, or an empty one: every committed round is in the main file),
-        the file is opened ``immutable``: read as it is, without locks or side files."""
-        base = "file:" + urllib.parse.quote(os.fsencode(self.path.resolve()))  # bytes: any file name, quoted
-        conn = sqlite3.connect(base + "?mode=ro", uri=True, isolation_level=None, timeout=30.0)
+        """Open with SQLite's ``mode=ro``: every committed round is read, including those still in the write-ahead
+        log. SQLite needs the ``-wal`` and ``-shm`` files next to the ledger for that and creates them (empty, owned
+        by the reader) if they are missing; the ledger file itself is not changed. A reader who cannot write the
+        directory gets a LedgerError saying to read a copy: reading the main file alone (``immutable``) would
+        miss rounds still in the log, or read a file a writer is changing."""
+        uri = "file:" + urllib.parse.quote(os.fsencode(self.path.resolve())) + "?mode=ro"  # bytes: any file name
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0)
         try:
             conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-            return conn
         except sqlite3.OperationalError as exc:
             conn.close()
-            if "readonly" not in str(exc) and "unable to open" not in str(exc):
-                raise
-            wal = self.path.with_name(self.path.name + "-wal")
-            if wal.exists() and wal.stat().st_size > 0:
+            if "readonly" in str(exc) or "unable to open" in str(exc):
                 raise LedgerError(
-                    f"cannot read the ledger {str(self.path)!r}: it has a write-ahead log ({wal.name}: a writer is "
-                    "running, or stopped without a checkpoint), and SQLite needs write access to the directory to "
-                    f"read it ({exc}); copy the ledger and its -wal file to a writable directory"
+                    f"cannot read the ledger {str(self.path)!r} read-only ({exc}): SQLite needs write access to its "
+                    "directory for the side files of a WAL database (or to roll back a crashed write): copy the "
+                    "ledger with any -wal or -journal file beside it to a directory you can write, and read the copy "
+                    "(a writable open of the copy rolls a crashed write back)"
                 ) from None
-        return sqlite3.connect(base + "?mode=ro&immutable=1", uri=True, isolation_level=None, timeout=30.0)
+            raise
+        return conn
 
     # -- setup -------------------------------------------------------------------------------------------------
     def _setup(self, create: bool) -> None:
@@ -419,7 +418,7 @@ class Ledger:
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 tuple(record[key] for key in _ROW_KEYS),
             )
-            if batch is not None:  # before the epsilons: the batches_in_round trigger refuses it after them
+            if batch is not None:  # the batches_last_round trigger allows only the round just inserted
                 conn.execute("INSERT INTO batches(round, key_epoch, batch_id) VALUES (?, ?, ?)",
                              (record["round"], *batch))
             conn.executemany(

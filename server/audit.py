@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sqlite3
 import sys
@@ -185,10 +186,11 @@ def _check_attestation(row: Mapping[str, Any], verify_key: bytes) -> str | None:
     return None
 
 
-def _ledger_epoch(name: str, rows: Sequence[Mapping[str, Any]], scope: set[int],
-                  named: bool) -> tuple[int | None, list[str]]:
+def _ledger_epoch(name: str, rows: Sequence[Mapping[str, Any]], scope: set[int], named: bool,
+                  claimed: set[int]) -> tuple[int | None, list[str]]:
     """The key epoch a ledger charged, and notes. A run keeps one epoch, so a ledger that records several is not
-    one run's; a ledger that records none (an older shuffledp) is put in the only audited epoch."""
+    one run's; a ledger that records none (an older shuffledp) is put in the only audited epoch that no other
+    ledger (``claimed``) charged."""
     recorded = sorted({int(r["key_epoch"]) for r in rows if r.get("key_epoch") is not None})
     unbound = [int(r["round"]) for r in rows if r.get("key_epoch") is None]
     if len(recorded) > 1:
@@ -201,11 +203,13 @@ def _ledger_epoch(name: str, rows: Sequence[Mapping[str, Any]], scope: set[int],
                              f"the audit (it names {sorted(scope)})")
     elif not rows:
         return None, [f"ledger {name} has no rounds"]
-    elif len(scope) == 1:
-        epoch = next(iter(scope))
+    elif len(scope - claimed) == 1:
+        epoch = next(iter(scope - claimed))
     else:
+        free = sorted(scope - claimed)
         raise AuditError(f"ledger {name} does not record the key epoch it charged (written by an older shuffledp) "
-                         f"and the audit covers key epochs {sorted(scope)}: name its epoch with --key-epoch")
+                         f"and the audit leaves {free or 'no'} key epochs for it: audit it alone, naming its epoch "
+                         "with --key-epoch")
     notes = []
     if unbound:
         notes.append(f"ledger {name} does not record which batch rounds {unbound} charged (written by an older "
@@ -267,7 +271,14 @@ def audit(
     ledger_epochs: dict[str, int | None] = {}
     for name, rows in ledgers.items():
         _check_ledger_rows(name, rows)
-        epoch, why = _ledger_epoch(name, rows, scope, named)
+
+    def records_epochs(item: tuple[str, Sequence[Mapping[str, Any]]]) -> bool:
+        return any(r.get("key_epoch") is not None for r in item[1])
+
+    # ledgers that record their epoch first, so an older one is put in the one audited epoch none of them charged
+    for name, rows in sorted(ledgers.items(), key=lambda item: not records_epochs(item)):
+        claimed = {e for e in ledger_epochs.values() if e is not None}
+        epoch, why = _ledger_epoch(name, rows, scope, named, claimed)
         notes += why
         ledger_epochs[name] = epoch
         if epoch is None:
@@ -287,31 +298,36 @@ def audit(
 
     violations: list[str] = []
     unverified: dict[str, set[int]] = {"no key": set(), "another key": set()}
+    any_keys = [k for k in (verify_key, *own_keys.values()) if k is not None]
     for r in releases:
         epoch = int(r["key_epoch"])
         key = own_keys.get(epoch, verify_key if epoch in scope else None)
-        if key is None:
-            if verify_key is None and not own_keys:
-                continue  # no signature checks asked for
-            if verify_key is None:
-                unverified["no key"].add(epoch)
+        if key is not None:
+            why = _check_attestation(r, key)
+        elif not any_keys:
+            continue  # no signature checks asked for
+        elif epoch in scope:
+            unverified["no key"].add(epoch)
+            continue
+        else:
+            # Outside the scope, with no key of its own: a line that any given key verifies must still name itself
+            # (a line whose unsigned epoch was relabelled out of the audit is caught); one that none verifies may be
+            # another key's, so it is noted.
+            checks = [_check_attestation(r, k) for k in any_keys]
+            if None in checks:
                 continue
-            # outside the scope, with only the audited epochs' key: a line it verifies must still name itself
-            # (a line relabelled out of the audit is caught); one it does not may be another key's, so noted.
-            why = _check_attestation(r, verify_key)
-            if why is not None and why.startswith("its attestation does not verify"):
+            why = next((c for c in checks if not c.startswith("its attestation does not verify")), None)
+            if why is None:
                 unverified["another key"].add(epoch)
                 continue
-        else:
-            why = _check_attestation(r, key)
         if why is not None:
             violations.append(f"key epoch {epoch}, round {r['round_id']} (batch {r['batch_id']}): {why}")
     if unverified["no key"]:
         notes.append(f"the lines of key epochs {sorted(unverified['no key'])} were not verified: no key was given "
                      "for them")
     if unverified["another key"]:
-        notes.append(f"the lines of key epochs {sorted(unverified['another key'])}, outside the audit, do not verify "
-                     "with the given key (expected if their epoch had another signing key: give it as EPOCH=PEM)")
+        notes.append(f"the lines of key epochs {sorted(unverified['another key'])}, outside the audit, verify with "
+                     "none of the given keys (expected if their epoch had another signing key: give it as EPOCH=PEM)")
 
     for (epoch, rnd), (name, row) in sorted(charged.items()):
         n = int(row["n_reports"])
@@ -351,7 +367,7 @@ def audit(
     all_rows = [row for rows in ledgers.values() for row in rows]
     return AuditReport(
         key_epochs=sorted(scope),
-        ledger_epochs=ledger_epochs,
+        ledger_epochs={name: ledger_epochs[name] for name in ledgers},
         batches_sealed=len(batches),
         batches_released=len(released),
         reports_released=sum(int(r["n"]) for r in released),
@@ -367,7 +383,7 @@ def _verify_key_arg(values: Sequence[str]) -> tuple[str | None, dict[int, str]]:
     bare: str | None = None
     per_epoch: dict[int, str] = {}
     for value in values:
-        match = re.fullmatch(r"(\d+)=(.+)", value, flags=re.DOTALL)
+        match = re.fullmatch(r"([0-9]+)=(.+)", value, flags=re.DOTALL)
         if match is None:
             if bare is not None:
                 raise AuditError(f"--shuffler-verify-key is given twice without an epoch ({bare!r}, {value!r}): "
@@ -421,9 +437,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         verify_key = load_public_key(bare, "ed25519") if bare is not None else None
         epoch_keys = {epoch: load_public_key(path, "ed25519") for epoch, path in per_epoch.items()}
         ledgers: dict[str, list[dict[str, Any]]] = {}
+        seen: dict[str, str] = {}
         for path in ns.ledger:
-            if path in ledgers:
-                raise AuditError(f"--ledger {path} is given twice")
+            real = os.path.realpath(path)
+            if real in seen:
+                raise AuditError(f"--ledger {path} is given twice (as {seen[real]!r})")
+            seen[real] = path
             with Ledger(path, read_only=True) as ledger:  # the audit leaves the evidence as it was
                 ledgers[path] = ledger.rows()
         report = audit(ledgers, releases, key_epochs=ns.key_epoch, verify_key=verify_key, epoch_keys=epoch_keys)

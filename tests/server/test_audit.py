@@ -84,8 +84,11 @@ def test_a_listing_that_disagrees_with_its_signed_attestation_is_a_violation() -
 
 def test_an_old_ledger_is_matched_by_round_in_the_only_audited_epoch() -> None:
     lines = [_line(1, 10, epoch=0), _line(1, 4, epoch=1)]
-    with pytest.raises(AuditError, match="covers key epochs \\[0, 1\\]: name its epoch with --key-epoch"):
+    with pytest.raises(AuditError, match="leaves \\[0, 1\\] key epochs for it: audit it alone, naming its epoch"):
         _audit(_rows((1, 10), epoch=None), lines)
+    # beside a ledger that records its epoch, an older one takes the audited epoch left
+    both = audit({"old": _rows((1, 10), epoch=None), "new": _rows((1, 4), epoch=1)}, lines)
+    assert both.ok and both.ledger_epochs == {"old": 0, "new": 1}
     rep = _audit(_rows((1, 10), epoch=None), lines, key_epochs=[0])
     assert rep.ok and rep.batches_sealed == 1 and rep.key_epochs == [0] and rep.ledger_epochs == {"L": 0}
     # the matching by round alone is noted, and the left-out epoch's batch is not silently dropped from the report
@@ -132,7 +135,7 @@ def test_a_rotated_signing_key_gives_no_false_violations() -> None:
     lines = [_line(1, 40), _line(2, 40), _line(1, 40, epoch=1, key=_SK1.private_bytes_raw())]
     rep = _audit(_rows((1, 40), epoch=1), lines, key_epochs=[1], verify_key=_PK1_RAW)
     assert rep.ok and rep.violations == []
-    assert any("epochs [0], outside the audit, do not verify with the given key" in n for n in rep.notes)
+    assert any("epochs [0], outside the audit, verify with none of the given keys" in n for n in rep.notes)
     # with epoch 0's own key its lines are verified too, and a forged one is caught
     forged = _line(2, 40) | {"signature": "00" * 64}
     rep = _audit(_rows((1, 40), epoch=1), lines[:1] + [forged] + lines[2:], key_epochs=[1], verify_key=_PK1_RAW,
@@ -153,6 +156,9 @@ def test_a_relabelled_epoch_cannot_hide_a_released_batch() -> None:
         assert any(v.startswith("key epoch 7, round 2") and "names (batch, epoch, round, n)" in v
                    for v in rep.violations)
     assert not _audit(_rows((1, 10), epoch=None), lines, key_epochs=[0], verify_key=_PK_RAW).ok
+    # the same with the audited epoch's key given as EPOCH=PEM (as after a rotation): still caught
+    rep = _audit(_rows((1, 10)), lines, key_epochs=[0], epoch_keys={0: _PK_RAW})
+    assert any(v.startswith("key epoch 7, round 2") and "names (batch, epoch, round, n)" in v for v in rep.violations)
 
 
 @pytest.mark.parametrize("key_epoch", [-1, 2**32, True, 1.0])
@@ -256,8 +262,11 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(two_runs + ["--key-epoch", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["key_epochs"] == [1] and "left out of the audit" in out["notes"][-1]
-    assert main(two_runs + ["--ledger", str(ledger_path), "--shuffler-verify-key", str(key)]) == 2
-    assert "name its epoch with --key-epoch" in capsys.readouterr().err  # the old ledger's epoch is ambiguous
+    assert main(two_runs + ["--ledger", str(ledger_path), "--shuffler-verify-key", f"0={key}"]) == 0
+    assert json.loads(capsys.readouterr().out)["ledger_epochs"] == {str(ledger1): 1, str(ledger_path): 0}
+    (tmp_path / "again").symlink_to(tmp_path)
+    assert main(two_runs + ["--ledger", str(tmp_path / "again" / ledger1.name)]) == 2
+    assert "is given twice" in capsys.readouterr().err
     assert main(two_runs + ["--key-epoch", "1", "--shuffler-verify-key", "2=" + str(key), "--shuffler-verify-key",
                             "2=" + str(key1)]) == 2
     assert "names key epoch 2 twice" in capsys.readouterr().err
