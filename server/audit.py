@@ -24,15 +24,16 @@ out makes its released batches violations instead of hiding them. Epochs the aud
 **Signatures.** A bare ``--shuffler-verify-key`` verifies the lines of the audited epochs; ``E=PEM`` gives epoch
 E its own key (the signing key changes with the key epoch). A verified attestation must name the batch id, key
 epoch, round and count of its line, so relabelling a line's unsigned fields cannot move a released batch out of
-the audit. Lines outside the scope are checked with their own key if given, else with the bare key where it
-verifies; those that verify with no key given are counted in a note. The release bit and ``released_at`` are
-the shuffler operator's statement (they are not signed).
+the audit. A line outside the scope is checked with its own key if given, else with every key given: if one
+verifies it, it must name its line; if none does (it may be another key's), it is counted in a note. The release
+bit and ``released_at`` are the shuffler operator's statement (they are not signed).
 
 **Matching.** The server records with each ledger row the key epoch and batch id of the batch it charged (from
 the verified attestation; ``accounting.ledger``, table ``batches``). A row is matched to the listing's batch of
 its (key epoch, round), and a different batch id there is a violation, so a listing of another run cannot pass
-for this one. A ledger written before rows recorded their batch is matched by round number alone, in the only
-audited epoch (name it with ``--key-epoch`` if the listing holds several), and the report notes it.
+for this one. A ledger written before rows recorded their batch is matched by round number alone, in the one
+audited epoch that no other ledger charged (audit it alone with ``--key-epoch`` if that is ambiguous), and the
+report notes it.
 """
 
 from __future__ import annotations
