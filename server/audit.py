@@ -22,10 +22,12 @@ the scope is the auditor's choice or the shuffler's record, never the audited se
 out makes its released batches violations instead of hiding them. Epochs the auditor leaves out are noted.
 
 **Signatures.** A bare ``--shuffler-verify-key`` verifies the lines of the audited epochs; ``E=PEM`` gives epoch
-E its own key (the signing key changes with the key epoch). A verified attestation must name the batch id, key
-epoch, round and count of its line, so relabelling a line's unsigned fields cannot move a released batch out of
-the audit. A line outside the scope is checked with its own key if given, else with every key given: if one
-verifies it, it must name its line; if none does (it may be another key's), it is counted in a note. The release
+E its own key (the signing key changes with the key epoch). Every line's statement, verified or not, must name
+the batch id, key epoch, round and count of its line (the shuffler writes the line from the statement it signed),
+so relabelling a line's unsigned fields cannot move a released batch out of the audit, whatever its signature. A
+line outside the scope is checked with its own key if given, else with every key given; one that none verifies
+(it may be another key's) is counted in a note that names it. Such a line is attributed to no audited epoch:
+editing its statement too is the same as deleting the line from the listing, which no audit can see. The release
 bit and ``released_at`` are the shuffler operator's statement (they are not signed).
 
 **Matching.** The server records with each ledger row the key epoch and batch id of the batch it charged (from
@@ -172,18 +174,32 @@ def _check_ledger_rows(name: str, rows: Sequence[Mapping[str, Any]]) -> None:
                 raise AuditError(f"ledger {name}, round {rnd}: batch_id {batch_id!r} is not 32 lowercase hex digits")
 
 
-def _check_attestation(row: Mapping[str, Any], verify_key: bytes) -> str | None:
-    """None if the line's attestation verifies and names its batch, epoch, round and count; else why not."""
-    from shuffler.attestation import Attestation, AttestationError
-
+def _statement_mismatch(row: Mapping[str, Any]) -> str | None:
+    """None if the line's statement, read *without* verifying its signature, names the line's batch id, key epoch,
+    round and count; else why not. The shuffler's journal writes the line's fields from the statement it signed,
+    so an honest listing always agrees with itself: a line whose unsigned fields were relabelled without its
+    statement is caught with no key at all (editing the statement too breaks the signature, see the module
+    docstring)."""
     try:
-        att = Attestation.verify(str(row["statement"]).encode(), bytes.fromhex(str(row["signature"])), verify_key)
-    except (AttestationError, ValueError) as exc:
-        return f"its attestation does not verify ({exc})"
-    named = (att.batch_id.hex(), att.key_epoch, att.round_id, att.n_accepted)
+        doc = json.loads(str(row["statement"]))
+        named = (doc["batch_id"], doc["key_epoch"], doc["round_id"], doc["n_accepted"])
+    except (ValueError, RecursionError, TypeError, KeyError) as exc:
+        return f"its statement is not an attestation ({type(exc).__name__}: {exc})"
     listed = (row["batch_id"], row["key_epoch"], row["round_id"], row["n"])
     if named != listed:
         return f"its attestation names (batch, epoch, round, n) = {named}, the line says {listed}"
+    return None
+
+
+def _check_attestation(row: Mapping[str, Any], verify_key: bytes) -> str | None:
+    """None if the line's attestation verifies with ``verify_key`` (its naming its line is
+    :func:`_statement_mismatch`'s check); else why not."""
+    from shuffler.attestation import Attestation, AttestationError
+
+    try:
+        Attestation.verify(str(row["statement"]).encode(), bytes.fromhex(str(row["signature"])), verify_key)
+    except (AttestationError, ValueError) as exc:
+        return f"its attestation does not verify ({exc})"
     return None
 
 
@@ -298,37 +314,36 @@ def audit(
         return f"round {rnd}" if len(scope) == 1 else f"key epoch {epoch}, round {rnd}"
 
     violations: list[str] = []
-    unverified: dict[str, set[int]] = {"no key": set(), "another key": set()}
+    unverified: dict[str, set[tuple[int, int]]] = {"no key": set(), "another key": set()}
     any_keys = [k for k in (verify_key, *own_keys.values()) if k is not None]
     for r in releases:
         epoch = int(r["key_epoch"])
+        why = _statement_mismatch(r)  # every line, in the scope or not, keys or none
         key = own_keys.get(epoch, verify_key if epoch in scope else None)
-        if key is not None:
+        if why is not None:
+            pass
+        elif key is not None:
             why = _check_attestation(r, key)
         elif not any_keys:
             continue  # no signature checks asked for
         elif epoch in scope:
-            unverified["no key"].add(epoch)
+            unverified["no key"].add((epoch, int(r["round_id"])))
             continue
-        else:
-            # Outside the scope, with no key of its own: a line that any given key verifies must still name itself
-            # (a line whose unsigned epoch was relabelled out of the audit is caught); one that none verifies may be
-            # another key's, so it is noted.
-            checks = [_check_attestation(r, k) for k in any_keys]
-            if None in checks:
-                continue
-            why = next((c for c in checks if not c.startswith("its attestation does not verify")), None)
-            if why is None:
-                unverified["another key"].add(epoch)
-                continue
+        elif all(_check_attestation(r, k) is not None for k in any_keys):
+            # Outside the scope, with no key of its own, and no key given verifies it: it may be another key's.
+            # Its statement names its line (checked above), so it is not attributed to any audited epoch.
+            unverified["another key"].add((epoch, int(r["round_id"])))
+            continue
         if why is not None:
             violations.append(f"key epoch {epoch}, round {r['round_id']} (batch {r['batch_id']}): {why}")
     if unverified["no key"]:
-        notes.append(f"the lines of key epochs {sorted(unverified['no key'])} were not verified: no key was given "
-                     "for them")
+        notes.append(f"the lines of key epochs {sorted({e for e, _ in unverified['no key']})} were not verified: "
+                     "no key was given for them")
     if unverified["another key"]:
-        notes.append(f"the lines of key epochs {sorted(unverified['another key'])}, outside the audit, verify with "
-                     "none of the given keys (expected if their epoch had another signing key: give it as EPOCH=PEM)")
+        lines = ", ".join(f"{e}/{rnd}" for e, rnd in sorted(unverified["another key"]))
+        notes.append(f"{len(unverified['another key'])} line(s) outside the audit (key epoch/round: {lines}) verify "
+                     "with none of the given keys: expected if their epoch had another signing key (give it as "
+                     "EPOCH=PEM); otherwise they are unattributed, like lines missing from the listing")
 
     for (epoch, rnd), (name, row) in sorted(charged.items()):
         n = int(row["n_reports"])

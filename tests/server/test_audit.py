@@ -77,7 +77,14 @@ def test_a_listing_that_disagrees_with_its_signed_attestation_is_a_violation() -
     doctored = _line(2, 9, sign_n=12)  # the line says 9; the shuffler signed 12
     rep = _audit(_rows((1, 10), (2, 9)), [_line(1, 10), doctored], verify_key=_PK_RAW)
     assert len(rep.violations) == 1 and "names (batch, epoch, round, n)" in rep.violations[0]
-    assert _audit(_rows((1, 10), (2, 9)), [_line(1, 10), doctored]).ok  # without the key it cannot tell
+    # without a key the statement is read unverified: a line changed without its statement is still caught
+    rep = _audit(_rows((1, 10), (2, 9)), [_line(1, 10), doctored])
+    assert len(rep.violations) == 1 and "names (batch, epoch, round, n)" in rep.violations[0]
+    # a statement edited with its line is what only the signature shows: without a key it cannot tell
+    edited = _line(2, 9) | {"signature": _line(2, 12)["signature"]}
+    assert _audit(_rows((1, 10), (2, 9)), [_line(1, 10), edited]).ok
+    assert "does not verify" in _audit(_rows((1, 10), (2, 9)), [_line(1, 10), edited],
+                                       verify_key=_PK_RAW).violations[0]
     forged = _line(1, 10) | {"signature": "00" * 64}
     assert "does not verify" in _audit(_rows((1, 10)), [forged], verify_key=_PK_RAW).violations[0]
 
@@ -135,7 +142,8 @@ def test_a_rotated_signing_key_gives_no_false_violations() -> None:
     lines = [_line(1, 40), _line(2, 40), _line(1, 40, epoch=1, key=_SK1.private_bytes_raw())]
     rep = _audit(_rows((1, 40), epoch=1), lines, key_epochs=[1], verify_key=_PK1_RAW)
     assert rep.ok and rep.violations == []
-    assert any("epochs [0], outside the audit, verify with none of the given keys" in n for n in rep.notes)
+    assert any(n.startswith("2 line(s) outside the audit (key epoch/round: 0/1, 0/2) verify with none of the given "
+                            "keys") for n in rep.notes)
     # with epoch 0's own key its lines are verified too, and a forged one is caught
     forged = _line(2, 40) | {"signature": "00" * 64}
     rep = _audit(_rows((1, 40), epoch=1), lines[:1] + [forged] + lines[2:], key_epochs=[1], verify_key=_PK1_RAW,
@@ -159,6 +167,30 @@ def test_a_relabelled_epoch_cannot_hide_a_released_batch() -> None:
     # the same with the audited epoch's key given as EPOCH=PEM (as after a rotation): still caught
     rep = _audit(_rows((1, 10)), lines, key_epochs=[0], epoch_keys={0: _PK_RAW})
     assert any(v.startswith("key epoch 7, round 2") and "names (batch, epoch, round, n)" in v for v in rep.violations)
+
+
+def test_a_relabelled_line_with_a_broken_signature_is_still_caught() -> None:
+    # Review 37, F1: a line outside the scope whose unsigned epoch was relabelled *and* whose signature was broken
+    # verified with no key given and was only noted, so the released batch it hid passed with exit 0.
+    for signature in ("00" * 64, _line(1, 10)["signature"]):  # zeros, or another line's signature
+        hidden = _line(2, 9) | {"key_epoch": 7, "signature": signature}
+        for kwargs in ({"verify_key": _PK_RAW}, {"epoch_keys": {0: _PK_RAW}}, {}):
+            rep = _audit(_rows((1, 10)), [_line(1, 10), hidden], key_epochs=[0], **kwargs)
+            assert [v.split(" (")[0] for v in rep.violations] == ["key epoch 7, round 2"], kwargs
+            assert f"names (batch, epoch, round, n) = ('{'02' * 16}', 0, 2, 9), the line says ('{'02' * 16}', 7, 2, 9)" \
+                in rep.violations[0]
+    # a statement that is not an attestation is a violation, in the scope or out of it
+    for epoch, kwargs in ((0, {}), (7, {"key_epochs": [0], "verify_key": _PK_RAW})):
+        junk = _line(2, 9) | {"key_epoch": epoch, "statement": "{\"format\": 1"}
+        rep = _audit(_rows((1, 10), (2, 9)), [_line(1, 10), junk], **kwargs)
+        assert any(v.startswith(f"key epoch {epoch}, round 2") and "statement is not an attestation" in v
+                   for v in rep.violations)
+    # Editing the statement as well (so it names epoch 7) breaks the signature, and the line is unattributed: the
+    # same as deleting it from the listing, which no audit can see. The note names it.
+    relabelled = _line(2, 9, epoch=7) | {"signature": "00" * 64}
+    rep = _audit(_rows((1, 10)), [_line(1, 10), relabelled], key_epochs=[0], verify_key=_PK_RAW)
+    assert rep.ok and any(n.startswith("1 line(s) outside the audit (key epoch/round: 7/2) verify with none")
+                          and "unattributed" in n for n in rep.notes)
 
 
 @pytest.mark.parametrize("key_epoch", [-1, 2**32, True, 1.0])
