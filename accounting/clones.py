@@ -36,7 +36,9 @@ Privacy loss distribution (:func:`clone_pld`): the exact losses ``log(P/Q)`` on 
 truncated mass sent to infinity (pessimistic) and blocks of ``c`` replaced by their lowest ``c``
 (a dominating pair), rounded up onto a grid whose interval :func:`suggested_interval` scales with the
 loss's mean and standard deviation and the number of rounds. The optimistic PLD mirrors every step (a
-dominated pair, rounded down, truncated mass dropped) and gives a lower bound.
+dominated pair, rounded down, truncated mass dropped) and gives a lower bound *on the clone pair's epsilon*, which
+brackets the discretisation error; it is not a lower bound on the shuffled mechanism's epsilon (the clone pair
+only bounds that from above; family ``"rr-lower"`` of ``accounting.bounds`` is a lower bound on the mechanism).
 """
 
 from __future__ import annotations
@@ -825,7 +827,8 @@ def clone_pld(
 
     Pessimistic (default): a valid upper bound for every composition (losses rounded up, truncated mass
     to infinity, blocks of C replaced by their lowest c; see ``_loss_support``). Optimistic: the mirror
-    image, a lower bound. ``value_discretization_interval=None`` uses
+    image, a lower bound on the clone pair's epsilon (not on the mechanism's: the clone pair is a reduction that
+    bounds it from above). ``value_discretization_interval=None`` uses
     ``suggested_interval(eps0, n, rounds=1)``; pass ``suggested_interval(eps0, n, rounds=T)`` when the PLD
     will be composed ``T`` times (or use :func:`clone_epsilon_composed`). Symmetric (both directions
     coincide for clone pairs). Cached by ``(eps0, n, variant, interval, pessimistic)``.
@@ -869,8 +872,10 @@ def clone_epsilon_composed(
 ) -> float:
     """Epsilon at ``delta`` of ``rounds`` identical shuffle rounds, by PLD composition.
 
-    Pessimistic: an upper bound; optimistic: a lower bound. The interval defaults to
-    ``suggested_interval(eps0, n, rounds)``.
+    Pessimistic (default): an upper bound on the mechanism's epsilon (Feldman-McMillan-Talwar's clone
+    reduction, composed by PLD). Optimistic: a lower bound on the *clone pair's* composed epsilon, so the pair
+    (optimistic, pessimistic) brackets the discretisation error of this bound; it is not a lower bound on the
+    mechanism's epsilon. The interval defaults to ``suggested_interval(eps0, n, rounds)``.
     """
     eps0 = _check_eps0(eps0)
     n = _check_n(n)
