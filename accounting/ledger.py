@@ -149,15 +149,19 @@ def _utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+_SQLITE_INT_MAX = 2**63 - 1  # SQLite's INTEGER is a signed 64-bit integer
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int = _SQLITE_INT_MAX) -> int:
+    allowed = f"an integer in [{minimum}, {maximum}]" + (" (SQLite's INTEGER)" if maximum == _SQLITE_INT_MAX else "")
     if isinstance(value, bool):
-        raise LedgerError(f"{name} must be an integer >= {minimum}, got the boolean {value!r}")
+        raise LedgerError(f"{name} must be {allowed}, got the boolean {value!r}")
     try:
         result = operator.index(value)
     except TypeError:
-        raise LedgerError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}") from None
-    if result < minimum:
-        raise LedgerError(f"{name} must be an integer >= {minimum}, got {result}")
+        raise LedgerError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}") from None
+    if not minimum <= result <= maximum:
+        raise LedgerError(f"{name} must be {allowed}, got {result}")
     return int(result)
 
 
@@ -168,9 +172,7 @@ def _check_batch(key_epoch: Any, batch_id: Any) -> tuple[int, str] | None:
     if key_epoch is None or batch_id is None:
         raise LedgerError("key_epoch and batch_id name the charged batch together: give both or neither, got "
                           f"key_epoch={key_epoch!r}, batch_id={batch_id!r}")
-    epoch = _check_int("key_epoch", key_epoch, 0)
-    if epoch > 2**32 - 1:
-        raise LedgerError(f"key_epoch must be a u32 (at most {2**32 - 1}), got {epoch}")
+    epoch = _check_int("key_epoch", key_epoch, 0, 2**32 - 1)  # a u32, as in the envelope binding
     if isinstance(batch_id, str):
         try:
             raw = bytes.fromhex(batch_id)
@@ -204,7 +206,7 @@ class Ledger:
         create: allow creating a new ledger file.
         read_only: open for reading only (implies ``create=False``): SQLite refuses every write through this
             connection and nothing is added to an older ledger (no table, no trigger), so an auditor's look
-            leaves the ledger file as it was (SQLite may leave empty ``-wal``/``-shm`` side files next to it,
+            leaves the ledger file as it was (SQLite may leave ``-wal``/``-shm`` side files next to it,
             owned by the reader; a reader who cannot write the directory must read a copy).
             :meth:`append` and :meth:`record` then raise LedgerError.
 
@@ -242,7 +244,7 @@ class Ledger:
 
     def _connect_read_only(self) -> sqlite3.Connection:
         """Open with SQLite's ``mode=ro``: every committed round is read, including those still in the write-ahead
-        log. SQLite needs the ``-wal`` and ``-shm`` files next to the ledger for that and creates them (empty, owned
+        log. SQLite needs the ``-wal`` and ``-shm`` files next to the ledger for that and creates them (owned
         by the reader) if they are missing; the ledger file itself is not changed. A reader who cannot write the
         directory gets a LedgerError saying to read a copy: reading the main file alone (``immutable``) would
         miss rounds still in the log, or read a file a writer is changing."""

@@ -23,8 +23,8 @@ out makes its released batches violations instead of hiding them. Epochs the aud
 
 **Signatures.** A bare ``--shuffler-verify-key`` verifies the lines of the audited epochs; ``E=PEM`` gives epoch
 E its own key (the signing key changes with the key epoch). Every line's statement, verified or not, must name
-the batch id, key epoch, round and count of its line (the shuffler writes the line from the statement it signed),
-so relabelling a line's unsigned fields cannot move a released batch out of the audit, whatever its signature. A
+the batch id, key epoch, round and count of its line (the shuffler records the line with the values it signed),
+so relabelling those fields cannot move a released batch out of the audit, whatever its signature. A
 line outside the scope is checked with its own key if given, else with every key given; one that none verifies
 (it may be another key's) is counted in a note that names it. Such a line is attributed to no audited epoch:
 editing its statement too is the same as deleting the line from the listing, which no audit can see. The release
@@ -175,16 +175,23 @@ def _check_ledger_rows(name: str, rows: Sequence[Mapping[str, Any]]) -> None:
 
 
 def _statement_mismatch(row: Mapping[str, Any]) -> str | None:
-    """None if the line's statement, read *without* verifying its signature, names the line's batch id, key epoch,
-    round and count; else why not. The shuffler's journal writes the line's fields from the statement it signed,
-    so an honest listing always agrees with itself: a line whose unsigned fields were relabelled without its
-    statement is caught with no key at all (editing the statement too breaks the signature, see the module
-    docstring)."""
+    """None if the line's statement, read *without* verifying its signature, is an attestation of a known format
+    that names the line's batch id, key epoch, round and count (with the types the shuffler writes: a string and
+    three integers); else why not. The shuffler records a batch's line with the values it signed, so an honest
+    listing agrees with itself: a line whose batch id, epoch, round or count was changed without its statement is
+    caught with no key at all (editing the statement too breaks the signature, see the module docstring). The
+    release bit is not in the statement, and not covered."""
+    from shuffler.attestation import ATTESTATION_FORMATS
+
     try:
         doc = json.loads(str(row["statement"]))
-        named = (doc["batch_id"], doc["key_epoch"], doc["round_id"], doc["n_accepted"])
-    except (ValueError, RecursionError, TypeError, KeyError) as exc:
-        return f"its statement is not an attestation ({type(exc).__name__}: {exc})"
+    except (ValueError, RecursionError) as exc:
+        return f"its statement is not an attestation (not JSON: {exc})"
+    if not isinstance(doc, dict) or doc.get("format") not in ATTESTATION_FORMATS:
+        return f"its statement is not an attestation (format {doc.get('format') if isinstance(doc, dict) else doc!r})"
+    named = tuple(doc.get(k) for k in ("batch_id", "key_epoch", "round_id", "n_accepted"))
+    if not isinstance(named[0], str) or not all(_is_int(v, 0) for v in named[1:]):
+        return f"its statement is not an attestation ((batch, epoch, round, n) = {named})"
     listed = (row["batch_id"], row["key_epoch"], row["round_id"], row["n"])
     if named != listed:
         return f"its attestation names (batch, epoch, round, n) = {named}, the line says {listed}"

@@ -41,6 +41,7 @@ from shuffler.envelope import inner_length_for
 
 __all__ = [
     "ATTESTATION_FORMAT",
+    "ATTESTATION_FORMATS",
     "DROP_REASONS",
     "Attestation",
     "AttestationError",
@@ -51,6 +52,7 @@ __all__ = [
 ATTESTATION_FORMAT = "shuffledp-attestation/v2"
 #: Statement formats a verifier accepts, with the output-digest version each one commits to.
 _DIGEST_VERSION_OF_FORMAT = {"shuffledp-attestation/v1": 1, ATTESTATION_FORMAT: 2}
+ATTESTATION_FORMATS = frozenset(_DIGEST_VERSION_OF_FORMAT)  # the statement formats a verifier accepts
 _SIG_DOMAIN = b"shuffledp/attestation/v1"  # the signature's domain tag; unchanged across statement formats
 _OUTPUT_DOMAIN = {1: b"shuffledp/batch-output/v1", 2: b"shuffledp/batch-output/v2"}
 _LEN = struct.Struct(">Q")

@@ -177,14 +177,23 @@ def test_a_relabelled_line_with_a_broken_signature_is_still_caught() -> None:
         for kwargs in ({"verify_key": _PK_RAW}, {"epoch_keys": {0: _PK_RAW}}, {}):
             rep = _audit(_rows((1, 10)), [_line(1, 10), hidden], key_epochs=[0], **kwargs)
             assert [v.split(" (")[0] for v in rep.violations] == ["key epoch 7, round 2"], kwargs
-            assert f"names (batch, epoch, round, n) = ('{'02' * 16}', 0, 2, 9), the line says ('{'02' * 16}', 7, 2, 9)" \
+            batch = "02" * 16
+            assert f"names (batch, epoch, round, n) = ('{batch}', 0, 2, 9), the line says ('{batch}', 7, 2, 9)" \
                 in rep.violations[0]
-    # a statement that is not an attestation is a violation, in the scope or out of it
-    for epoch, kwargs in ((0, {}), (7, {"key_epochs": [0], "verify_key": _PK_RAW})):
-        junk = _line(2, 9) | {"key_epoch": epoch, "statement": "{\"format\": 1"}
-        rep = _audit(_rows((1, 10), (2, 9)), [_line(1, 10), junk], **kwargs)
-        assert any(v.startswith(f"key epoch {epoch}, round 2") and "statement is not an attestation" in v
-                   for v in rep.violations)
+    # a statement that is not an attestation is a violation, in the scope or out of it, released or not
+    statement = json.loads(_line(2, 9)["statement"])
+    for junk in ('{"format": 1', "{}", "[]", json.dumps(statement | {"format": "other/v1"}),
+                 json.dumps(statement | {"n_accepted": 9.0}), json.dumps(statement | {"key_epoch": True}),
+                 json.dumps(statement | {"round_id": "2"})):
+        for epoch, released, kwargs in ((0, True, {}), (7, True, {"key_epochs": [0], "verify_key": _PK_RAW}),
+                                        (0, False, {})):
+            line = _line(2, 9, released=released) | {"key_epoch": epoch, "statement": junk}
+            rep = _audit(_rows((1, 10)), [_line(1, 10), line], **kwargs)
+            assert [v.split(" (")[0] for v in rep.violations if "statement is not an attestation" in v] == \
+                [f"key epoch {epoch}, round 2"], (junk, epoch, released)
+    # a line that was never released is checked too: its count, relabelled, is a violation
+    unreleased = _line(2, 9, released=False) | {"n": 3}
+    assert "names (batch, epoch, round, n)" in _audit(_rows((1, 10)), [_line(1, 10), unreleased]).violations[0]
     # Editing the statement as well (so it names epoch 7) breaks the signature, and the line is unattributed: the
     # same as deleting it from the listing, which no audit can see. The note names it.
     relabelled = _line(2, 9, epoch=7) | {"signature": "00" * 64}

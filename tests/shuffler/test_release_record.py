@@ -133,3 +133,78 @@ def test_journal_listing_refuses_a_directory_without_a_journal(tmp_path: Path, c
     assert main(["shuffler", "journal", "--journal-dir", str(tmp_path)]) == 2
     assert "no journal at" in capsys.readouterr().err
     assert not (tmp_path / "journal.log").exists()  # and creates nothing
+
+
+def test_an_honest_listing_passes_the_audit_across_a_key_rotation(
+    kit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What ``shuffledp shuffler journal`` prints for a real shuffler, set against the ledgers the server would
+    write, gives no violation in any scope, with keys or without, across a rotation of the signing key; and the
+    same listing with one line's epoch relabelled does (server.audit)."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from accounting.ledger import Ledger
+    from server.audit import main as audit
+    from shuffler.keys import save_public_key
+
+    def seal(core: ShufflerCore, n: int, round_id: int, epoch: int, empty: int = 0):
+        b = core.begin(kit.header(n + empty, round_id=round_id, key_epoch=epoch))
+        for i in range(n):
+            b.add(kit.seal(i, round_id=round_id, key_epoch=epoch))
+        for _ in range(empty):
+            b.add(b"")  # a placeholder: a counted drop, not charged
+        return b.finish()
+
+    jdir = tmp_path / "journal"
+    core = ShufflerCore(kit.core_config(jdir))
+    sealed0 = [seal(core, 4, 1, 0, empty=2), seal(core, 5, 2, 0)]
+    seal(core, 3, 2**63 + 5, 0)  # sealed, never released nor charged; a round id beyond SQLite's INTEGER
+    for sb in sealed0:
+        list(core.read_batch(sb.batch_id))
+    core.close()
+    sk1 = ed25519.Ed25519PrivateKey.generate()  # the signing key rotates with the key epoch
+    core = ShufflerCore(kit.core_config(jdir, key_epoch=1, signing_private_key=sk1.private_bytes_raw()))
+    sealed1 = [seal(core, 6, 1, 1, empty=1)]
+    list(core.read_batch(sealed1[0].batch_id))
+    core.close()
+
+    assert main(["shuffler", "journal", "--journal-dir", str(jdir)]) == 0
+    listing = tmp_path / "releases.jsonl"
+    listing.write_text(capsys.readouterr().out)
+    pk0, pk1 = tmp_path / "epoch0.pub", tmp_path / "epoch1.pub"
+    save_public_key(pk0, kit.verify_key, "ed25519")
+    save_public_key(pk1, sk1.public_key().public_bytes_raw(), "ed25519")
+    ledgers = {}
+    for epoch, sealed in ((0, sealed0), (1, sealed1)):
+        ledgers[epoch] = tmp_path / f"ledger{epoch}.sqlite"
+        with Ledger(ledgers[epoch]) as ledger:
+            for sb in sealed:
+                ledger.append(round=sb.round_id, n_reports=sb.n, eps0=2.0, mechanism="laplace", delta=1e-6,
+                              epsilons={"clones": 1.0}, kinds={"clones": "upper"}, key_epoch=sb.key_epoch,
+                              batch_id=sb.batch_id)
+    both = ["--ledger", str(ledgers[0]), "--ledger", str(ledgers[1])]
+    scopes = [
+        both,
+        [*both, "--shuffler-verify-key", f"0={pk0}", "--shuffler-verify-key", f"1={pk1}"],
+        ["--ledger", str(ledgers[0]), "--key-epoch", "0", "--shuffler-verify-key", str(pk0)],
+        ["--ledger", str(ledgers[1]), "--key-epoch", "1", "--shuffler-verify-key", str(pk1)],
+        ["--ledger", str(ledgers[1]), "--key-epoch", "1", "--shuffler-verify-key", str(pk1),
+         "--shuffler-verify-key", f"0={pk0}"],
+    ]
+    for extra in scopes:
+        code = audit(["audit", "--releases", str(listing), *extra])
+        report = json.loads(capsys.readouterr().out)
+        assert (code, report["violations"]) == (0, []), extra
+    assert report["reports_released"] == report["reports_charged"] == 6
+    # the same listing with epoch 0's round 2 relabelled out of an audit of epoch 0 (its signature left as is)
+    lines = [json.loads(line) for line in listing.read_text().splitlines()]
+    assert sum(1 for line in lines if (line["key_epoch"], line["round_id"]) == (0, 2)) == 1
+    for line in lines:
+        if (line["key_epoch"], line["round_id"]) == (0, 2):
+            line["key_epoch"] = 9
+    listing.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    for extra in scopes[2], scopes[2][:4]:  # with epoch 0's key, and with no key at all
+        assert audit(["audit", "--releases", str(listing), *extra]) == 1
+        report = json.loads(capsys.readouterr().out)
+        assert [v.split(" (")[0] for v in report["violations"]] == ["key epoch 9, round 2"], extra
+        assert "names (batch, epoch, round, n)" in report["violations"][0]
