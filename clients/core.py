@@ -134,8 +134,18 @@ class PinnedSettings:
             )
         try:  # settings the randomizer refuses (eps0 above its cap, a clip beyond the report format, a bad grid)
             self.randomizer()  # are a setup error, found before any request uses the data
+            grid = _randomizer(self.eps0, self.clip_l1, None).log2_grid
         except (TypeError, ValueError) as exc:
             raise ClientSetupError(f"pinned eps0={self.eps0!r}, clip-l1={self.clip_l1!r}: {exc}") from None
+        if self.log2_grid is not None and self.log2_grid != grid:
+            # The server decodes every report on the grid that (eps0, clip-l1) give (server.rounds). A report on
+            # another grid carries it in its header and its values' scale, so it stands out of the shuffled batch
+            # (this client gets no amplification), and the server, which drops it only after charging the round
+            # with it, would credit the others with more amplification than they got.
+            raise ClientSetupError(
+                f"pinned log2-grid={self.log2_grid!r}: the grid must be the one the server decodes with, "
+                f"{grid} for eps0={self.eps0!r}, clip-l1={self.clip_l1!r} (leave log2-grid out to use it)"
+            )
 
     def randomizer(self) -> DiscreteLaplaceRandomizer:
         return _randomizer(self.eps0, self.clip_l1, self.log2_grid)

@@ -22,6 +22,7 @@ from clients.messages import (
     envelope_from_record,
 )
 from clients.models import initial_arrays
+from clients.randomizer import DiscreteLaplaceRandomizer
 from clients.report import decode_report_full
 
 shuffler_keys = pytest.importorskip("shuffler.keys")
@@ -239,6 +240,13 @@ def test_pinned_settings_resolution_errors(keys) -> None:
         pinned_from_configs({"partition-id": 2, "num-partitions": 2}, run)
     with pytest.raises(ClientSetupError, match="log2-grid"):
         pinned_from_configs(node, {**run, "log2-grid": 1.5})
+    # the grid may only be the one the server decodes with (review 39: another stands out of the shuffled batch)
+    grid = DiscreteLaplaceRandomizer(EPS0, CLIP).log2_grid
+    assert pinned_from_configs(node, {**run, "log2-grid": grid}).log2_grid == grid
+    for other in (grid - 1, grid + 3):
+        with pytest.raises(ClientSetupError, match=f"pinned log2-grid={other}: the grid must be the one the server "
+                                                   f"decodes with, {grid} for eps0="):
+            pinned_from_configs(node, {**run, "log2-grid": other})
     for key, bad in (("max-local-epochs", 0), ("max-local-epochs", 10_001), ("max-local-epochs", 2.0),
                      ("min-batch-size", 0), ("min-batch-size", True)):
         with pytest.raises(ClientSetupError, match=f"pinned {key} must be an int in"):
