@@ -39,7 +39,7 @@ import os
 import sqlite3
 import tempfile
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -359,6 +359,7 @@ class Ledger:
         time: datetime | None = None,
         key_epoch: int | None = None,
         batch_id: bytes | str | None = None,
+        composes: Sequence[tuple[int, float]] | None = None,
     ) -> None:
         """Record one round, atomically; the values are the cumulative epsilons *after* this round.
 
@@ -377,10 +378,15 @@ class Ledger:
             key_epoch, batch_id: the shuffler batch this round was charged for (both or neither): its key epoch
                 (a u32) and its 16-byte batch id (bytes or 32 lowercase hex digits), from the batch's verified
                 attestation. Stored in the ``batches`` table in the same transaction as the round.
+            composes: the ``(n_reports, eps0)`` of every round the cumulative epsilons compose *before* this one,
+                oldest first. If given, the rounds already in the ledger must be exactly these (checked in the
+                append's transaction): a writer whose accountant missed a round another writer recorded (two server
+                processes on one run) cannot store a cumulative epsilon that leaves it out.
 
         Raises:
-            LedgerError: any field is invalid, the round is already recorded, or it is not after the last one.
-                Nothing is written in that case and every round already stored is untouched.
+            LedgerError: any field is invalid, the round is already recorded, it is not after the last one, or
+                the ledger's rounds are not ``composes``. Nothing is written in that case and every round already
+                stored is untouched.
         """
         record = self._validate(
             round=round,
@@ -409,6 +415,16 @@ class Ledger:
                     f"round {record['round']} is already in the ledger (recorded {existing[0]}); "
                     "the ledger is append-only, so a round can be recorded once only"
                 )
+            if composes is not None:
+                stored = conn.execute("SELECT n_reports, eps0 FROM rounds ORDER BY round").fetchall()
+                expected = [(int(n), float(e)) for n, e in composes]
+                if [(int(n), float(e)) for n, e in stored] != expected:
+                    raise LedgerError(
+                        f"round {record['round']}: its cumulative epsilons compose {len(expected)} earlier round(s), "
+                        f"but the ledger holds {len(stored)} whose (n_reports, eps0) differ: another writer "
+                        "recorded rounds this accountant does not hold (two server processes on one run?); refused, "
+                        "the ledger is unchanged"
+                    )
             last = conn.execute("SELECT MAX(round) FROM rounds").fetchone()[0]
             if last is not None and record["round"] < last:
                 raise LedgerError(
@@ -454,8 +470,12 @@ class Ledger:
         the shuffler batch the round was charged for (see :meth:`append`). Returns the row as :meth:`rows`
         would. Refused comparison families are stored as refused, with their reasons.
 
+        The ledger must hold exactly the rounds the accountant composed before this one (``composes`` of
+        :meth:`append`), so the cumulative epsilons stored cover every recorded round.
+
         Raises:
-            LedgerError: the accountant has composed no round, or the append is refused (see :meth:`append`).
+            LedgerError: the accountant has composed no round, the ledger holds other rounds than the accountant
+                composed before this one, or the append is refused (see :meth:`append`).
         """
         if not accountant.rounds:
             raise LedgerError("the accountant has composed no round yet; compose the round before recording it")
@@ -482,6 +502,7 @@ class Ledger:
             reasons=reasons,
             key_epoch=key_epoch,
             batch_id=batch_id,
+            composes=[(r.n, r.eps0) for r in accountant.rounds[:-1]],
         )
         return self.row(round)
 

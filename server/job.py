@@ -7,16 +7,20 @@ checkpoint), ``report.json``, ``accuracy_epsilon.png``, ``attestations.jsonl`` (
 sealed: the shuffler's signed statement and signature, so anyone holding ``public/shuffler_signing.pub`` can
 re-check every count the ledger was charged with, and ``charged``: false for a sealed batch the server left
 unfetched, below min-reports or over the budget at the attested count; for a charged batch the ledger is
-written first, so a crash at that instant can lose one line, never add one) and, with ``shuffler-address = "auto"``, ``shuffler.log``.
+written first, so a crash at that instant can lose one line, never add one), ``run.lock`` (held by the server
+process running the run: a second one is refused, :func:`hold_run_lock`) and, with ``shuffler-address = "auto"``,
+``shuffler.log``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +28,20 @@ from typing import Any
 import numpy as np
 
 from server.config import ConfigError, ServerConfig
-from server.report import PLOT_FILE, REPORT_FILE, epsilon_label, report_document, write_plot, write_report
+from server.report import (
+    PLOT_FILE,
+    REPORT_FILE,
+    epsilon_label,
+    format_epsilon,
+    report_document,
+    write_plot,
+    write_report,
+)
 from server.rounds import Evaluator, GridLike, RoundEngine, RoundOutcome
 from server.state import SqliteCheckpointStore
 
-__all__ = ["RunPaths", "resolve_paths", "ShufflerConnection", "run_job", "JobResult", "format_progress"]
+__all__ = ["RunPaths", "resolve_paths", "ShufflerConnection", "run_job", "JobResult", "format_progress",
+           "RunInUseError", "hold_run_lock"]
 
 log = logging.getLogger("shuffledp.server")
 
@@ -36,6 +49,36 @@ LEDGER_FILE = "ledger.sqlite"
 STATE_FILE = "state.sqlite"
 SHUFFLER_LOG = "shuffler.log"
 ATTESTATIONS_FILE = "attestations.jsonl"
+LOCK_FILE = "run.lock"
+
+
+class RunInUseError(RuntimeError):
+    """Another process holds the run directory's lock (it is running or resuming the same run)."""
+
+
+@contextlib.contextmanager
+def hold_run_lock(out_dir: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``out_dir/run.lock`` for the ``with`` block; raise :class:`RunInUseError` at
+    once if another process holds it. Two server processes on one run (a ``shuffledp resume`` or a second
+    ``flwr run`` with the same ``run-name`` while the first still runs) would each compose their own accountant
+    and could store cumulative epsilons that leave the other's rounds out (the ledger refuses that too, see
+    ``Ledger.record``). The kernel releases the lock when the process dies, so a crash leaves no stale lock."""
+    path = out_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise RunInUseError(
+                f"the run directory {out_dir} is in use by another server process (pid {holder} holds {path}): "
+                "stop it, or wait for it to end, before resuming this run"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 @dataclass(frozen=True)
@@ -186,9 +229,11 @@ class JobResult:
 def format_progress(o: RoundOutcome) -> str:
     """One progress line per round: round, reports, accuracy, epsilon so far."""
     if o.status == "applied":
+        quality = ("accuracy n/a, loss n/a (the evaluation failed)" if o.accuracy is None or o.loss is None
+                   else f"accuracy {o.accuracy:.4f}, loss {o.loss:.4f}")
         text = (
-            f"[shuffledp] round {o.round}: {o.n_reports} reports (attested), accuracy {o.accuracy:.4f}, "
-            f"loss {o.loss:.4f}, epsilon so far {o.epsilon:.4f} ({epsilon_label(o.epsilon_family, o.epsilon_kind)}, "
+            f"[shuffledp] round {o.round}: {o.n_reports} reports (attested), {quality}, epsilon so far "
+            f"{format_epsilon(o.epsilon, o.epsilon_kind)} ({epsilon_label(o.epsilon_family, o.epsilon_kind)}, "
             f"delta {o.delta:g})"
         )
         if o.n_bad_reports:
@@ -287,53 +332,54 @@ def run_job(
         return open_inner(inner, server_private_key=server_key, key_epoch=cfg.key_epoch, round_id=round_id)
 
     say = progress or (lambda line: print(line, file=sys.stdout, flush=True))
-    ledger = Ledger(paths.ledger)
-    store = SqliteCheckpointStore(paths.state)
-    try:
-        connection = ShufflerConnection(cfg, paths)
-        with connection as shuffler:
-            if connection.heap is not None:
-                say(f"[shuffledp] ServerApp {connection.heap.describe()}")
-            holder: list[RoundEngine] = []
+    with hold_run_lock(paths.out_dir):  # one server process per run: each would charge its own accountant
+        ledger = Ledger(paths.ledger)
+        store = SqliteCheckpointStore(paths.state)
+        try:
+            connection = ShufflerConnection(cfg, paths)
+            with connection as shuffler:
+                if connection.heap is not None:
+                    say(f"[shuffledp] ServerApp {connection.heap.describe()}")
+                holder: list[RoundEngine] = []
 
-            def on_attestation(round_id: int, attestation: Any, charged: bool) -> None:
-                line = json.dumps({"round": round_id, "charged": charged, **attestation.to_dict()}, sort_keys=True)
-                with open(paths.attestations, "a", encoding="utf-8") as handle:
-                    handle.write(line + "\n")
-                    handle.flush()
-                    os.fsync(handle.fileno())
+                def on_attestation(round_id: int, attestation: Any, charged: bool) -> None:
+                    line = json.dumps({"round": round_id, "charged": charged, **attestation.to_dict()}, sort_keys=True)
+                    with open(paths.attestations, "a", encoding="utf-8") as handle:
+                        handle.write(line + "\n")
+                        handle.flush()
+                        os.fsync(handle.fileno())
 
-            def on_round(outcome: RoundOutcome) -> None:
-                say(format_progress(outcome))
-                write_outputs(holder[0], paths, plot=False)  # a partial report survives a killed run
+                def on_round(outcome: RoundOutcome) -> None:
+                    say(format_progress(outcome))
+                    write_outputs(holder[0], paths, plot=False)  # a partial report survives a killed run
 
-            engine = RoundEngine(
-                cfg,
-                grid=grid,
-                shuffler=shuffler,
-                open_inner=opener,
-                evaluator=evaluator,
-                initial_arrays=initial_arrays,
-                ledger=ledger,
-                store=store,
-                node_wait=node_wait,
-                on_round=on_round,
-                on_attestation=on_attestation,
-            )
-            holder.append(engine)
-            first = engine.restore()
-            if first > 1:
-                say(f"[shuffledp] resuming {paths.out_dir} at round {first} "
-                    f"({len(engine.accountant.rounds)} rounds already charged)")
-            engine.run(start_round=first)
-            report = write_outputs(engine, paths, plot=plot, finished=True)
-    finally:
-        store.close()
-        ledger.close()
+                engine = RoundEngine(
+                    cfg,
+                    grid=grid,
+                    shuffler=shuffler,
+                    open_inner=opener,
+                    evaluator=evaluator,
+                    initial_arrays=initial_arrays,
+                    ledger=ledger,
+                    store=store,
+                    node_wait=node_wait,
+                    on_round=on_round,
+                    on_attestation=on_attestation,
+                )
+                holder.append(engine)
+                first = engine.restore()
+                if first > 1:
+                    say(f"[shuffledp] resuming {paths.out_dir} at round {first} "
+                        f"({len(engine.accountant.rounds)} rounds already charged)")
+                engine.run(start_round=first)
+                report = write_outputs(engine, paths, plot=plot, finished=True)
+        finally:
+            store.close()
+            ledger.close()
     epsilon = float(report["accounting"]["epsilon"])
     if engine.stopped is not None:
         say(f"[shuffledp] stopped: {engine.stopped.reason}")
-    say(f"[shuffledp] done: epsilon={epsilon:.4f} at delta={cfg.target_delta:g} ({cfg.accounting_family}, upper "
+    say(f"[shuffledp] done: epsilon={format_epsilon(epsilon, 'upper')} at delta={cfg.target_delta:g} ({cfg.accounting_family}, upper "
         f"bound); outputs in {paths.out_dir}")
     return JobResult(paths=paths, history=list(engine.history), stopped=engine.stopped, epsilon=epsilon,
                      report=report)

@@ -32,7 +32,7 @@ from typing import Any
 from accounting import KIND_WORDS
 from shuffler.journal import write_file_durably
 
-__all__ = ["epsilon_label", "report_document", "write_report", "write_plot", "REPORT_FILE", "PLOT_FILE"]
+__all__ = ["epsilon_label", "format_epsilon", "report_document", "write_report", "write_plot", "REPORT_FILE", "PLOT_FILE"]
 
 REPORT_FILE = "report.json"
 PLOT_FILE = "accuracy_epsilon.png"
@@ -46,6 +46,18 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
     return value
+
+
+def format_epsilon(value: float, kind: str, decimals: int = 4) -> str:
+    """``value`` with ``decimals`` decimals, rounded *outward* for a bound: up for an upper bound, down for a lower
+    bound (to nearest otherwise), so a printed upper bound is never below the bound (report.json and the ledger
+    keep the exact value)."""
+    scale = 10.0**decimals
+    if kind == "upper":
+        value = math.ceil(value * scale) / scale
+    elif kind == "lower":
+        value = math.floor(value * scale) / scale
+    return f"{value:.{decimals}f}"
 
 
 def epsilon_label(family: str, kind: str) -> str:

@@ -53,7 +53,7 @@ from clients import messages as M
 from clients.report import decode_report
 from server.config import ConfigError, ServerConfig
 from server.optim import ReportAccumulator, ServerOptimizer, num_parameters
-from server.report import epsilon_label
+from server.report import epsilon_label, format_epsilon
 from server.state import Checkpoint, CheckpointError, CheckpointStore
 
 __all__ = [
@@ -584,7 +584,7 @@ class RoundEngine:
     def _spent(self) -> str:
         """The budget spent so far, labelled: ``epsilon=... (family, upper bound)``."""
         bound = self.accountant.epsilon()
-        return f"epsilon={bound.value:.6g} ({epsilon_label(bound.family, bound.kind)})"
+        return f"epsilon={format_epsilon(bound.value, bound.kind, 6)} ({epsilon_label(bound.family, bound.kind)})"
 
     def run_round(self, round_id: int) -> RoundOutcome:
         """Run round ``round_id`` (must be after every round already used) and return what happened."""
@@ -688,14 +688,14 @@ class RoundEngine:
         except BaseException:
             self.accountant.load_state_dict(before)
             raise
-        self._record_attestation(round_id, attestation, charged=True)
-        spent = self.accountant.epsilon()
-        out.epsilon, out.epsilon_family, out.epsilon_kind = float(spent.value), spent.family, spent.kind
-        t3 = time.perf_counter()
-        out.seconds["account"] = t3 - t2
 
         applied = False
-        try:
+        try:  # from here the round is charged: whatever fails, it is recorded as such (below)
+            spent = self.accountant.epsilon()
+            out.epsilon, out.epsilon_family, out.epsilon_kind = float(spent.value), spent.family, spent.kind
+            self._record_attestation(round_id, attestation, charged=True)
+            t3 = time.perf_counter()
+            out.seconds["account"] = t3 - t2
             acc = ReportAccumulator(self.dim)
             bad = 0
             for inner in self.shuffler.fetch(attestation):
@@ -801,6 +801,6 @@ def _check_attestation(att: Any, *, round_id: int, key_epoch: int, digest: bytes
     if not 0 <= n <= submitted:
         raise RuntimeError(f"the shuffler attested {n} reports for a batch of {submitted} envelopes")
     for attr, expected in (("round_id", round_id), ("key_epoch", key_epoch), ("model_digest", digest)):
-        value = getattr(att, attr, None)
-        if value is not None and value != expected:
+        value = getattr(att, attr, None)  # a missing field is a mismatch, not a pass
+        if value != expected:
             raise RuntimeError(f"the attestation's {attr} {value!r} does not match the submitted {expected!r}")

@@ -264,6 +264,31 @@ def test_ledger_records_the_accountant_each_round(tmp_path: Path) -> None:
     assert rows[1]["epsilons"]["rr-lower"]["value"] <= rows[1]["epsilons"]["clones"]["value"] * (1 + ROUNDOFF)
 
 
+def test_the_ledger_refuses_an_accountant_that_misses_a_recorded_round(tmp_path: Path) -> None:
+    # Review 40, F1: two server processes on one run, each with its own accountant. A restored round 1, then B
+    # (whose accountant never composed A's round 2) charges round 3: its cumulative epsilon would leave round 2 out.
+    a, b = ShuffleAccountant(1e-6), ShuffleAccountant(1e-6)
+    with Ledger(tmp_path / "ledger.db") as ledger:
+        for acct in (a, b):
+            acct.compose(ShuffleRound(12, 4.0))
+        ledger.record(a, round=1, mechanism="rr")
+        a.compose(ShuffleRound(12, 4.0))
+        ledger.record(a, round=2, mechanism="rr")
+        b.compose(ShuffleRound(12, 4.0))
+        before = ledger.rows()
+        with pytest.raises(LedgerError, match="compose 1 earlier round.*but the ledger holds 2.*another writer"):
+            ledger.record(b, round=3, mechanism="rr")
+        assert ledger.rows() == before  # nothing written
+        # an accountant whose earlier rounds are the ledger's, but with another count, is refused too
+        c = ShuffleAccountant(1e-6)
+        for n in (12, 11, 12):
+            c.compose(ShuffleRound(n, 4.0))
+        with pytest.raises(LedgerError, match="differ"):
+            ledger.record(c, round=3, mechanism="rr")
+        a.compose(ShuffleRound(12, 4.0))  # the writer that holds every round goes on
+        assert ledger.record(a, round=3, mechanism="rr")["epsilons"]["clones"]["value"] == a.epsilon().value
+
+
 # ------------------------------------------------------------------ eps0 above EPS0_MAX never enters (fix 3)
 
 

@@ -80,6 +80,35 @@ def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
     assert result.epsilon == eps[-1]
 
 
+def test_a_second_server_process_on_a_running_run_is_refused(tmp_path: Path, keys: Any, kit: Any) -> None:
+    # Review 40, F1: a resume (or a second flwr run with the same run-name) while the run still runs.
+    import subprocess
+    import sys
+
+    from server.job import RunInUseError, hold_run_lock
+
+    cfg = kit.make_config(tmp_path, keys, **{"num-server-rounds": 1})
+    out = resolve_paths(cfg, run_id=1).out_dir
+    out.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, pathlib; from server.job import hold_run_lock\n"
+         "with hold_run_lock(pathlib.Path(sys.argv[1])):\n    print('held', flush=True); sys.stdin.read()", str(out)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        grid = kit.FakeGrid.build([kit.honest_factory(keys)] * 12)
+        with pytest.raises(RunInUseError, match=f"in use by another server process \\(pid {holder.pid} holds"):
+            run_job(cfg, grid, run_id=1, node_wait=0.0, progress=lambda line: None)
+        assert not (out / "ledger.sqlite").exists() and not (out / "state.sqlite").exists()  # nothing touched
+    finally:
+        holder.communicate("")  # the holder exits, and the kernel releases its lock
+    with hold_run_lock(out):  # free again (also after a crash: the lock dies with its process)
+        pass
+    result = run_job(cfg, grid, run_id=1, node_wait=0.0, progress=lambda line: None)
+    assert [h.round for h in result.history] == [1]
+
+
 def test_resolve_paths_needs_a_key_directory(tmp_path: Path, keys: Any, kit: Any) -> None:
     make_config = kit.make_config
 
@@ -215,3 +244,19 @@ def test_shuffler_connection_tunes_the_heap_for_its_message_limit(
         assert client is not None
     assert calls == ([3 << 20] if tuning else [])
     assert connection.heap is (done if tuning else None)  # run_job prints connection.heap.describe()
+
+
+def test_progress_lines_print_bounds_outward_and_survive_a_failed_evaluation() -> None:
+    # Review 40, F6: an upper bound printed to nearest could print below the bound; F3: a charged round whose
+    # evaluation failed (accuracy None) made the progress line raise, so report.json missed the charge.
+    from server.job import format_progress
+    from server.report import format_epsilon
+    from server.rounds import RoundOutcome
+
+    assert format_epsilon(0.12344, "upper") == "0.1235" and format_epsilon(0.12346, "lower") == "0.1234"
+    assert format_epsilon(0.12344, "approximate") == "0.1234" and format_epsilon(2.0, "upper") == "2.0000"
+    out = RoundOutcome(round=3, status="applied", n_reports=12, eps0=2.0, epsilon=0.12344, epsilon_family="clones",
+                       epsilon_kind="upper", delta=1e-6, accuracy=None, loss=None)
+    line = format_progress(out)
+    assert "accuracy n/a, loss n/a (the evaluation failed)" in line
+    assert "epsilon so far 0.1235 (clones, upper bound, delta 1e-06)" in line
