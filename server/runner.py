@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from server.deploy_cli import free_port
-from server.report import epsilon_label
+from server.report import epsilon_label, format_epsilon
 
 __all__ = ["main", "find_project", "RUNNER_FILE"]
 
@@ -276,13 +276,19 @@ def _alive(pid: int) -> bool:
 def _progress_line(row: Mapping[str, Any]) -> str:
     return (
         f"[shuffledp] round {row['round']}: {row['n_reports']} reports (attested), accuracy "
-        f"{_fmt(row.get('accuracy'))}, loss {_fmt(row.get('loss'))}, epsilon so far {_fmt(row.get('epsilon'))} "
+        f"{_fmt(row.get('accuracy'))}, loss {_fmt(row.get('loss'))}, epsilon so far {_epsilon(row)} "
         f"({epsilon_label(row.get('family', ''), row.get('kind', ''))}, delta {_fmt(row.get('delta'))})"
     )
 
 
 def _fmt(value: Any) -> str:
     return "n/a" if value is None else f"{float(value):.4g}"
+
+
+def _epsilon(row: Mapping[str, Any]) -> str:
+    """The round's cumulative epsilon, rounded outward for a bound (an upper bound never prints below itself)."""
+    value = row.get("epsilon")
+    return "n/a" if value is None else format_epsilon(float(value), str(row.get("kind", "")))
 
 
 class _ProgressWatcher:
