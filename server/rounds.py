@@ -124,6 +124,8 @@ class ShufflerLike(Protocol):
 
     def fetch(self, attestation: Any) -> Iterator[bytes]: ...
 
+    def stats(self) -> Mapping[str, Any]: ...
+
 
 #: ``evaluate(arrays) -> (loss, accuracy)`` on the server's held-out test set.
 Evaluator = Callable[[Sequence[np.ndarray]], tuple[float, float]]
@@ -331,11 +333,27 @@ class RoundEngine:
         """Write the current state as the checkpoint (atomic)."""
         self.store.save(self._checkpoint())
 
+    def _refuse_a_spent_key_epoch(self) -> None:
+        """Raise ResumeError if the shuffler reports released batches of this run's key epoch (its Stats; a
+        shuffler too old to report them says 0)."""
+        stats = self.shuffler.stats()
+        released = int(stats.get("epoch_batches_released", 0))
+        if int(stats.get("key_epoch", -1)) == self.cfg.key_epoch and released > 0:
+            raise ResumeError(
+                f"the shuffler has already released {released} batch(es) of key epoch {self.cfg.key_epoch}, and this "
+                "run has no checkpoint or ledger rows: a fresh accountant would start at epsilon 0 although this "
+                "epoch's reports were already released to a server. Resume the run that spent them (its output "
+                "directory), or rotate the keys to a new key epoch for a new run"
+            )
+
     def restore(self) -> int:
         """Load the checkpoint (or start fresh), reconcile it with the ledger, and return the next round id.
 
         * no checkpoint and an empty ledger: a fresh run; a round-0 checkpoint is written at once.
         * no checkpoint but ledger rows: refused (the ledger belongs to another run or the state file is gone).
+        * no checkpoint and an empty ledger, but the shuffler has already released batches of this key epoch:
+          refused. Those releases were charged to another run's accountant (or to none); a fresh accountant
+          starting at 0 would report an epsilon that leaves them out. Rotate keys (a new key epoch) per run.
         * ledger rows after the checkpoint's round: each is a round whose release was charged but whose model
           update was not checkpointed (a crash between the ledger append and the checkpoint). The accountant is
           charged with it from the ledger row, exactly once, and it is recorded as ``"lost"``.
@@ -357,6 +375,7 @@ class RoundEngine:
                     "is no checkpoint; refusing to start a run that would mix with another run's ledger "
                     "(use a fresh run name or output directory)"
                 )
+            self._refuse_a_spent_key_epoch()
             self.last_round = 0
             self.save()
             return 1

@@ -218,6 +218,8 @@ class ShufflerClient:
             "batches_refused": s.batches_refused,
             "reports_accepted": s.reports_accepted,
             "dropped": dict(s.dropped),
+            "key_epoch": s.key_epoch,
+            "epoch_batches_released": s.epoch_batches_released,
         }
 
 

@@ -778,9 +778,14 @@ class ShufflerCore:
         log.info("batch released: epoch=%d round=%d n=%d", sb.key_epoch, sb.round_id, sb.n)
 
     def stats(self) -> dict[str, Any]:
-        """Aggregate counters only (never per position or per client)."""
+        """Aggregate counters only (never per position or per client). ``epoch_batches_released`` counts the
+        journal's released batches of the served key epoch (``key_epoch``), those of earlier processes included."""
         with self._lock:
+            epoch = self.config.key_epoch
             return {
+                "key_epoch": epoch,
+                "epoch_batches_released": sum(1 for bid in self._released
+                                              if bid in self._sealed and self._sealed[bid].key_epoch == epoch),
                 "batches_sealed": self.counters["batches_sealed"],
                 "batches_released": self.counters["batches_released"],
                 "batches_refused": self.counters["batches_refused"],

@@ -429,6 +429,8 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             batches_refused=s["batches_refused"],
             reports_accepted=s["reports_accepted"],
             dropped=s["dropped"],
+            key_epoch=s["key_epoch"],
+            epoch_batches_released=s["epoch_batches_released"],
         )
 
 

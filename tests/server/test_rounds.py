@@ -297,6 +297,29 @@ def test_a_failing_attestation_record_after_the_charge_is_remembered_and_nothing
     assert _ledger_rounds(engine) == [1] and len(engine.accountant.rounds) == 1
 
 
+def test_a_fresh_run_in_a_key_epoch_the_shuffler_already_released_is_refused(h: Any) -> None:
+    # Review 40, F4: a new run directory with the same keys (key epoch) and shuffler started its accountant at 0
+    # although the epoch's earlier releases were charged to another run.
+    cfg = h.config(**{"min-reports": h.N + 1})  # round 1: below k, nothing sealed or released
+    first = h.engine(cfg, h.grid([h.honest()] * h.N))
+    assert first.restore() == 1 and first.run_round(1).status == "skipped"
+    stats = h.shuffler.stats()
+    assert (stats["key_epoch"], stats["epoch_batches_released"]) == (0, 0)
+    fresh = h.engine(h.config(**{"run-name": "fresh-1"}), h.grid([h.honest()] * h.N))
+    assert fresh.restore() == 1  # nothing of the epoch was released: a fresh run may start
+    assert fresh.run_round(2).status == "applied"
+    assert h.shuffler.stats()["epoch_batches_released"] == 1
+    other = h.engine(h.config(**{"run-name": "fresh-2"}), h.grid([h.honest()] * h.N))
+    with pytest.raises(ResumeError, match="already released 1 batch\\(es\\) of key epoch 0, and this run has no "
+                                          "checkpoint"):
+        other.restore()
+    assert other.ledger.rows() == [] and other.store.load() is None  # refused before writing anything
+    fresh.ledger.close()
+    fresh.store.close()
+    resumed = h.engine(h.config(**{"run-name": "fresh-1"}), h.grid([h.honest()] * h.N))
+    assert resumed.restore() == 3  # the run that spent the epoch resumes as before
+
+
 def test_a_failed_ledger_write_leaves_nothing_charged_in_the_accountant(h: Any) -> None:
     # Before, the accountant kept the round the ledger had refused: the next ledger row counted a phantom round,
     # and the run could not be resumed (the checkpoint's accountant did not match the ledger).

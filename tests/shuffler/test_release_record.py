@@ -208,3 +208,21 @@ def test_an_honest_listing_passes_the_audit_across_a_key_rotation(
         report = json.loads(capsys.readouterr().out)
         assert [v.split(" (")[0] for v in report["violations"]] == ["key epoch 9, round 2"], extra
         assert "names (batch, epoch, round, n)" in report["violations"][0]
+
+
+def test_stats_count_the_served_epochs_releases_from_the_journal(kit, tmp_path: Path) -> None:
+    """``epoch_batches_released`` (what a server checks before a fresh run) counts the journal's releases of the
+    served key epoch, those of earlier processes included, and no other epoch's."""
+    jdir = tmp_path / "journal"
+    core = ShufflerCore(kit.core_config(jdir))
+    released, _ = _seal(core, kit, 4, round_id=1), _seal(core, kit, 4, round_id=2)  # round 2: never released
+    list(core.read_batch(released.batch_id))
+    assert {k: core.stats()[k] for k in ("key_epoch", "epoch_batches_released", "batches_sealed")} == \
+        {"key_epoch": 0, "epoch_batches_released": 1, "batches_sealed": 2}
+    core.close()
+    for epoch, expected in ((1, 0), (0, 1)):  # after a restart: another epoch, then the same one again
+        core = ShufflerCore(kit.core_config(jdir, key_epoch=epoch))
+        try:
+            assert (core.stats()["key_epoch"], core.stats()["epoch_batches_released"]) == (epoch, expected)
+        finally:
+            core.close()
