@@ -12,9 +12,12 @@ rollback fails, the journal marks itself ``failed`` and refuses every further ap
 NOT_SERVING): an unknown tail must never be followed by an acknowledged record.
 
 On open, records are read in order. Only a last record that is *physically incomplete* (shorter than its
-header, or than the body length its header announces), or a tail of zero bytes, is a torn tail from a crash
-during the append: it is cut off and reported in ``torn_bytes``. A complete record whose checksum fails, a bad
-header, or any damage followed by further data is corruption, and opening fails loudly (:class:`JournalCorrupt`).
+header, or than the body length its header announces, with no complete checksum-valid record after it), or a
+tail of zero bytes, is a torn tail from a crash during the append: it is cut off and reported in
+``torn_bytes``. A complete record whose checksum fails, a bad header, or any damage followed by further data
+(also a header whose damaged length reaches past later records) is corruption, and opening fails loudly
+(:class:`JournalCorrupt`). So is a missing ``journal.log`` beside sealed outputs, or more than one output
+without a commit record (a crash leaves at most one: commits are serialised), since records were lost.
 
 Batch outputs live in ``batches/<batch_id>.out`` (written to a temporary name, fsynced, renamed, directory
 fsynced) before their commit record is appended. An output file without a commit record is moved to
@@ -160,8 +163,24 @@ def _is_torn_tail(data: bytes, start: int) -> bool:
     magic, length, _ = _HEAD.unpack_from(tail, 0)
     if magic != _MAGIC:
         return not tail.strip(b"\0")  # a file extended with zeros by the filesystem after a crash
-    # a complete header with a plausible length, and fewer bytes than it announces: an interrupted append
-    return length <= _MAX_RECORD and _HEAD.size + length > len(tail)
+    # a complete header with a plausible length, and fewer bytes than it announces: an interrupted append, unless
+    # a complete, checksum-valid record follows (then the header was damaged, e.g. a flipped bit in its length,
+    # and cutting there would erase acknowledged records: review 42, F2)
+    return length <= _MAX_RECORD and _HEAD.size + length > len(tail) and _no_record_after(data, start + 4)
+
+
+def _no_record_after(data: bytes, start: int) -> bool:
+    """True if no complete record with a matching checksum starts at or after ``start`` (a torn append is a prefix
+    of one record, so it holds none)."""
+    pos = data.find(_MAGIC, start)
+    while pos >= 0:
+        if len(data) - pos >= _HEAD.size:
+            _, length, digest = _HEAD.unpack_from(data, pos)
+            end = pos + _HEAD.size + length
+            if end <= len(data) and hashlib.sha256(data[pos + _HEAD.size : end]).digest() == digest:
+                return False
+        pos = data.find(_MAGIC, pos + 1)
+    return True
 
 
 
@@ -223,13 +242,33 @@ class Journal:
         self._clean_orphans()
 
     def _recover(self) -> list[dict[str, Any]]:
+        # sealed outputs are named <batch id>.out (shuffler.core); other names are leftovers, quarantined too
+        outputs = {p.name for p in self.batches_dir.iterdir()
+                   if p.name.endswith(".out") and not p.name.startswith(".")}
         if not self.path.exists():
+            if outputs:
+                raise JournalCorrupt(
+                    f"{self.path} is missing but {self.batches_dir} holds {len(outputs)} sealed output(s): refusing "
+                    "to start with an empty journal, which would forget their bindings, replay cache and release "
+                    "records (restore the journal, or move the whole journal directory away to start over)"
+                )
             fd = os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600)
             os.fsync(fd)
             os.close(fd)
             fsync_dir(self.dir)
             return []
         records, torn_at = read_records(self.path)
+        # Commits are serialised (the output is renamed into batches/, then its record appended, under one lock,
+        # and a failed journal stops all commits), and every start moves outputs without a record to quarantine/.
+        # So a crash leaves at most one output without a record: more means records were lost (a journal cut at
+        # a record boundary or restored from an older copy). Checked before a torn tail is cut off.
+        orphans = outputs - {r["output"] for r in records if r.get("type") == "batch"}
+        if len(orphans) > 1:
+            raise JournalCorrupt(
+                f"{self.batches_dir} holds {len(orphans)} sealed outputs without a commit record in {self.path}; a "
+                "crash leaves at most one, so records were lost (a truncated or older journal): refusing to start "
+                "(restore the journal, or move the whole journal directory away to start over)"
+            )
         if torn_at is not None:
             self.torn_bytes = self.path.stat().st_size - torn_at
             log.warning("journal: ignoring a torn tail of %d bytes", self.torn_bytes)

@@ -211,3 +211,47 @@ def test_write_file_durably_tolerates_a_filesystem_that_cannot_sync_directories(
     with pytest.raises(OSError) as exc:  # a real I/O error is not swallowed
         journal.write_file_durably(tmp_path / "b", b"y")
     assert exc.value.errno == errno.EIO
+
+
+def test_a_damaged_length_that_reaches_past_later_records_is_corruption_not_a_torn_tail(tmp_path: Path) -> None:
+    # Review 42, F2: a flipped high bit in the first record's length looked like a torn tail, and the open cut the
+    # whole journal (every binding, replay tag and release record) and started healthy.
+    sizes = _fill(tmp_path, 3)
+    path = tmp_path / "journal.log"
+    data = bytearray(path.read_bytes())
+    data[4] |= 0x08  # body_length (u32, big-endian, at bytes 4..7) += 2**27: past the end of the file
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalCorrupt, match="at byte 0 and it is not a torn tail"):
+        Journal(tmp_path)
+    assert path.read_bytes() == bytes(data)  # evidence kept
+    # the same damage in the *last* record cannot be told from an interrupted append: cut, as before
+    data = bytearray(path.read_bytes())
+    data[4] &= ~0x08
+    data[sizes[1] + 4] |= 0x08
+    path.write_bytes(bytes(data))
+    j = Journal(tmp_path)
+    assert [r["i"] for r in j.records] == [0, 1] and j.torn_bytes == sizes[2] - sizes[1]
+    j.close()
+
+
+def test_lost_records_beside_sealed_outputs_refuse_the_start(tmp_path: Path) -> None:
+    # Review 42, F2: a missing journal, or one cut at a record boundary, looked like a clean start: every sealed
+    # output was quarantined and the bindings, replay cache and release records were forgotten.
+    j = Journal(tmp_path)
+    for name in ("a", "b"):
+        j.append({"type": "batch", "output": f"{name}.out"})
+        (j.batches_dir / f"{name}.out").write_bytes(b"sealed")
+    j.close()
+    data = j.path.read_bytes()
+    j.path.unlink()
+    with pytest.raises(JournalCorrupt, match="journal.log is missing but .* holds 2 sealed output"):
+        Journal(tmp_path)
+    j.path.write_bytes(b"")  # cut at a record boundary: both outputs lack their record
+    with pytest.raises(JournalCorrupt, match="holds 2 sealed outputs without a commit record"):
+        Journal(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "batches").iterdir()) == ["a.out", "b.out"]  # nothing moved
+    first = len(data) // 2  # the two records have the same size: keep the first, lose the second
+    j.path.write_bytes(data[:first])
+    j = Journal(tmp_path)  # one output without its record is what a crash between rename and append leaves
+    assert [r["output"] for r in j.records] == ["a.out"] and len(j.quarantined) == 1
+    j.close()
