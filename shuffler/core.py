@@ -970,6 +970,11 @@ class BatchBuilder:
         layer's overhead), whether or not it later opens and verifies. Raises :class:`Refused` (already aborted).
         """
         self.inner_length = inner_length
+        # The staging length counts as a length of the batch: without an announced envelope_length (legacy) the
+        # first envelope may be dropped after it fixed the slots' length, and accepted reports of another length
+        # are then not staged. They must refuse the batch (mixed_lengths), not seal slots that hold no report
+        # (review 42, F1).
+        self._lengths.add(inner_length)
         self._start_staging()  # chooses memory or disk staging
         self._perm = self.draw_permutation(self.header.expected_count)  # allocated lazily
         self._slot_hashes = bytearray(32 * self.header.expected_count)

@@ -189,6 +189,22 @@ def test_mixed_lengths_reject_the_batch(core: ShufflerCore, kit) -> None:
     assert list(core.journal.batches_dir.iterdir()) == [] and list(core.journal.staging_dir.iterdir()) == []
 
 
+def test_an_unannounced_length_fixed_by_a_dropped_envelope_refuses_instead_of_sealing_empty_slots(
+    core: ShufflerCore, kit
+) -> None:
+    # Review 42, F1: without envelope_length, the first envelope that passes the public checks fixes the slots'
+    # length even if it is then dropped. Accepted reports of another length were not staged, yet counted: the
+    # batch was sealed (and charged) with slots holding zeros or a previous batch's bytes.
+    junk = kit.seal(0, size=64)[:-1] + bytes(40)  # the right prefix, another length; it does not open
+    envs = [junk] + [kit.seal(i, size=64) for i in range(1, 5)]
+    with pytest.raises(Refused) as info:
+        _run(core, kit, envs)
+    assert (info.value.code, info.value.reason) == ("invalid_argument", "mixed_lengths")
+    assert list(core.journal.batches_dir.iterdir()) == []
+    # the honest reports alone still seal, after the junk's refusal left the binding unused
+    assert _run(core, kit, envs[1:]).n == 4
+
+
 @pytest.mark.parametrize(
     "over,code,reason",
     [
