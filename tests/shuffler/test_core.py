@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -1446,3 +1447,37 @@ def test_close_waits_for_a_commit_in_its_fsyncs(kit, tmp_path: Path, monkeypatch
         assert reopened.stats()["batches_sealed"] == 1
     finally:
         reopened.close()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("advice", ["populate", "fallback"])
+def test_a_fresh_staging_buffer_is_faulted_in_before_any_report(
+    core: ShufflerCore, kit, monkeypatch: pytest.MonkeyPatch, advice: str
+) -> None:
+    # Review 42, F3: the first write to a page of a fresh buffer pays a page fault, so the time to accept a report
+    # said whether its (secret) slot shared a page with an earlier report's. The whole buffer is faulted in first.
+    import mmap
+
+    import shuffler.core as core_mod
+
+    if advice == "fallback":  # a kernel without MADV_POPULATE_WRITE: the sequential zero write
+        monkeypatch.setattr(core_mod, "_MADV_POPULATE_WRITE", 10_000)
+    size = 48 << 20
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    before = _resident_bytes()
+    core_mod._prefault(buf)
+    assert _resident_bytes() - before >= size * 0.9
+    assert buf[:16] == bytes(16) and buf[-16:] == bytes(16)
+    buf.close()
+    # the staging path faults in each fresh buffer once, and not a retained one
+    calls: list[int] = []
+    real = core_mod._prefault
+    monkeypatch.setattr(core_mod, "_prefault", lambda b: (calls.append(len(b)), real(b)))
+    for round_id in (1, 2):
+        sealed = _run(core, kit, [kit.seal(i, size=64, round_id=round_id) for i in range(4)], round_id=round_id)
+        assert sealed.n == 4
+    assert len(calls) == 1 and calls[0] >= 4 * 64
