@@ -475,7 +475,7 @@ class ShufflerCore:
             elif rec.get("type") == "release":
                 self._released[bytes.fromhex(rec["batch_id"])] = rec
         self.counters["batches_released"] = len(self._released)
-        self._rng = secrets.SystemRandom()
+        self.journal.records.clear()  # loaded into the structures above; the journal keeps no copy (review 42, F4)
         #: builders begun and not yet finished or aborted; :meth:`close` waits for them (graceful stop)
         self._open_builders = 0
         self._closing = False  # close() began: no new batches
@@ -972,9 +972,6 @@ class BatchBuilder:
     def forget_permutation(self) -> None:
         self._perm = None
         self._slot_hashes = None
-
-    def wait_writeback(self) -> None:
-        """Kept for compatibility: there is no background writeback any more."""
 
     def release_buffer(self, *, retain: bool = False) -> None:
         """Let go of the memory path's staging buffer (idempotent). ``retain=True`` (after a successful seal only)

@@ -222,7 +222,8 @@ def read_records(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], in
 
 
 class Journal:
-    """The commit log. ``records`` holds the recovered bodies (dicts), in order."""
+    """The commit log. ``records`` holds the bodies (dicts) recovered at open, in order; appended records are
+    written, not kept (the reader loads ``records`` once, then may clear them)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.dir = Path(directory)
@@ -329,8 +330,7 @@ class Journal:
                 ) from exc
             log.error("journal: an append failed and was rolled back (%s)", exc.strerror)
             raise JournalWriteError(exc.errno, f"journal append failed and was rolled back: {exc.strerror}") from exc
-        self._size = start + len(data)
-        self.records.append(record)
+        self._size = start + len(data)  # the record is not kept in memory: ``records`` are the recovered ones
 
     def close(self) -> None:
         if self._fd >= 0:
