@@ -305,15 +305,15 @@ def _delta_and_qtail_per_c(
     em1 = math.expm1(eps)
     cf = c.astype(np.float64)
     m = cf + 1.0
-    one_m2w = 1.0 - 2.0 * w
+    one_m2w = _one_minus_2w(eps0)
     # ratio > e^eps  <=>  x > m (e^eps (1-w) - w) / ((1-2w)(1+e^eps)); the float value of this
     # threshold can be off by one near eps0 (it is 1 - O(1e-17) there), so the neighbours are
     # re-checked with the log-ratio itself.
     tau = m * (one_m2w + em1 * (1.0 - w)) / (one_m2w * (2.0 + em1))
     t = np.floor(tau) + 1.0
     below = t - 1.0
-    t = np.where((below >= 0.0) & (_log_ratio(below, m, w) > eps), below, t)
-    t = np.where((t <= cf + 1.0) & (_log_ratio(np.minimum(t, m), m, w) <= eps), t + 1.0, t)
+    t = np.where((below >= 0.0) & (_log_ratio(below, m, w, one_m2w) > eps), below, t)
+    t = np.where((t <= cf + 1.0) & (_log_ratio(np.minimum(t, m), m, w, one_m2w) <= eps), t + 1.0, t)
     s_t = _tail_ge(t, c)
     k = t - 1.0
     inside = (k >= 0) & (k <= cf)
@@ -336,11 +336,19 @@ def _stable_log_ratio(u: np.ndarray, num: np.ndarray, den: np.ndarray) -> np.nda
         return np.where(u > -0.5, np.log1p(np.maximum(u, -0.5)), np.log(num) - np.log(den))
 
 
-def _log_ratio(x: np.ndarray, m: np.ndarray, w: float) -> np.ndarray:
-    """log(P(x|c)/Q(x|c)) = log1p((1-2w)(2x - m) / (w x + (1-w)(m - x))), exact near x = m/2."""
+def _one_minus_2w(eps0: float) -> float:
+    """``1 - 2w = (e^eps0 - 1)/(e^eps0 + 1) = tanh(eps0/2)`` for ``w = 1/(e^eps0 + 1)``, without the cancellation of
+    ``1.0 - 2.0 * w`` at small eps0 (relative error ~1e-16/eps0 there, which scaled every loss and put the upper
+    bound below the exact value at eps0 ~ 1e-8: review 41, F1)."""
+    return math.tanh(eps0 / 2.0)
+
+
+def _log_ratio(x: np.ndarray, m: np.ndarray, w: float, one_m2w: float) -> np.ndarray:
+    """log(P(x|c)/Q(x|c)) = log1p((1-2w)(2x - m) / (w x + (1-w)(m - x))), exact near x = m/2 (``one_m2w`` is
+    :func:`_one_minus_2w`)."""
     den = w * x + (1.0 - w) * (m - x)
     num = (1.0 - w) * x + w * (m - x)
-    return _stable_log_ratio((1.0 - 2.0 * w) * (2.0 * x - m) / den, num, den)
+    return _stable_log_ratio(one_m2w * (2.0 * x - m) / den, num, den)
 
 
 def _delta_per_c(c: np.ndarray, eps: float, w: float, eps0: float) -> np.ndarray:
@@ -560,7 +568,7 @@ def _log_excess(a: float, cs: np.ndarray, w: float, eps0: float, reverse: bool) 
         num = (1.0 - w) * xs + w * (m - xs)
         if reverse:
             den, num = num, den
-        u = sign * (1.0 - 2.0 * w) * (2.0 * xs - m) / den  # r - 1
+        u = sign * _one_minus_2w(eps0) * (2.0 * xs - m) / den  # r - 1
         lr = _stable_log_ratio(u, num, den)
         if linear:
             # Bin(x)/Bin(xc): right of the centre multiply (m - x)/(x + 1) (0 once x reaches m),
@@ -694,6 +702,7 @@ def _loss_support(eps0: float, n: int, variant: str, pessimistic: bool):
     Returns ``(losses, probs, infinity_mass)`` as float arrays sorted by loss (not yet on a grid).
     """
     w, _, _ = _params(eps0, variant)
+    one_m2w = _one_minus_2w(eps0)
     c, pmf, lo_tail, hi_tail = _c_distribution(n, eps0, variant, PLD_WINDOW_DROP)
     width = max(1, int(math.floor(PLD_BLOCK_RELATIVE_WIDTH * max(1, int(c[-1])))))
     starts = np.arange(0, c.size, width)
@@ -736,7 +745,7 @@ def _loss_support(eps0: float, n: int, variant: str, pessimistic: bool):
         den = w * xs + (1.0 - w) * (m - xs)
         with np.errstate(divide="ignore", invalid="ignore", under="ignore"):
             probs = np.where(valid, np.exp(log_bin) * (2.0 * num / m), 0.0)
-            losses = np.where(valid, _stable_log_ratio((1.0 - 2.0 * w) * (2.0 * xs - m) / den, num, den), 0.0)
+            losses = np.where(valid, _stable_log_ratio(one_m2w * (2.0 * xs - m) / den, num, den), 0.0)
         # exact P-masses outside the window: X = A + D, A ~ Bin(c, 1/2), D ~ Bern(1 - w)
         x_lo = np.maximum(xc[:, 0] - half, 0.0)
         x_hi = np.minimum(xc[:, 0] + half, m[:, 0])

@@ -521,3 +521,15 @@ def test_accounting_modules_do_not_import_torch_flwr_or_grpc():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("eps0", [1e-8, 1e-7, 1e-6])
+def test_small_eps0_upper_bound_is_not_below_the_exact_value(eps0: float) -> None:
+    # Review 41, F1: 1.0 - 2.0 * w cancelled at small eps0 (relative error ~1e-16/eps0) and scaled every loss, so
+    # at n = 1 (no clones: the mechanism itself, whose epsilon at tiny delta is eps0 up to ~1e-30 relative) the
+    # "upper bound" came out 6e-9 relative below eps0. tanh(eps0/2) has no cancellation.
+    from accounting import bounds
+
+    for rounds in (1, 3):
+        value = bounds.epsilon("clones", eps0, 1, 1e-30, rounds).value
+        assert value >= rounds * eps0 * (1.0 - 1e-15), (rounds, value)
