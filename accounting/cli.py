@@ -35,6 +35,16 @@ _KIND_MEANING = {
 }
 
 
+#: What a calibrated eps0 means, by the kind of the family that calibrated it (review 41, F2: the epsilon
+#: meanings above read backwards for an eps0: from an upper bound the eps0 is the *safe* side, from a lower bound
+#: it is a limit that is not itself safe).
+_CALIBRATED_MEANING = {
+    "upper": "certified: an upper bound on epsilon meets the target at this eps0 (and below it)",
+    "approximate": "estimate: an approximation meets the target at this eps0; not a guarantee",
+    "lower": "limit, not certified: a lower bound on epsilon exceeds the target above this eps0",
+}
+
+
 class _UsageError(Exception):
     """Raised instead of argparse's ``sys.exit(2)`` so that :func:`main` returns the code."""
 
@@ -130,9 +140,10 @@ def _finite_value(bound: Bound, what: str) -> float:
 
 # -- account commands --------------------------------------------------------------------------------------------
 def _single_result(obj: dict[str, Any], out: TextIO) -> None:
-    kind = f"{obj['kind']}: {_KIND_MEANING[obj['kind']]}"
+    meaning = obj.get("meaning", _KIND_MEANING[obj["kind"]])
+    kind = f"{obj['kind']}: {meaning}"
     rows = [("quantity", obj["quantity"]), ("value", obj["value"]), ("kind", kind)]
-    rows += [(k, v) for k, v in obj.items() if k not in {"quantity", "value", "kind"}]
+    rows += [(k, v) for k, v in obj.items() if k not in {"quantity", "value", "kind", "meaning"}]
     _table(rows, out)
 
 
@@ -215,6 +226,7 @@ def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
         "quantity": "eps0",
         "value": _finite_value(bound, "eps0"),
         "kind": bound.kind,
+        "meaning": _CALIBRATED_MEANING[bound.kind],
         "bound": args.bound,
         "target_epsilon": args.target_epsilon,
         "delta": args.delta,

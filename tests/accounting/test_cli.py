@@ -96,10 +96,10 @@ def test_delta_renyi_and_calibrate_json_contracts(capsys: pytest.CaptureFixture[
 
     obj = ok_json_in_process(capsys, "account", "calibrate", "--target-epsilon", "1", "--delta", "1e-6",
                              "--n", "10000", "--rounds", "1")
-    assert set(obj) == {"quantity", "value", "kind", "bound", "target_epsilon", "delta", "n", "rounds",
+    assert set(obj) == {"quantity", "value", "kind", "meaning", "bound", "target_epsilon", "delta", "n", "rounds",
                         "achieved_epsilon", "first_failing_eps0"}
     assert obj["quantity"] == "eps0" and obj["target_epsilon"] == 1.0 and obj["rounds"] == 1
-    assert obj["kind"] == "upper" and obj["bound"] == "clones"
+    assert obj["kind"] == "upper" and obj["bound"] == "clones" and obj["meaning"].startswith("certified")
     eps0 = obj["value"]
     assert isinstance(eps0, float) and eps0 > 1.0  # amplification: n = 1e4 reports allow eps0 well above 1
     achieved = bounds.epsilon("clones", eps0, 10000, 1e-6, 1).value
@@ -113,6 +113,13 @@ def test_delta_renyi_and_calibrate_json_contracts(capsys: pytest.CaptureFixture[
     obj = ok_json_in_process(capsys, "account", "calibrate", "--target-epsilon", "0.5", "--delta", "1e-6",
                              "--n", "10000", "--rounds", "2", "--bound", "ccg-gdp")
     assert obj["bound"] == "ccg-gdp" and obj["kind"] == "approximate" and obj["rounds"] == 2
+    assert obj["meaning"].startswith("estimate")
+    # review 41, F2: a calibrated eps0 from a lower bound is a limit, not "the true loss is at least this"
+    code = main(["account", "calibrate", "--target-epsilon", "1", "--delta", "1e-6", "--n", "10000", "--rounds", "1",
+                 "--bound", "rr-lower"])
+    out = capsys.readouterr().out
+    assert code == 0 and "lower: limit, not certified: a lower bound on epsilon exceeds the target above this" in out
+    assert "true loss is at least this" not in out
 
 
 def test_clt_refusal_and_allow_approximate(capsys: pytest.CaptureFixture[str]) -> None:
