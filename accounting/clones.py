@@ -271,22 +271,28 @@ def _c_distribution(n: int, eps0: float, variant: str, drop: float):
 
 
 def _tail_ge(k: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """S_c(k) = P(Bin(c, 1/2) >= k), elementwise, exact (incomplete beta), no 1 - sum."""
+    """S_c(k) = P(Bin(c, 1/2) >= k) = I_{1/2}(k, c - k + 1), elementwise, no 1 - sum.
+
+    The regularised incomplete beta is scipy's ``betainc`` (Boost: ~5e-12 relative at c = 1e9). Cephes'
+    ``bdtrc`` lost 1e-8 at c = 1e7 and 1e-6 at c = 7.5e8, and the per-c divergence cancels by ~1e3 there, which
+    put the single-round clones value up to 1e-7 relative below the exact one at n = 1e8 (review 41, F6)."""
     k, c = np.broadcast_arrays(np.asarray(k, dtype=np.float64), np.asarray(c, dtype=np.int64))
     out = np.where(k <= 0, 1.0, 0.0)
     mid = (k > 0) & (k <= c)
     if np.any(mid):
-        out[mid] = special.bdtrc(k[mid] - 1.0, c[mid], 0.5)
+        km, cm = k[mid], c[mid].astype(np.float64)
+        out[mid] = special.betainc(km, cm - km + 1.0, 0.5)
     return out
 
 
 def _tail_le(k: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """P(Bin(c, 1/2) <= k), elementwise, exact (incomplete beta)."""
+    """P(Bin(c, 1/2) <= k) = I_{1/2}(c - k, k + 1), elementwise (``betainc``, as :func:`_tail_ge`)."""
     k, c = np.broadcast_arrays(np.asarray(k, dtype=np.float64), np.asarray(c, dtype=np.int64))
     out = np.where(k >= c, 1.0, 0.0)
     mid = (k >= 0) & (k < c)
     if np.any(mid):
-        out[mid] = special.bdtr(k[mid], c[mid], 0.5)
+        km, cm = k[mid], c[mid].astype(np.float64)
+        out[mid] = special.betainc(cm - km, km + 1.0, 0.5)
     return out
 
 

@@ -533,3 +533,27 @@ def test_small_eps0_upper_bound_is_not_below_the_exact_value(eps0: float) -> Non
     for rounds in (1, 3):
         value = bounds.epsilon("clones", eps0, 1, 1e-30, rounds).value
         assert value >= rounds * eps0 * (1.0 - 1e-15), (rounds, value)
+
+
+def test_binomial_tails_are_accurate_at_large_c() -> None:
+    # Review 41, F6: Cephes' bdtrc/bdtr lost ~1e-8 relative at c = 1e7 (1e-6 at 7.5e8), which moved the single-round
+    # clones epsilon below the exact value at n = 1e8. Reference: a direct mpmath sum of the tail's terms.
+    import mpmath as mp
+
+    #: relative agreement of the float tails with the 30-digit sum (Boost's incomplete beta reaches ~1e-12)
+    tail_rtol = 1e-10
+    c = 10**7
+    sd = math.sqrt(c) / 2.0
+    with mp.workdps(30):
+        for z in (1.0, 3.0):
+            k = int(c / 2 + z * sd)
+            term = mp.e ** (mp.loggamma(c + 1) - mp.loggamma(k + 1) - mp.loggamma(c - k + 1) - c * mp.log(2))
+            exact, x = mp.mpf(0), k
+            while x <= k + 14 * sd + 50:
+                exact += term
+                term = term * (c - x) / (x + 1)
+                x += 1
+            ge = clones._tail_ge(np.array([float(k)]), np.array([c]))[0]
+            le = clones._tail_le(np.array([float(c - k)]), np.array([c]))[0]  # P(X <= c-k) = P(X >= k) by symmetry
+            assert abs(ge - exact) <= tail_rtol * exact, (z, ge, exact)
+            assert abs(le - exact) <= tail_rtol * exact, (z, le, exact)
