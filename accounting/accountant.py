@@ -285,7 +285,8 @@ class ShuffleAccountant:
             raise ValueError(
                 f"not a shuffledp accountant state: 'format' is {state.get('format')!r}, expected {STATE_FORMAT!r}"
             )
-        if state.get("version") != STATE_VERSION:
+        version = state.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version != STATE_VERSION:
             raise ValueError(
                 f"accountant state version {state.get('version')!r} is not supported; this version reads "
                 f"version {STATE_VERSION}"
@@ -300,13 +301,16 @@ class ShuffleAccountant:
         comparison = state["comparison_families"]
         if not isinstance(comparison, list):
             raise ValueError(f"accountant state 'comparison_families' must be a list, got {type(comparison).__name__}")
-        accountant = cls(
-            target_delta=state["target_delta"],
-            family=state["family"],
-            comparison_families=comparison,
-            allow_approximate=state["allow_approximate"],
-        )
-        accountant._rounds = [ShuffleRound.from_dict(r) for r in rounds]
+        try:  # the constructors' TypeErrors (a string delta, a float count) are this method's ValueError
+            accountant = cls(
+                target_delta=state["target_delta"],
+                family=state["family"],
+                comparison_families=comparison,
+                allow_approximate=state["allow_approximate"],
+            )
+            accountant._rounds = [ShuffleRound.from_dict(r) for r in rounds]
+        except TypeError as exc:
+            raise ValueError(f"accountant state has a field of the wrong type: {exc}") from None
         return accountant
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
