@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from decimal import ROUND_CEILING, ROUND_FLOOR, ROUND_HALF_EVEN, Decimal
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Bound", "RefusedError", "FAMILIES", "KINDS", "KIND_WORDS", "FAMILY_KINDS", "EPS0_MAX", "N_MAX"]
+__all__ = [
+    "Bound", "RefusedError", "FAMILIES", "KINDS", "KIND_WORDS", "FAMILY_KINDS", "EPS0_MAX", "N_MAX", "format_bound",
+]
 
 #: Largest eps0 any bound accepts (e^100 ~ 2.7e43 keeps every formula in range); events and bounds share it.
 EPS0_MAX = 100.0
@@ -99,3 +102,27 @@ class Bound:
             raise ValueError(f"Bound.value must not be NaN (family {self.family!r})")
         object.__setattr__(self, "value", value)
         object.__setattr__(self, "details", dict(self.details))
+
+
+def format_bound(value: float, kind: str, *, significant: int | None = None, decimals: int | None = None) -> str:
+    """``value`` as text, rounded *outward* for a bound: up for an ``"upper"`` bound, down for a ``"lower"``
+    one, to nearest otherwise; to ``significant`` digits (``g`` style, default 10) or to ``decimals`` places.
+    A printed upper bound is then never below the bound, nor a lower bound above it (the rounding of the
+    decimal expansion of the exact binary value, so no second rounding). Non-finite values print as Python does.
+    """
+    if significant is not None and decimals is not None:
+        raise ValueError("give significant or decimals, not both")
+    if not math.isfinite(value):
+        return repr(float(value))
+    rounding = {"upper": ROUND_CEILING, "lower": ROUND_FLOOR}.get(kind, ROUND_HALF_EVEN)
+    exact = Decimal(float(value))
+    if decimals is not None:
+        return f"{exact.quantize(Decimal(1).scaleb(-decimals), rounding=rounding):f}"
+    digits = 10 if significant is None else significant
+    if exact == 0:
+        return "0"
+    if not 1 <= digits <= 15:
+        raise ValueError(f"significant must be in [1, 15] (float64 holds them exactly), got {digits}")
+    rounded = exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1), rounding=rounding)
+    # ``rounded`` has at most ``digits`` <= 15 significant digits, so the nearest float prints back as exactly it
+    return format(float(rounded), f".{digits}g")

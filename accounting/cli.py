@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TextIO
 
-from accounting import FAMILIES, Bound, RefusedError
+from accounting import FAMILIES, Bound, RefusedError, format_bound
 from accounting.ledger import Ledger, LedgerError
 
 __all__ = ["main"]
@@ -142,7 +142,11 @@ def _finite_value(bound: Bound, what: str) -> float:
 def _single_result(obj: dict[str, Any], out: TextIO) -> None:
     meaning = obj.get("meaning", _KIND_MEANING[obj["kind"]])
     kind = f"{obj['kind']}: {meaning}"
-    rows = [("quantity", obj["quantity"]), ("value", obj["value"]), ("kind", kind)]
+    # rounded outward: an upper bound never prints below itself. A calibrated eps0 from an upper bound is the safe
+    # side of the largest admissible eps0, so it rounds down (and one from a lower bound, a limit, rounds up).
+    direction = {"upper": "lower", "lower": "upper"}.get(obj["kind"], obj["kind"]) if obj["quantity"] == "eps0" \
+        else obj["kind"]
+    rows = [("quantity", obj["quantity"]), ("value", format_bound(obj["value"], direction)), ("kind", kind)]
     rows += [(k, v) for k, v in obj.items() if k not in {"quantity", "value", "kind", "meaning"}]
     _table(rows, out)
 
@@ -298,7 +302,8 @@ def _cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
             else:
                 notes.append(f"[{len(notes) + 1}] {r['bound']}: {r['reason']}")
                 meaning = f"refused, see [{len(notes)}]"
-            rows.append((r["bound"], r["value"], r["kind"], meaning))
+            value = r["value"] if r["value"] is None else format_bound(r["value"], r["kind"])
+            rows.append((r["bound"], value, r["kind"], meaning))
         _table(rows, out)
         if notes:
             out.write("\n" + "\n".join(notes) + "\n")
@@ -379,7 +384,7 @@ def _cmd_ledger_show(args: argparse.Namespace, out: TextIO) -> int:
                     line.append("refused")
                 else:
                     mark = {"upper": "", "approximate": " ~", "lower": " >="}[entry["kind"]]
-                    line.append(f"{entry['value']:.6g}{mark}")
+                    line.append(f"{format_bound(entry['value'], entry['kind'], significant=6)}{mark}")
             body.append(line)
         _table(body, out)
         out.write("\n(no mark: upper bound, a guarantee; ~: approximation; >=: lower bound)\n")

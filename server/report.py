@@ -29,10 +29,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from accounting import KIND_WORDS
+from accounting import KIND_WORDS, format_bound
 from shuffler.journal import write_file_durably
 
-__all__ = ["epsilon_label", "format_epsilon", "report_document", "write_report", "write_plot", "REPORT_FILE", "PLOT_FILE"]
+__all__ = [
+    "epsilon_label", "format_epsilon", "report_document", "write_report", "write_plot", "REPORT_FILE", "PLOT_FILE",
+]
 
 REPORT_FILE = "report.json"
 PLOT_FILE = "accuracy_epsilon.png"
@@ -49,15 +51,9 @@ def _json_safe(value: Any) -> Any:
 
 
 def format_epsilon(value: float, kind: str, decimals: int = 4) -> str:
-    """``value`` with ``decimals`` decimals, rounded *outward* for a bound: up for an upper bound, down for a lower
-    bound (to nearest otherwise), so a printed upper bound is never below the bound (report.json and the ledger
-    keep the exact value)."""
-    scale = 10.0**decimals
-    if kind == "upper":
-        value = math.ceil(value * scale) / scale
-    elif kind == "lower":
-        value = math.floor(value * scale) / scale
-    return f"{value:.{decimals}f}"
+    """``value`` with ``decimals`` decimals, rounded *outward* for a bound (:func:`accounting.format_bound`): a
+    printed upper bound is never below the bound (report.json and the ledger keep the exact value)."""
+    return format_bound(value, kind, decimals=decimals)
 
 
 def epsilon_label(family: str, kind: str) -> str:

@@ -335,3 +335,25 @@ def test_a_value_replaced_by_the_no_shuffle_cap_says_so(capsys: pytest.CaptureFi
 def test_n_beyond_the_documented_range_is_refused() -> None:
     with pytest.raises(ValueError, match=r"\[1, 1e\+09\]"):
         bounds.epsilon("girgis", 1.0, 10**15, 1e-6)
+
+
+def test_tables_round_bounds_outward(capsys: pytest.CaptureFixture[str]) -> None:
+    # Review 41, F4: the tables printed to nearest, so an upper bound could print below itself (0.14861004244 as
+    # 0.1486100424); a calibrated eps0 from an upper bound rounds down (the safe side).
+    from accounting import format_bound
+
+    exact = bounds.epsilon("clones", 1.0, 100_000, 1e-6, 100).value
+    assert main(["account", "epsilon", "--eps0", "1", "--n", "100000", "--delta", "1e-6", "--rounds", "100"]) == 0
+    printed = capsys.readouterr().out
+    value = next(line.split()[1] for line in printed.splitlines() if line.startswith("value"))
+    assert float(value) >= exact and value == format_bound(exact, "upper")
+    assert main(["account", "compare", "--eps0", "1", "--n", "100000", "--delta", "1e-6", "--rounds", "100"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert float(rows["clones"][1]) >= exact and float(rows["rr-lower"][1]) <= bounds.epsilon(
+        "rr-lower", 1.0, 100_000, 1e-6, 100).value
+    assert main(["account", "calibrate", "--target-epsilon", "1", "--delta", "1e-6", "--n", "10000",
+                 "--rounds", "1"]) == 0
+    value = next(line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("value"))
+    assert float(value) <= bounds.calibrate("clones", 1.0, 1e-6, 10_000, 1).value
+    assert format_bound(0.14861004244, "upper", significant=6) == "0.148611"
+    assert format_bound(0.14861004244, "lower", significant=6) == "0.14861"
