@@ -9,6 +9,7 @@ not silently fall back to a default)::
     max_envelope_bytes = 67108864      # larger envelopes are dropped; gRPC message limits derive from it
     max_batch_reports = 100000         # optional; at most 1000000
     submit_idle_timeout = 60           # optional; seconds a Submit stream may stall between messages
+    submit_max_duration = 21600        # optional; seconds a Submit stream may stay open in all (keepalives too)
     fetch_stall_timeout = 60           # optional; seconds a Fetch's peer may leave a message untaken, plus
     fetch_min_rate = 65536             # optional; the message's size / this (bytes/s): the slowest link served
     staging_memory_limit = 1073741824  # optional; bytes; a batch up to this size is staged in memory
@@ -58,6 +59,7 @@ _TOP = {
     "journal_dir",
     "insecure",
     "submit_idle_timeout",
+    "submit_max_duration",
     "fetch_stall_timeout",
     "fetch_min_rate",
     "staging_memory_limit",
@@ -96,6 +98,9 @@ class ServiceConfig:
     insecure: bool
     tls: TLSConfig | None
     submit_idle_timeout: float = 60.0  # seconds a Submit stream may wait for its next message
+    #: seconds a Submit stream may stay open in all: keepalives reset the idle timer, not this one, so a stream of
+    #: keepalives cannot hold a submit slot forever (review 42, F5). Above any round's reply timeout.
+    submit_max_duration: float = 21600.0
     fetch_stall_timeout: float = 60.0  # seconds a Fetch may wait for its peer to take the next message, plus
     fetch_min_rate: int = 65536  # ... the message's size divided by this rate (bytes/s)
     #: a batch of at most this many bytes (expected_count x inner length) is staged in memory and written to
@@ -112,10 +117,10 @@ class ServiceConfig:
     verify_threads: int = 1
 
 
-def _seconds(doc: dict[str, Any], key: str, default: float, where: Path) -> float:
+def _seconds(doc: dict[str, Any], key: str, default: float, where: Path, *, high: float = 3600) -> float:
     v = doc.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.1 <= v <= 3600:
-        raise ConfigError(f"{where}: {key} must be a number of seconds in [0.1, 3600], got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.1 <= v <= high:
+        raise ConfigError(f"{where}: {key} must be a number of seconds in [0.1, {high:g}], got {v!r}")
     return float(v)
 
 
@@ -205,6 +210,7 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
         max_envelope_bytes=_int(doc, "max_envelope_bytes", 1024, 2**31 - 65536, path),
         max_batch_reports=_int(doc, "max_batch_reports", 1, 10**6, path, default=100_000),
         submit_idle_timeout=_seconds(doc, "submit_idle_timeout", 60.0, path),
+        submit_max_duration=_seconds(doc, "submit_max_duration", 21600.0, path, high=7 * 86400),
         fetch_stall_timeout=_seconds(doc, "fetch_stall_timeout", 60.0, path),
         fetch_min_rate=_int(doc, "fetch_min_rate", 1024, 10**10, path, default=65536),
         staging_memory_limit=_int(

@@ -12,8 +12,9 @@ ALREADY_EXISTS         a different batch was already sealed for this (key epoch,
 RESOURCE_EXHAUSTED     expected_count above max_batch_reports; disk_full (not enough free space with the journal
                        reserve, or the commit or release record could not be written and was rolled back); busy (too
                        many concurrent Submits, or Fetches); a message above the gRPC size limit (gRPC)
-DEADLINE_EXCEEDED      submit_idle: a Submit stream sent nothing for submit_idle_timeout seconds; fetch_stall: the
-                       peer of a Fetch took no message for fetch_stall_timeout seconds
+DEADLINE_EXCEEDED      submit_idle: a Submit stream sent nothing for submit_idle_timeout seconds; submit_duration: a
+                       Submit stream stayed open longer than submit_max_duration (keepalives do not extend it);
+                       fetch_stall: the peer of a Fetch took no message for fetch_stall_timeout seconds
 UNAVAILABLE            journal_failed: a failed journal append could not be rolled back; health is
                        NOT_SERVING and every further Submit is refused. journal_write: a Fetch's release record
                        could not be written (rolled back; not for want of space), so nothing was released. (shutting_down is the core's refusal
@@ -219,11 +220,17 @@ class _IdleWatchdog:
     manager: leaving the ``with`` block stops the thread.
     """
 
-    def __init__(self, context: grpc.ServicerContext, timeout: float, reason: str, what: str) -> None:
+    def __init__(self, context: grpc.ServicerContext, timeout: float, reason: str, what: str, *,
+                 max_duration: float | None = None) -> None:
         self._context = context
         self._timeout = timeout
         self._reason, self._what = reason, what
         self.since = time.monotonic()
+        #: ``max_duration``: the call is also cancelled once it has been open this long (checked only while it
+        #: waits on the peer, so the shuffler's own sealing and committing are never cut short)
+        self._deadline = None if max_duration is None else self.since + max_duration
+        self._max_duration = max_duration
+        self.fired_reason = ""
         self.allowance = timeout
         self.waiting = False
         self.fired = False
@@ -244,9 +251,16 @@ class _IdleWatchdog:
     def _run(self) -> None:
         step = max(0.05, min(1.0, self._timeout / 4))
         while not self._stop.wait(step):
-            if self.waiting and time.monotonic() - self.since > self.allowance:
+            now = time.monotonic()
+            overdue = self._deadline is not None and now > self._deadline
+            if self.waiting and (now - self.since > self.allowance or overdue):
                 self.fired = True
-                details = f"{self._reason}: {self._what} for {self.allowance:.3g} s"
+                if overdue:
+                    self.fired_reason = "submit_duration"
+                    details = f"submit_duration: the stream stayed open for more than {self._max_duration:.3g} s"
+                else:
+                    self.fired_reason = self._reason
+                    details = f"{self._reason}: {self._what} for {self.allowance:.3g} s"
                 try:  # cancel with a specific status (grpc's server call object accepts one)
                     self._context._rpc_event.call.cancel(  # type: ignore[attr-defined]
                         grpc._cython.cygrpc.StatusCode.deadline_exceeded, details
@@ -289,6 +303,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         max_concurrent_submits: int = 4,
         max_concurrent_fetches: int = 4,
         submit_idle_timeout: float = 60.0,
+        submit_max_duration: float = 21600.0,
         fetch_stall_timeout: float = 60.0,
         fetch_min_rate: float = 65536.0,
     ) -> None:
@@ -297,6 +312,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         self._submit_slots = threading.BoundedSemaphore(max(1, max_concurrent_submits))
         self._fetch_slots = threading.BoundedSemaphore(max(1, max_concurrent_fetches))
         self.submit_idle_timeout = submit_idle_timeout
+        self.submit_max_duration = submit_max_duration
         self.fetch_stall_timeout = fetch_stall_timeout
         self.fetch_min_rate = fetch_min_rate
 
@@ -325,7 +341,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
 
     def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> pb.SubmitResponse:
         with self._slot(self._submit_slots, context, "submissions"), _IdleWatchdog(
-            context, self.submit_idle_timeout, "submit_idle", "no message"
+            context, self.submit_idle_timeout, "submit_idle", "no message", max_duration=self.submit_max_duration
         ) as dog:
             return self._submit(_watched(request_iterator, dog), context, dog)
 
@@ -376,7 +392,10 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             refusal = Refused("resource_exhausted", "disk_full", "no space left to commit the batch; retry later")
         except Exception as exc:  # noqa: BLE001 - the edge: log the type only, never report data
             if dog.fired:
-                log.info("submit: cancelled after %g s without a message", self.submit_idle_timeout)
+                if dog.fired_reason == "submit_duration":
+                    log.info("submit: cancelled after %g s open in all", self.submit_max_duration)
+                else:
+                    log.info("submit: cancelled after %g s without a message", self.submit_idle_timeout)
                 return pb.SubmitResponse()
             if not context.is_active():
                 log.info("submit: stream ended by the client (%s)", type(exc).__name__)
@@ -479,6 +498,7 @@ def build_server(
         max_concurrent_submits=submits,
         max_concurrent_fetches=fetches,
         submit_idle_timeout=config.submit_idle_timeout,
+        submit_max_duration=config.submit_max_duration,
         fetch_stall_timeout=config.fetch_stall_timeout,
         fetch_min_rate=config.fetch_min_rate,
     )

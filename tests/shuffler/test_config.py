@@ -65,6 +65,10 @@ def test_max_batch_reports_is_capped_and_the_timeouts_are_validated(tmp_path: Pa
     assert _load(tmp_path, "submit_idle_timeout = 2.5\n" + BASE + TLS).submit_idle_timeout == 2.5
     with pytest.raises(ConfigError, match="submit_idle_timeout must be a number of seconds"):
         _load(tmp_path, "submit_idle_timeout = 0\n" + BASE + TLS)
+    assert _load(tmp_path, BASE + TLS).submit_max_duration == 21600.0
+    assert _load(tmp_path, "submit_max_duration = 86400\n" + BASE + TLS).submit_max_duration == 86400.0
+    with pytest.raises(ConfigError, match=r"submit_max_duration must be a number of seconds in \[0.1, 604800\]"):
+        _load(tmp_path, "submit_max_duration = 700000\n" + BASE + TLS)
     assert _load(tmp_path, BASE + TLS).fetch_stall_timeout == 60.0
     assert _load(tmp_path, "fetch_stall_timeout = 0.5\n" + BASE + TLS).fetch_stall_timeout == 0.5
     with pytest.raises(ConfigError, match=r"fetch_stall_timeout must be a number of seconds in \[0.1, 3600\]"):

@@ -249,7 +249,7 @@ def test_client_parameter_validation(kit) -> None:
 
 
 def _service(kit, tmp_path, *, max_workers: int = 4, idle: float | None = None, stall: float | None = None,
-             **config: object):
+             max_duration: float | None = None, **config: object):
     from .conftest import write_config  # noqa: TID252
 
     from shuffler.config import load_config
@@ -258,6 +258,8 @@ def _service(kit, tmp_path, *, max_workers: int = 4, idle: float | None = None, 
     path = write_config(kit, tmp_path / "shuffler.toml", **config)
     if idle is not None:  # top-level keys must come before the [tls] table
         path.write_text(f"submit_idle_timeout = {idle}\n" + path.read_text())
+    if max_duration is not None:
+        path.write_text(f"submit_max_duration = {max_duration}\n" + path.read_text())
     if stall is not None:  # and no transfer-time allowance to speak of (a rate of 1 GB/s)
         path.write_text(f"fetch_stall_timeout = {stall}\nfetch_min_rate = 1000000000\n" + path.read_text())
     cfg = load_config(path)
@@ -306,6 +308,45 @@ def test_stalled_submits_cannot_starve_health_fetch_or_the_workers(kit, tmp_path
             codes.append((info.value.code(), (info.value.details() or "").split(":")[0]))
         assert sorted(codes, key=str).count((grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")) == 2, codes
         assert codes.count((grpc.StatusCode.DEADLINE_EXCEEDED, "submit_idle")) == 2, codes
+        with kit.client(address) as c:  # the slots are free again
+            assert c.submit(round_id=2, key_epoch=0, model_digest=kit.digest,
+                            envelopes=[kit.seal(i, round_id=2) for i in range(4)]).n_accepted == 4
+    finally:
+        gate.set()
+        for ch in chans:
+            ch.close()
+        server.stop(grace=None).wait()
+        core.close()
+
+
+def test_a_stream_of_keepalives_cannot_hold_a_submit_slot_forever(kit, tmp_path) -> None:
+    """Review 42, F5: keepalives reset the idle timer, so a Submit that sent only keepalives held its slot with no
+    end. ``submit_max_duration`` bounds the whole stream (DEADLINE_EXCEEDED submit_duration) and frees the slot."""
+    import threading
+    import time
+
+    server, core, address = _service(kit, tmp_path, max_workers=6, idle=1.0, max_duration=2.5)  # 2 Submit slots
+    gate = threading.Event()
+    header = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=1, key_epoch=0, round_id=7,
+                                                     model_digest=kit.digest, expected_count=5)).SerializeToString()
+    keepalive = pb.SubmitRequest(keepalive=pb.Keepalive()).SerializeToString()
+
+    def keepalives():
+        yield header
+        while not gate.wait(0.3):  # well inside the 1 s idle timeout
+            yield keepalive
+
+    chans = [_channel(kit, address) for _ in range(2)]
+    try:
+        t0 = time.monotonic()
+        futs = [ch.stream_unary(SUBMIT, request_serializer=None, response_deserializer=None).future(
+            keepalives(), timeout=30) for ch in chans]
+        for f in futs:
+            with pytest.raises(grpc.RpcError) as info:
+                f.result(timeout=20)
+            assert (info.value.code(), (info.value.details() or "").split(":")[0]) == (
+                grpc.StatusCode.DEADLINE_EXCEEDED, "submit_duration")
+        assert 2.5 <= time.monotonic() - t0 < 10
         with kit.client(address) as c:  # the slots are free again
             assert c.submit(round_id=2, key_epoch=0, model_digest=kit.digest,
                             envelopes=[kit.seal(i, round_id=2) for i in range(4)]).n_accepted == 4
