@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from decimal import ROUND_CEILING, ROUND_FLOOR, ROUND_HALF_EVEN, Decimal
+from decimal import ROUND_CEILING, ROUND_FLOOR, ROUND_HALF_EVEN, Context, Decimal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,17 +112,22 @@ def format_bound(value: float, kind: str, *, significant: int | None = None, dec
     """
     if significant is not None and decimals is not None:
         raise ValueError("give significant or decimals, not both")
+    digits = 10 if significant is None else significant
+    if not 1 <= digits <= 15:
+        raise ValueError(f"significant must be in [1, 15] (float64 holds them exactly), got {digits}")
+    if decimals is not None and not 0 <= decimals <= 30:
+        raise ValueError(f"decimals must be in [0, 30], got {decimals}")
     if not math.isfinite(value):
         return repr(float(value))
     rounding = {"upper": ROUND_CEILING, "lower": ROUND_FLOOR}.get(kind, ROUND_HALF_EVEN)
-    exact = Decimal(float(value))
+    exact = Decimal(float(value))  # exact: no context rounding before the directed one
+    if exact.is_zero():
+        exact = Decimal(0)  # -0.0 prints as 0
     if decimals is not None:
-        return f"{exact.quantize(Decimal(1).scaleb(-decimals), rounding=rounding):f}"
-    digits = 10 if significant is None else significant
+        context = Context(prec=400)  # enough for every float64 to the given decimals (1e308 has 309 digits)
+        return f"{exact.quantize(Decimal(1).scaleb(-decimals), rounding=rounding, context=context):f}"
     if exact == 0:
         return "0"
-    if not 1 <= digits <= 15:
-        raise ValueError(f"significant must be in [1, 15] (float64 holds them exactly), got {digits}")
     rounded = exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1), rounding=rounding)
     # ``rounded`` has at most ``digits`` <= 15 significant digits, so the nearest float prints back as exactly it
     return format(float(rounded), f".{digits}g")

@@ -66,16 +66,23 @@ def hold_run_lock(out_dir: Path) -> Iterator[None]:
     path = out_dir / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
+        locked = False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             raise RunInUseError(
                 f"the run directory {out_dir} is in use by another server process (pid {holder} holds {path}): "
                 "stop it, or wait for it to end, before resuming this run"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            # a filesystem without flock (some network and FUSE mounts): run unlocked, loudly; the ledger still
+            # refuses a row whose cumulative epsilon leaves out another writer's rounds
+            log.warning("cannot lock %s (%s): one server process per run is not enforced here", path, exc)
+        if locked:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from accounting import RefusedError
+from accounting import RefusedError, format_bound
 from accounting.accountant import ShuffleAccountant
 from accounting.events import ShuffleRound
 from accounting.ledger import Ledger
@@ -53,7 +53,7 @@ from clients import messages as M
 from clients.report import decode_report
 from server.config import ConfigError, ServerConfig
 from server.optim import ReportAccumulator, ServerOptimizer, num_parameters
-from server.report import epsilon_label, format_epsilon
+from server.report import epsilon_label
 from server.state import Checkpoint, CheckpointError, CheckpointStore
 
 __all__ = [
@@ -603,7 +603,8 @@ class RoundEngine:
     def _spent(self) -> str:
         """The budget spent so far, labelled: ``epsilon=... (family, upper bound)``."""
         bound = self.accountant.epsilon()
-        return f"epsilon={format_epsilon(bound.value, bound.kind, 6)} ({epsilon_label(bound.family, bound.kind)})"
+        value = format_bound(bound.value, bound.kind, significant=6)  # an upper bound rounds up
+        return f"epsilon={value} ({epsilon_label(bound.family, bound.kind)})"
 
     def run_round(self, round_id: int) -> RoundOutcome:
         """Run round ``round_id`` (must be after every round already used) and return what happened."""

@@ -228,8 +228,10 @@ def _prefault(buf: mmap.mmap) -> None:
     try:
         buf.madvise(getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE))
         return
-    except (OSError, ValueError):  # an older kernel (EINVAL) or a platform without it
-        pass
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # ENOMEM and the like: memory is short, refuse (no zero write to OOM)
+            raise
+    # a kernel without MADV_POPULATE_WRITE (EINVAL): write zeros
     zeros = bytes(min(_ZERO_CHUNK, len(buf)))
     with memoryview(buf) as mv:
         for off in range(0, len(mv), len(zeros)):
@@ -616,6 +618,10 @@ class ShufflerCore:
         once, in output order; on the disk path the staging file becomes the output. Either way the output is
         fsynced and renamed into ``batches/`` before the commit record is appended.
         """
+        if self.journal.failed:
+            # A batch that was open when the journal failed must not add a second output without a record
+            # (journal.Journal refuses to start beside more than one: review 43, F1).
+            raise Refused("unavailable", "journal_failed", "the shuffler's journal failed; it accepts no batches")
         header = builder.header
         batch_id = secrets.token_bytes(16)
         n = builder.n_accepted
@@ -663,6 +669,32 @@ class ShufflerCore:
         os.fsync(fd)  # data, size and mode durable before the rename
         os.replace(source, final)
         builder.staging_path = None
+        appended: list[bool] = []
+        try:
+            return self._append_commit(builder, batch_id, final, digest, appended)
+        except (JournalFailed, Refused):
+            raise  # the output is kept (quarantined at the next start): the journal's state is unknown
+        except BaseException:
+            if appended:  # committed: the output is a batch now, whatever failed after the record
+                raise
+            # Nothing was committed and nobody was told: the output is not a batch, so it must not stay in
+            # batches/ without a record (at most one such output may exist, after a crash).
+            final.unlink(missing_ok=True)
+            try:
+                fsync_dir(self.journal.batches_dir)
+            except OSError:
+                pass
+            raise
+
+    def _append_commit(
+        self, builder: "BatchBuilder", batch_id: bytes, final: Path, digest: OutputDigest, appended: list[bool]
+    ) -> SealedBatch:
+        """Sign the statement and append the commit record for an output already renamed to ``final``;
+        ``appended`` gets an item once the record is durable."""
+        header = builder.header
+        n = builder.n_accepted
+        inner_length = builder.inner_length
+        out_name = final.name
         fsync_dir(self.journal.batches_dir)
         fsync_dir(self.journal.staging_dir)
         dropped = {r: builder.drops.get(r, 0) for r in DROP_REASONS}
@@ -701,10 +733,10 @@ class ShufflerCore:
         }
         try:
             self.journal.append(record)  # the commit point: durable before anyone is told
+            appended.append(True)
         except JournalWriteError as exc:
-            # rolled back: nothing was committed and nobody was told, so the output is not a batch; remove it
-            final.unlink(missing_ok=True)
-            fsync_dir(self.journal.batches_dir)
+            # rolled back: nothing was committed and nobody was told, so the output is not a batch (the caller
+            # removes it)
             log.error("batch not committed: the journal append failed and was rolled back (%s)", exc.strerror)
             raise  # an OSError; the service maps a full disk to RESOURCE_EXHAUSTED disk_full
         except JournalFailed:
@@ -1034,7 +1066,15 @@ class BatchBuilder:
                         except OSError:
                             pass
                 if retained is None:
-                    _prefault(buf)
+                    try:
+                        _prefault(buf)
+                    except (OSError, MemoryError) as exc:
+                        raise Refused(
+                            "resource_exhausted",
+                            "staging_memory",
+                            f"cannot fault in {size} bytes of staging memory for a batch of "
+                            f"{self.header.expected_count} reports ({type(exc).__name__}); retry later",
+                        ) from None
             self._preallocate(zero_fill=not self.in_memory)
         except Refused as exc:
             with self.core._lock:

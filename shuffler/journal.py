@@ -267,8 +267,10 @@ class Journal:
         if len(orphans) > 1:
             raise JournalCorrupt(
                 f"{self.batches_dir} holds {len(orphans)} sealed outputs without a commit record in {self.path}; a "
-                "crash leaves at most one, so records were lost (a truncated or older journal): refusing to start "
-                "(restore the journal, or move the whole journal directory away to start over)"
+                "crash leaves at most one, so records were probably lost (a truncated or older journal): refusing "
+                "to start. Restore the journal if you can. Do not start over with an empty journal in this key "
+                "epoch (its bindings and replay cache would be forgotten); if you know why the outputs lack a "
+                f"record, move them to {self.quarantine_dir} by hand"
             )
         if torn_at is not None:
             self.torn_bytes = self.path.stat().st_size - torn_at

@@ -357,3 +357,17 @@ def test_tables_round_bounds_outward(capsys: pytest.CaptureFixture[str]) -> None
     assert float(value) <= bounds.calibrate("clones", 1.0, 1e-6, 10_000, 1).value
     assert format_bound(0.14861004244, "upper", significant=6) == "0.148611"
     assert format_bound(0.14861004244, "lower", significant=6) == "0.14861"
+
+
+def test_format_bound_edges() -> None:
+    # Review 43, F5: huge values with decimals, negative zero, a checked digit count.
+    from accounting import format_bound
+
+    assert format_bound(-0.0, "upper", decimals=4) == "0.0000"
+    assert format_bound(1e300, "upper", decimals=2).startswith("1000000000000000052504760255204420248704")
+    assert format_bound(1e300, "upper", decimals=2).endswith(".00")
+    assert format_bound(2.5e-7, "upper", significant=6) == "2.5e-07"
+    assert format_bound(float("inf"), "upper") == "inf"
+    for bad in ({"significant": 0}, {"significant": 16}, {"decimals": -1}, {"significant": 3, "decimals": 2}):
+        with pytest.raises(ValueError):
+            format_bound(1.0, "upper", **bad)  # type: ignore[arg-type]

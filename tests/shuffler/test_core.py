@@ -1481,3 +1481,74 @@ def test_a_fresh_staging_buffer_is_faulted_in_before_any_report(
         sealed = _run(core, kit, [kit.seal(i, size=64, round_id=round_id) for i in range(4)], round_id=round_id)
         assert sealed.n == 4
     assert len(calls) == 1 and calls[0] >= 4 * 64
+
+
+def test_failures_after_the_rename_leave_at_most_one_output_without_a_record(kit, tmp_path: Path, monkeypatch) -> None:
+    # Review 43, F1: a batch open when the journal failed still renamed its output into batches/, and an error
+    # between the rename and the append (here EIO from a directory fsync) left its output there while the
+    # shuffler kept serving. Two such outputs made the next start refuse as "records were lost".
+    import errno
+
+    import shuffler.core as cmod
+
+    core = ShufflerCore(kit.core_config(tmp_path / "j"))
+    real = cmod.fsync_dir
+
+    def flaky(path):  # noqa: ANN001, ANN202
+        if Path(path) == core.journal.staging_dir:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(cmod, "fsync_dir", flaky)
+    for rnd in (1, 2):
+        with pytest.raises(OSError):
+            _run(core, kit, [kit.seal(i, round_id=rnd) for i in range(5)], round_id=rnd)
+    monkeypatch.undo()
+    assert list(core.journal.batches_dir.iterdir()) == []  # nothing committed, nothing left behind
+    assert _run(core, kit, [kit.seal(i, round_id=3) for i in range(5)], round_id=3).n == 5
+    a = core.begin(kit.header(5, round_id=4))
+    b = core.begin(kit.header(5, round_id=5))  # open while the journal is still healthy
+    for i in range(5):
+        a.add(kit.seal(i, round_id=4))
+        b.add(kit.seal(i, round_id=5))
+    _fail_journal_writes(monkeypatch, core, partial=0, also_truncate=True)
+    with pytest.raises(Refused):
+        a.finish()  # JournalFailed: its output is kept (the one output without a record)
+    monkeypatch.undo()
+    with pytest.raises(Refused) as info:
+        b.finish()  # refused before its output reaches batches/
+    assert info.value.reason == "journal_failed"
+    core.close()
+    restarted = ShufflerCore(kit.core_config(tmp_path / "j"))  # starts: one output without a record
+    try:
+        assert len(restarted.journal.quarantined) == 1  # round 4's output, moved aside
+        assert len(list(restarted.journal.batches_dir.iterdir())) == 1  # round 3's batch, served as before
+    finally:
+        restarted.close()
+
+
+def test_a_prefault_that_finds_memory_short_refuses_the_batch(core: ShufflerCore, kit, monkeypatch) -> None:
+    # Review 43, F3: only EINVAL (a kernel without MADV_POPULATE_WRITE) falls back to the zero write; ENOMEM is a
+    # staging_memory refusal, not a zero write that invites the OOM killer.
+    import errno
+
+    import shuffler.core as core_mod
+
+    class ShortOfMemory:
+        def madvise(self, advice: int) -> None:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    with pytest.raises(OSError) as info:
+        core_mod._prefault(ShortOfMemory())  # type: ignore[arg-type]
+    assert info.value.errno == errno.ENOMEM
+
+    def short(buf):  # noqa: ANN001, ANN202
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(core_mod, "_prefault", short)
+    builder = core.begin(kit.header(4))
+    with pytest.raises(Refused) as refused:
+        builder.add(kit.seal(0))
+    assert (refused.value.code, refused.value.reason) == ("resource_exhausted", "staging_memory")
+    monkeypatch.undo()
+    assert _run(core, kit, [kit.seal(i) for i in range(4)]).n == 4  # nothing was consumed
