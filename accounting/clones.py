@@ -560,6 +560,7 @@ def _log_excess(a: float, cs: np.ndarray, w: float, eps0: float, reverse: bool) 
     offsets = np.arange(-half, half + 1, dtype=np.float64)
     rows = max(1, _CHUNK_ELEMENTS // offsets.size)
     sign = -1.0 if reverse else 1.0
+    one_m2w = _one_minus_2w(eps0)
     log_half = -math.log(2.0)
     linear = a * eps0 < 600.0
     centre = half  # column of x = floor(m / 2)
@@ -574,7 +575,7 @@ def _log_excess(a: float, cs: np.ndarray, w: float, eps0: float, reverse: bool) 
         num = (1.0 - w) * xs + w * (m - xs)
         if reverse:
             den, num = num, den
-        u = sign * _one_minus_2w(eps0) * (2.0 * xs - m) / den  # r - 1
+        u = sign * one_m2w * (2.0 * xs - m) / den  # r - 1
         lr = _stable_log_ratio(u, num, den)
         if linear:
             # Bin(x)/Bin(xc): right of the centre multiply (m - x)/(x + 1) (0 once x reaches m),
@@ -657,7 +658,8 @@ def clone_renyi(eps0: float, n: int, order: float, variant: Variant = "stronger"
     per c widens with the order (log-mass drop ``40 + log m + a eps0``); the C window is chosen so the
     rigorously bounded tail terms are below e^-40 relative. Cost grows like ``sqrt(n)`` times the number
     of c in the window and with the order: about a second at ``n = 1e6`` and small orders, but minutes at
-    ``n = 1e8`` or order 1e4 (review 41 measured 249 s and 481 s), with no time limit. The pair is symmetric (``x -> m - x`` swaps P and
+    ``n = 1e8`` or order 1e4 (review 41 measured 249 s and 481 s), with no time limit. The pair is
+    symmetric (``x -> m - x`` swaps P and
     Q given c), so ``D_a(P||Q) = D_a(Q||P)``: the maximum of both directions is computed as one of them
     (the tests evaluate both and check they agree). Orders above :data:`RENYI_MAX_ORDER` (10000) raise
     :class:`accounting.RefusedError` saying so.

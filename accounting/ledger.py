@@ -421,9 +421,9 @@ class Ledger:
                 if [(int(n), float(e)) for n, e in stored] != expected:
                     raise LedgerError(
                         f"round {record['round']}: its cumulative epsilons compose {len(expected)} earlier round(s), "
-                        f"but the ledger holds {len(stored)}, and their (n_reports, eps0) are not the accountant's: another writer "
-                        "recorded rounds this accountant does not hold (two server processes on one run?); refused, "
-                        "the ledger is unchanged"
+                        f"but the ledger holds {len(stored)}, and their (n_reports, eps0) are not the accountant's: "
+                        "another writer recorded rounds this accountant does not hold (two server processes on one "
+                        "run?); refused, the ledger is unchanged"
                     )
             last = conn.execute("SELECT MAX(round) FROM rounds").fetchone()[0]
             if last is not None and record["round"] < last:

@@ -327,20 +327,15 @@ def audit(
         epoch = int(r["key_epoch"])
         why = _statement_mismatch(r)  # every line, in the scope or not, keys or none
         key = own_keys.get(epoch, verify_key if epoch in scope else None)
-        if why is not None:
-            pass
-        elif key is not None:
+        if why is None and key is not None:
             why = _check_attestation(r, key)
-        elif not any_keys:
-            continue  # no signature checks asked for
-        elif epoch in scope:
-            unverified["no key"].add((epoch, int(r["round_id"])))
-            continue
-        elif all(_check_attestation(r, k) is not None for k in any_keys):
-            # Outside the scope, with no key of its own, and no key given verifies it: it may be another key's.
-            # Its statement names its line (checked above), so it is not attributed to any audited epoch.
-            unverified["another key"].add((epoch, int(r["round_id"])))
-            continue
+        elif why is None and any_keys:  # no key of its own, but signature checks were asked for
+            if epoch in scope:
+                unverified["no key"].add((epoch, int(r["round_id"])))
+            elif all(_check_attestation(r, k) is not None for k in any_keys):
+                # Outside the scope and no key given verifies it: it may be another key's. Its statement names its
+                # line (checked above), so it is not attributed to any audited epoch.
+                unverified["another key"].add((epoch, int(r["round_id"])))
         if why is not None:
             violations.append(f"key epoch {epoch}, round {r['round_id']} (batch {r['batch_id']}): {why}")
     if unverified["no key"]:

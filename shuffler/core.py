@@ -669,80 +669,59 @@ class ShufflerCore:
         os.fsync(fd)  # data, size and mode durable before the rename
         os.replace(source, final)
         builder.staging_path = None
-        appended: list[bool] = []
-        try:
-            return self._append_commit(builder, batch_id, final, digest, appended)
-        except (JournalFailed, Refused):
-            raise  # the output is kept (quarantined at the next start): the journal's state is unknown
-        except BaseException:
-            if appended:  # committed: the output is a batch now, whatever failed after the record
-                raise
-            # Nothing was committed and nobody was told: the output is not a batch, so it must not stay in
-            # batches/ without a record (at most one such output may exist, after a crash).
+        try:  # until the record is durable the output is not a batch: a failure removes it (review 43, F1)
+            fsync_dir(self.journal.batches_dir)
+            fsync_dir(self.journal.staging_dir)
+            dropped = {r: builder.drops.get(r, 0) for r in DROP_REASONS}
+            statement = Attestation.build_statement(
+                batch_id=batch_id,
+                protocol_version=header.protocol_version,
+                key_epoch=header.key_epoch,
+                round_id=header.round_id,
+                model_digest=header.model_digest,
+                k=self.config.k,
+                n_received=builder.received,
+                n_accepted=n,
+                inner_length=inner_length,
+                output_digest=digest.digest(),
+                dropped=dropped,
+                envelope_length=header.envelope_length,
+            )
+            signature = sign_statement(statement, self.config.signing_private_key)
+            encs = sorted(e.hex() for e in builder.encs)
+            rids = sorted(r.hex() for r in builder.report_ids)
+            request_digest = builder.request_digest()
+            record = {
+                "type": "batch",
+                "batch_id": batch_id.hex(),
+                "key_epoch": header.key_epoch,
+                "round_id": header.round_id,
+                "request_digest": request_digest.hex(),
+                "statement": statement.decode(),
+                "signature": signature.hex(),
+                "output": out_name,
+                "n": n,
+                "inner_length": inner_length,
+                "replay_enc": encs,
+                "replay_report_ids": rids,
+                "dropped": dropped,
+            }
+            self.journal.append(record)  # the commit point: durable before anyone is told
+        except JournalFailed:
+            # unknown state: keep the output (quarantined at the next start) and stop accepting batches
+            self._mark_unhealthy()
+            raise Refused("unavailable", "journal_failed", "the shuffler's journal failed; it accepts no batches") from None
+        except BaseException as exc:
+            # Nothing was committed and nobody was told (a rolled-back append, or a failure before it): the output
+            # is not a batch and must not stay in batches/ without a record (a crash leaves at most one such).
             final.unlink(missing_ok=True)
             try:
                 fsync_dir(self.journal.batches_dir)
             except OSError:
                 pass
-            raise
-
-    def _append_commit(
-        self, builder: "BatchBuilder", batch_id: bytes, final: Path, digest: OutputDigest, appended: list[bool]
-    ) -> SealedBatch:
-        """Sign the statement and append the commit record for an output already renamed to ``final``;
-        ``appended`` gets an item once the record is durable."""
-        header = builder.header
-        n = builder.n_accepted
-        inner_length = builder.inner_length
-        out_name = final.name
-        fsync_dir(self.journal.batches_dir)
-        fsync_dir(self.journal.staging_dir)
-        dropped = {r: builder.drops.get(r, 0) for r in DROP_REASONS}
-        statement = Attestation.build_statement(
-            batch_id=batch_id,
-            protocol_version=header.protocol_version,
-            key_epoch=header.key_epoch,
-            round_id=header.round_id,
-            model_digest=header.model_digest,
-            k=self.config.k,
-            n_received=builder.received,
-            n_accepted=n,
-            inner_length=inner_length,
-            output_digest=digest.digest(),
-            dropped=dropped,
-            envelope_length=header.envelope_length,
-        )
-        signature = sign_statement(statement, self.config.signing_private_key)
-        encs = sorted(e.hex() for e in builder.encs)
-        rids = sorted(r.hex() for r in builder.report_ids)
-        request_digest = builder.request_digest()
-        record = {
-            "type": "batch",
-            "batch_id": batch_id.hex(),
-            "key_epoch": header.key_epoch,
-            "round_id": header.round_id,
-            "request_digest": request_digest.hex(),
-            "statement": statement.decode(),
-            "signature": signature.hex(),
-            "output": out_name,
-            "n": n,
-            "inner_length": inner_length,
-            "replay_enc": encs,
-            "replay_report_ids": rids,
-            "dropped": dropped,
-        }
-        try:
-            self.journal.append(record)  # the commit point: durable before anyone is told
-            appended.append(True)
-        except JournalWriteError as exc:
-            # rolled back: nothing was committed and nobody was told, so the output is not a batch (the caller
-            # removes it)
-            log.error("batch not committed: the journal append failed and was rolled back (%s)", exc.strerror)
-            raise  # an OSError; the service maps a full disk to RESOURCE_EXHAUSTED disk_full
-        except JournalFailed:
-            # unknown state: keep the output (quarantined at the next start) and stop accepting batches
-            self._mark_unhealthy()
-            raise Refused("unavailable", "journal_failed", "the shuffler's journal failed; it accepts no batches") from None
+            if isinstance(exc, JournalWriteError):
+                log.error("batch not committed: the journal append failed and was rolled back (%s)", exc.strerror)
+            raise  # a JournalWriteError is an OSError; the service maps a full disk to RESOURCE_EXHAUSTED disk_full
         sb = SealedBatch(
             batch_id=batch_id,
             statement=statement,

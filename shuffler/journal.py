@@ -251,7 +251,7 @@ class Journal:
                 raise JournalCorrupt(
                     f"{self.path} is missing but {self.batches_dir} holds {len(outputs)} sealed output(s): refusing "
                     "to start with an empty journal, which would forget their bindings, replay cache and release "
-                    "records (restore the journal, or move the whole journal directory away to start over)"
+                    "records: restore the journal (only a new key epoch may start from an empty one)"
                 )
             fd = os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600)
             os.fsync(fd)
