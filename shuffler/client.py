@@ -22,7 +22,7 @@ from shuffler import shuffler_pb2_grpc as pb_grpc
 from shuffler import wire
 from shuffler.attestation import Attestation, AttestationError, OutputDigest
 from shuffler.config import is_loopback
-from shuffler.service import FRAMING_SLACK, grpc_options
+from shuffler.service import FRAMING_SLACK, grpc_options, message_limit, packing_for
 
 __all__ = ["ShufflerClient", "SubmitStream", "ShufflerError", "Attestation", "AttestationError"]
 
@@ -165,6 +165,10 @@ class ShufflerClient:
         ``count`` is announced in the header: send exactly that many envelopes (an empty ``b""`` is a counted
         placeholder for a report you do not have). ``timeout`` bounds the whole stream (default: the client's
         timeout); a server that streams while it collects replies passes its reply timeout plus a margin.
+
+        Envelopes are packed up to the size the shuffler accepts, which it states in its Stats (one call before the
+        stream opens; a shuffler too old to state it gets the legacy 256 KiB). Raises :class:`ShufflerError` if
+        that call fails.
         """
         return SubmitStream(self, round_id=round_id, key_epoch=key_epoch, model_digest=model_digest, count=count,
                             envelope_length=envelope_length, timeout=self._timeout if timeout is None else timeout)
@@ -177,7 +181,9 @@ class ShufflerClient:
         digest = OutputDigest.for_attestation(attestation)
         seen_enc: set[bytes] = set()  # each report has its own HPKE encapsulated key: a repeat is a duplicate
         try:
-            for raw in self._fetch_raw(pb.FetchRequest(batch_id=attestation.batch_id), timeout=self._timeout):
+            # max_message_bytes: this channel's receive limit, so that the shuffler packs up to 1 MiB per message
+            request = pb.FetchRequest(batch_id=attestation.batch_id, max_message_bytes=message_limit(self._max))
+            for raw in self._fetch_raw(request, timeout=self._timeout):
                 items = wire.decode_repeated_bytes_field(raw, 1)
                 if items is None:  # not the canonical form: use the generated parser
                     items = list(pb.FetchResponse.FromString(raw).inner)
@@ -207,11 +213,9 @@ class ShufflerClient:
         return list(self.fetch(attestation))
 
     def stats(self) -> dict[str, object]:
-        """The shuffler's aggregate counters."""
-        try:
-            s = self._stub.Stats(pb.StatsRequest(), timeout=self._timeout)
-        except grpc.RpcError as exc:
-            raise ShufflerError(exc.code(), exc.details() or "") from None
+        """The shuffler's aggregate counters, its key epoch and its Submit message limit (0 from a shuffler too old
+        to state it)."""
+        s = self._stats(self._timeout)
         return {
             "batches_sealed": s.batches_sealed,
             "batches_released": s.batches_released,
@@ -220,7 +224,14 @@ class ShufflerClient:
             "dropped": dict(s.dropped),
             "key_epoch": s.key_epoch,
             "epoch_batches_released": s.epoch_batches_released,
+            "max_message_bytes": s.max_message_bytes,
         }
+
+    def _stats(self, timeout: float | None) -> pb.StatsResponse:
+        try:
+            return self._stub.Stats(pb.StatsRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise ShufflerError(exc.code(), exc.details() or "") from None
 
 
 class SubmitStream:
@@ -246,8 +257,9 @@ class SubmitStream:
         ):
             raise ValueError(f"envelope_length must be a positive int, got {envelope_length!r}")
         self._client = client
-        #: target bytes per packed Submit message (within the channel's message limit)
-        self.batch_bytes = wire.PACKED_MESSAGE_BYTES
+        #: target bytes per packed Submit message: within the message limit the shuffler states in its Stats (asked
+        #: here, after the arguments are checked and before the stream opens)
+        self.batch_bytes = packing_for(int(client._stats(timeout).max_message_bytes))
         self._binding = (round_id, key_epoch, bytes(model_digest))
         self._count = count
         self._envelope_length = envelope_length or 0

@@ -89,7 +89,9 @@ PIPELINE_MAX_BYTES = 32 << 20
 #: bench_shuffler (1,000 x 100 KiB, packed two per message, three alternating pairs): with the threshold at
 #: 192 KiB (those pairs pipelined) the shuffler spent 0.42-0.46 CPU-s per submit against 0.35-0.37 at 256 KiB
 #: (checked inline), and submit took 0.41-0.45 s against 0.35-0.37 s. One 1 MiB envelope per job gains (session
-#: 5: submit medians 1.62-1.73 s pipelined against 1.77-1.87 s inline).
+#: 5: submit medians 1.62-1.73 s pipelined against 1.77-1.87 s inline). Since 2026-11-26 the ServerApp packs
+#: 100 KiB envelopes ten to a 1 MiB message, so those jobs are pipelined: neutral (submit + fetch 245-282 MB/s
+#: inline against 245-256 pipelined, three alternating invocations).
 PIPELINE_MIN_JOB_BYTES = 256 << 10
 #: errnos that mean "no space": a rolled-back commit with one of these is reported as disk_full
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})

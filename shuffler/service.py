@@ -118,9 +118,10 @@ class _NonCanonical:
 
 #: Submit messages (and batch payloads) above this many bytes must be in canonical form: one ``envelope`` field,
 #: or one ``batch`` of ``envelopes`` fields, as every protobuf serialiser writes them. Smaller ones may go through
-#: the generated parser. A packed batch message from :class:`shuffler.client.ShufflerClient` is at most
-#: ``wire.PACKED_MESSAGE_BYTES``; a larger envelope travels alone.
-CANONICAL_ABOVE = wire.PACKED_MESSAGE_BYTES + 1024
+#: the generated parser. :class:`shuffler.client.ShufflerClient` always writes the canonical form (packed batches of
+#: up to ``wire.PACKED_MESSAGE_BYTES``); the bound stays at the legacy packing size, which keeps what the generated
+#: parser may be made to build small.
+CANONICAL_ABOVE = wire.LEGACY_PACKED_MESSAGE_BYTES + 1024
 
 
 def _submit_request(raw: bytes) -> "pb.SubmitRequest | _EnvelopeMessage | _BatchMessage | _NonCanonical":
@@ -188,6 +189,16 @@ def message_limit(max_envelope_bytes: int) -> int:
     and a packed message (``wire.PACKED_MESSAGE_BYTES``), so that small envelopes and inner ciphertexts can
     always be packed into messages of that size, whatever the envelope limit."""
     return max(max_envelope_bytes, wire.PACKED_MESSAGE_BYTES) + FRAMING_SLACK
+
+
+def packing_for(peer_message_limit: int) -> int:
+    """Target bytes per packed message to a peer whose gRPC receive limit is ``peer_message_limit`` (what it
+    states in ``FetchRequest.max_message_bytes`` or ``StatsResponse.max_message_bytes``): our packing size, or less
+    if the peer's limit less framing slack is smaller; 0 (a peer too old to state one) gives the legacy 256 KiB,
+    which every peer accepts. An item larger than the target travels alone (``wire.packed``)."""
+    if peer_message_limit <= 0:
+        return wire.LEGACY_PACKED_MESSAGE_BYTES
+    return max(0, min(wire.PACKED_MESSAGE_BYTES, peer_message_limit - FRAMING_SLACK))
 
 
 def grpc_options(max_envelope_bytes: int) -> list[tuple[str, int]]:
@@ -426,7 +437,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             with _IdleWatchdog(context, self.fetch_stall_timeout, "fetch_stall", "the peer took no message") as dog:
                 try:
                     # FetchResponse{inner: [...]}: consecutive inner ciphertexts, packed up to the group size
-                    for group in wire.packed(chunks, wire.PACKED_MESSAGE_BYTES):
+                    for group in wire.packed(chunks, packing_for(request.max_message_bytes)):
                         message = wire.encode_repeated_bytes_field(1, group)
                         # gRPC resumes this generator once the peer has taken the message (all but a window of it)
                         dog.wait_begins(len(message) / self.fetch_min_rate)
@@ -450,6 +461,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             dropped=s["dropped"],
             key_epoch=s["key_epoch"],
             epoch_batches_released=s["epoch_batches_released"],
+            max_message_bytes=message_limit(self.core.config.max_envelope_bytes),
         )
 
 

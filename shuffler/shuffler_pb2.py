@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17shuffler/shuffler.proto\x12\x15shuffledp.shuffler.v1\"\x94\x01\n\x0cSubmitHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tkey_epoch\x18\x02 \x01(\r\x12\x10\n\x08round_id\x18\x03 \x01(\x04\x12\x14\n\x0cmodel_digest\x18\x04 \x01(\x0c\x12\x16\n\x0e\x65xpected_count\x18\x05 \x01(\r\x12\x17\n\x0f\x65nvelope_length\x18\x06 \x01(\x04\"\x0b\n\tKeepalive\"\"\n\rEnvelopeBatch\x12\x11\n\tenvelopes\x18\x01 \x03(\x0c\"\xd0\x01\n\rSubmitRequest\x12\x35\n\x06header\x18\x01 \x01(\x0b\x32#.shuffledp.shuffler.v1.SubmitHeaderH\x00\x12\x12\n\x08\x65nvelope\x18\x02 \x01(\x0cH\x00\x12\x35\n\tkeepalive\x18\x03 \x01(\x0b\x32 .shuffledp.shuffler.v1.KeepaliveH\x00\x12\x35\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32$.shuffledp.shuffler.v1.EnvelopeBatchH\x00\x42\x06\n\x04item\"H\n\x0eSubmitResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x0c\x12\x11\n\tstatement\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\" \n\x0c\x46\x65tchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x0c\"\x1e\n\rFetchResponse\x12\r\n\x05inner\x18\x01 \x03(\x0c\"\x0e\n\x0cStatsRequest\"\x9b\x02\n\rStatsResponse\x12\x16\n\x0e\x62\x61tches_sealed\x18\x01 \x01(\x04\x12\x17\n\x0f\x62\x61tches_refused\x18\x02 \x01(\x04\x12\x18\n\x10reports_accepted\x18\x03 \x01(\x04\x12\x42\n\x07\x64ropped\x18\x04 \x03(\x0b\x32\x31.shuffledp.shuffler.v1.StatsResponse.DroppedEntry\x12\x18\n\x10\x62\x61tches_released\x18\x05 \x01(\x04\x12\x11\n\tkey_epoch\x18\x06 \x01(\r\x12\x1e\n\x16\x65poch_batches_released\x18\x07 \x01(\x04\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x8d\x02\n\x08Shuffler\x12W\n\x06Submit\x12$.shuffledp.shuffler.v1.SubmitRequest\x1a%.shuffledp.shuffler.v1.SubmitResponse(\x01\x12T\n\x05\x46\x65tch\x12#.shuffledp.shuffler.v1.FetchRequest\x1a$.shuffledp.shuffler.v1.FetchResponse0\x01\x12R\n\x05Stats\x12#.shuffledp.shuffler.v1.StatsRequest\x1a$.shuffledp.shuffler.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17shuffler/shuffler.proto\x12\x15shuffledp.shuffler.v1\"\x94\x01\n\x0cSubmitHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tkey_epoch\x18\x02 \x01(\r\x12\x10\n\x08round_id\x18\x03 \x01(\x04\x12\x14\n\x0cmodel_digest\x18\x04 \x01(\x0c\x12\x16\n\x0e\x65xpected_count\x18\x05 \x01(\r\x12\x17\n\x0f\x65nvelope_length\x18\x06 \x01(\x04\"\x0b\n\tKeepalive\"\"\n\rEnvelopeBatch\x12\x11\n\tenvelopes\x18\x01 \x03(\x0c\"\xd0\x01\n\rSubmitRequest\x12\x35\n\x06header\x18\x01 \x01(\x0b\x32#.shuffledp.shuffler.v1.SubmitHeaderH\x00\x12\x12\n\x08\x65nvelope\x18\x02 \x01(\x0cH\x00\x12\x35\n\tkeepalive\x18\x03 \x01(\x0b\x32 .shuffledp.shuffler.v1.KeepaliveH\x00\x12\x35\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32$.shuffledp.shuffler.v1.EnvelopeBatchH\x00\x42\x06\n\x04item\"H\n\x0eSubmitResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x0c\x12\x11\n\tstatement\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\";\n\x0c\x46\x65tchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x0c\x12\x19\n\x11max_message_bytes\x18\x02 \x01(\x04\"\x1e\n\rFetchResponse\x12\r\n\x05inner\x18\x01 \x03(\x0c\"\x0e\n\x0cStatsRequest\"\xb6\x02\n\rStatsResponse\x12\x16\n\x0e\x62\x61tches_sealed\x18\x01 \x01(\x04\x12\x17\n\x0f\x62\x61tches_refused\x18\x02 \x01(\x04\x12\x18\n\x10reports_accepted\x18\x03 \x01(\x04\x12\x42\n\x07\x64ropped\x18\x04 \x03(\x0b\x32\x31.shuffledp.shuffler.v1.StatsResponse.DroppedEntry\x12\x18\n\x10\x62\x61tches_released\x18\x05 \x01(\x04\x12\x11\n\tkey_epoch\x18\x06 \x01(\r\x12\x1e\n\x16\x65poch_batches_released\x18\x07 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\x04\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x8d\x02\n\x08Shuffler\x12W\n\x06Submit\x12$.shuffledp.shuffler.v1.SubmitRequest\x1a%.shuffledp.shuffler.v1.SubmitResponse(\x01\x12T\n\x05\x46\x65tch\x12#.shuffledp.shuffler.v1.FetchRequest\x1a$.shuffledp.shuffler.v1.FetchResponse0\x01\x12R\n\x05Stats\x12#.shuffledp.shuffler.v1.StatsRequest\x1a$.shuffledp.shuffler.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,15 +44,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITRESPONSE']._serialized_start=461
   _globals['_SUBMITRESPONSE']._serialized_end=533
   _globals['_FETCHREQUEST']._serialized_start=535
-  _globals['_FETCHREQUEST']._serialized_end=567
-  _globals['_FETCHRESPONSE']._serialized_start=569
-  _globals['_FETCHRESPONSE']._serialized_end=599
-  _globals['_STATSREQUEST']._serialized_start=601
-  _globals['_STATSREQUEST']._serialized_end=615
-  _globals['_STATSRESPONSE']._serialized_start=618
-  _globals['_STATSRESPONSE']._serialized_end=901
-  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_start=855
-  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_end=901
-  _globals['_SHUFFLER']._serialized_start=904
-  _globals['_SHUFFLER']._serialized_end=1173
+  _globals['_FETCHREQUEST']._serialized_end=594
+  _globals['_FETCHRESPONSE']._serialized_start=596
+  _globals['_FETCHRESPONSE']._serialized_end=626
+  _globals['_STATSREQUEST']._serialized_start=628
+  _globals['_STATSREQUEST']._serialized_end=642
+  _globals['_STATSRESPONSE']._serialized_start=645
+  _globals['_STATSRESPONSE']._serialized_end=955
+  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_start=909
+  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_end=955
+  _globals['_SHUFFLER']._serialized_start=958
+  _globals['_SHUFFLER']._serialized_end=1227
 # @@protoc_insertion_point(module_scope)

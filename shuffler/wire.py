@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 
 __all__ = [
     "PACKED_MESSAGE_BYTES",
+    "LEGACY_PACKED_MESSAGE_BYTES",
     "packed",
     "encode_bytes_field",
     "encode_repeated_bytes_field",
@@ -23,8 +24,13 @@ __all__ = [
 ]
 
 
-#: Target size of one packed message (a Fetch message of inner ciphertexts, or a Submit batch of envelopes).
-PACKED_MESSAGE_BYTES = 256 * 1024
+#: Target size of one packed message (a Fetch message of inner ciphertexts, or a Submit batch of envelopes) when
+#: the peer accepts it (it says so: ``FetchRequest.max_message_bytes``, ``StatsResponse.max_message_bytes``).
+#: 1 MiB rather than 256 KiB: at 100 KiB reports, 1,000 of them went through submit + fetch in 0.39 s against
+#: 0.44 s (bench_shuffler, three alternating runs each; 512 KiB, 2 MiB and 4 MiB were no better).
+PACKED_MESSAGE_BYTES = 1024 * 1024
+#: The packing size of peers older than 2026-11-26, which state no limit; every peer accepts it.
+LEGACY_PACKED_MESSAGE_BYTES = 256 * 1024
 _FIELD_OVERHEAD = 11  # one tag byte and at most ten varint bytes per packed item
 
 

@@ -596,6 +596,69 @@ def test_small_envelopes_travel_packed_even_with_a_tight_envelope_limit(kit, tmp
         core.close()
 
 
+def test_packing_follows_the_limit_each_peer_states(kit, running, tmp_path, monkeypatch) -> None:
+    """Fetch packs up to the limit the fetcher states (FetchRequest.max_message_bytes), and the legacy 256 KiB when
+    it states none; a submitter packs up to the limit the shuffler states in its Stats, and 256 KiB to a shuffler
+    that states none (older versions of either side accept nothing larger)."""
+    from shuffler import wire
+    from shuffler.core import BatchBuilder
+    from shuffler.service import FRAMING_SLACK, ShufflerServicer, message_limit
+
+    size = 60 * 1024
+    envs = [kit.seal(i, size=size) for i in range(kit.n_clients)]
+    jobs: list[int] = []
+    real_add_many = BatchBuilder.add_many
+    monkeypatch.setattr(BatchBuilder, "add_many", lambda self, e: (jobs.append(len(e)), real_add_many(self, e))[1])
+    with kit.client(running.address) as c:
+        assert c.stats()["max_message_bytes"] == message_limit(1 << 20)  # the fixture's max_envelope_bytes
+        att = c.submit(round_id=1, key_epoch=0, model_digest=kit.digest, envelopes=envs)
+        assert jobs == [len(envs)]  # 8 x 60 KiB: one message under the 1 MiB packing
+        assert sorted(open_inner(x, server_private_key=kit.server_sk, key_epoch=0, round_id=1)
+                      for x in c.fetch_all(att)) == sorted(kit.payload(i, size=size) for i in range(kit.n_clients))
+
+    def fetched(stated: int | None) -> list[bytes]:
+        request = pb.FetchRequest(batch_id=att.batch_id)
+        if stated is not None:
+            request.max_message_bytes = stated
+        with _channel(kit, running.address) as ch:
+            return list(ch.unary_stream(FETCH, request_serializer=None, response_deserializer=None)(
+                request.SerializeToString(), timeout=10))
+
+    per_item = att.inner_length + 4  # tag byte and a 3-byte varint length
+    legacy = fetched(None)  # a fetcher older than the field
+    assert [len(m) // per_item for m in legacy] == [4, 4]  # 4 x 60 KiB fit in 256 KiB, 5 do not
+    assert all(len(m) <= wire.LEGACY_PACKED_MESSAGE_BYTES for m in legacy)
+    assert [len(m) // per_item for m in fetched(message_limit(1 << 20))] == [8]
+    # a fetcher that takes at most three items per message (packing budgets 11 framing bytes per item)
+    tight = fetched(3 * (att.inner_length + 11) + FRAMING_SLACK)
+    assert [len(m) // per_item for m in tight] == [3, 3, 2]
+    assert b"".join(legacy) == b"".join(fetched(message_limit(1 << 20))) == b"".join(tight)  # same bytes, same order
+
+    # a shuffler too old to state its limit: the submitter falls back to the packing every shuffler accepts
+    real_stats = ShufflerServicer.Stats
+
+    def old_stats(self, request, context):
+        response = real_stats(self, request, context)
+        response.ClearField("max_message_bytes")
+        return response
+
+    monkeypatch.setattr(ShufflerServicer, "Stats", old_stats)  # before the server binds its handlers
+    (tmp_path / "old").mkdir()
+    server, core, address = _service(kit, tmp_path / "old")  # its own journal
+    try:
+        jobs.clear()
+        with kit.client(address) as c:
+            assert c.stats()["max_message_bytes"] == 0
+            with c.open_submit(round_id=1, key_epoch=0, model_digest=kit.digest, count=len(envs)) as stream:
+                assert stream.batch_bytes == wire.LEGACY_PACKED_MESSAGE_BYTES
+                stream.send_many(envs)
+                assert stream.close().n_accepted == len(envs)
+        assert jobs == [4, 4]
+    finally:
+        server.stop(grace=None).wait()
+        core.close()
+
+
 def test_attestation_counts_must_add_up_and_lengths_must_follow(kit) -> None:
     # Cheap cross-checks a malicious or faulty shuffler could otherwise slip past the server's accountant.
     from shuffler.attestation import DROP_REASONS, Attestation, sign_statement
