@@ -179,6 +179,7 @@ class ShufflerConnection:
         from shuffler.heap import tune_heap
         from shuffler.keys import load_public_key
         from shuffler.process import ShufflerProcess
+        from shuffler.service import message_limit
 
         root, cert, key = self._tls_files()
         verify_key = load_public_key(self.keys.shuffler_signing_pub, "ed25519")
@@ -204,7 +205,8 @@ class ShufflerConnection:
         else:
             address = self.cfg.shuffler_address
         if self.cfg.heap_tuning:  # the fetched batch arrives as megabyte messages (shuffler/heap.py)
-            self.heap = tune_heap(self.cfg.max_message_bytes)
+            # the channel's limit (max(max-message-bytes, 1 MiB) + slack): packed messages can be that large
+            self.heap = tune_heap(message_limit(self.cfg.max_message_bytes))
         self.client = ShufflerClient(
             address,
             root_certificate=root,

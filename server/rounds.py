@@ -501,6 +501,8 @@ class RoundEngine:
         The shuffler receives the envelopes in arrival order; it verifies each signer anyway, so the order tells it
         nothing it does not know. The server keeps only a SHA-256 of each envelope (for de-duplication).
         """
+        from shuffler.wire import FIELD_OVERHEAD
+
         cfg = self.cfg
         # A SuperLink returns "" for a message it could not store (e.g. its node left after get_node_ids): that
         # message has no slot. One slot per distinct id actually pushed, so the count announced to the shuffler
@@ -545,9 +547,11 @@ class RoundEngine:
                         counts[kind] += 1
                         envelope = b""
                     pending.append(envelope)
-                    pending_bytes += len(envelope)
+                    pending_bytes += len(envelope) + FIELD_OVERHEAD
                 now = time.monotonic()
-                if pending and (pending_bytes >= stream.batch_bytes or now - last_sent >= FLUSH_SECONDS):
+                # flush once the next envelope would not fit in the packed message, so messages stay whole
+                full = pending_bytes + self.envelope_length + FIELD_OVERHEAD > stream.batch_bytes
+                if pending and (full or now - last_sent >= FLUSH_SECONDS):
                     stream.send_many(pending)
                     pending, pending_bytes = [], 0
                     last_sent = now

@@ -33,6 +33,9 @@ _KEEPALIVE = pb.SubmitRequest(keepalive=pb.Keepalive()).SerializeToString()
 _END = object()  # ends the request stream
 #: envelopes buffered between the sender and gRPC's request thread (back-pressure: send() waits beyond this)
 _QUEUE_ITEMS = 32
+#: deadline of the Stats call that opens a Submit (it asks the shuffler's message limit): a hung shuffler fails
+#: the round after this long rather than after the whole stream's timeout
+STATS_TIMEOUT_SECONDS = 30.0
 
 
 class ShufflerError(RuntimeError):
@@ -259,7 +262,8 @@ class SubmitStream:
         self._client = client
         #: target bytes per packed Submit message: within the message limit the shuffler states in its Stats (asked
         #: here, after the arguments are checked and before the stream opens)
-        self.batch_bytes = packing_for(int(client._stats(timeout).max_message_bytes))
+        stats_timeout = STATS_TIMEOUT_SECONDS if timeout is None else min(timeout, STATS_TIMEOUT_SECONDS)
+        self.batch_bytes = packing_for(int(client._stats(stats_timeout).max_message_bytes))
         self._binding = (round_id, key_epoch, bytes(model_digest))
         self._count = count
         self._envelope_length = envelope_length or 0

@@ -193,12 +193,14 @@ def message_limit(max_envelope_bytes: int) -> int:
 
 def packing_for(peer_message_limit: int) -> int:
     """Target bytes per packed message to a peer whose gRPC receive limit is ``peer_message_limit`` (what it
-    states in ``FetchRequest.max_message_bytes`` or ``StatsResponse.max_message_bytes``): our packing size, or less
-    if the peer's limit less framing slack is smaller; 0 (a peer too old to state one) gives the legacy 256 KiB,
-    which every peer accepts. An item larger than the target travels alone (``wire.packed``)."""
+    states in ``FetchRequest.max_message_bytes`` or ``StatsResponse.max_message_bytes``): that limit less framing
+    slack, at most our packing size (``wire.PACKED_MESSAGE_BYTES``) and at least the legacy 256 KiB. 0 (a peer too
+    old to state one) gives the legacy 256 KiB. Every version since 2026-11-22 accepts 256 KiB packed messages
+    (its limit is at least 256 KiB plus the slack), so no honest peer states less; the floor keeps a peer that
+    does from making every item travel alone. An item larger than the target travels alone (``wire.packed``)."""
     if peer_message_limit <= 0:
         return wire.LEGACY_PACKED_MESSAGE_BYTES
-    return max(0, min(wire.PACKED_MESSAGE_BYTES, peer_message_limit - FRAMING_SLACK))
+    return max(wire.LEGACY_PACKED_MESSAGE_BYTES, min(wire.PACKED_MESSAGE_BYTES, peer_message_limit - FRAMING_SLACK))
 
 
 def grpc_options(max_envelope_bytes: int) -> list[tuple[str, int]]:

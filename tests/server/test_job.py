@@ -231,8 +231,10 @@ def test_shuffler_connection_tunes_the_heap_for_its_message_limit(
     tmp_path: Path, keys: Any, kit: Any, monkeypatch: pytest.MonkeyPatch, tuning: bool
 ) -> None:
     """run config heap-tuning: the ServerApp, which receives the fetched batch, applies shuffler.heap.tune_heap
-    with its max-message-bytes before the client connects (and not at all when the key is false)."""
+    with its channel's message limit, max(max-message-bytes, the packing size) + slack, before the client
+    connects (and not at all when the key is false)."""
     import shuffler.heap
+    from shuffler.service import message_limit
 
     calls: list[int] = []
     done = shuffler.heap.HeapTuning(True, 1 << 20, 1 << 28)
@@ -242,8 +244,13 @@ def test_shuffler_connection_tunes_the_heap_for_its_message_limit(
     connection = ShufflerConnection(cfg, resolve_paths(cfg))
     with connection as client:
         assert client is not None
-    assert calls == ([3 << 20] if tuning else [])
+    assert calls == ([(3 << 20) + 1024] if tuning else [])
     assert connection.heap is (done if tuning else None)  # run_job prints connection.heap.describe()
+    if tuning:  # a limit below the packing size: the packed messages set the size
+        small = kit.make_config(tmp_path, keys, **{"shuffler-address": "127.0.0.1:9", "max-message-bytes": 300_000})
+        with ShufflerConnection(small, resolve_paths(small)):
+            pass
+        assert calls[-1] == message_limit(300_000) == (1 << 20) + 1024
 
 
 def test_progress_lines_print_bounds_outward_and_survive_a_failed_evaluation() -> None:

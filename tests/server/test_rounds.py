@@ -534,6 +534,32 @@ def test_replies_are_streamed_as_they_arrive_with_placeholders_for_the_rest(h: A
     assert stats["dropped"]["empty"] == 4 and stats["reports_accepted"] == h.N - 4
 
 
+def test_streamed_envelopes_are_sent_in_whole_packed_messages(h: Any) -> None:
+    """The collector flushes once the next envelope would not fit in a packed message (framing included), so a
+    flush is never a full message plus one envelope travelling alone."""
+    from shuffler.wire import FIELD_OVERHEAD
+
+    grid = h.grid([h.honest()] * h.N)
+    pull = grid.pull_messages
+    grid.pull_messages = lambda ids: pull(list(ids)[:1])  # type: ignore[method-assign]  # one reply per poll
+    engine = h.engine(h.config(), grid)
+    sends: list[int] = []
+    open_submit = engine.shuffler.open_submit
+
+    def recording_open_submit(**kw: Any) -> Any:
+        stream = open_submit(**kw)
+        stream.batch_bytes = 3 * (engine.envelope_length + FIELD_OVERHEAD)  # room for exactly three envelopes
+        send_many = stream.send_many
+        stream.send_many = lambda envs: (sends.append(len(envs)), send_many(envs))[1]
+        return stream
+
+    engine.shuffler.open_submit = recording_open_submit
+    out = engine.run_round(1)
+    assert out.status == "applied", out.reason
+    assert sum(sends) == h.N and max(sends) == 3, sends
+    assert sends[:-1] == [3] * (len(sends) - 1), sends  # whole messages (the last takes the remainder)
+
+
 def test_sample_nodes_fraction_and_validation() -> None:
     nodes = list(range(100, 200))
     picked = sample_nodes(nodes, 0.25)

@@ -613,8 +613,21 @@ def test_packing_follows_the_limit_each_peer_states(kit, running, tmp_path, monk
         assert c.stats()["max_message_bytes"] == message_limit(1 << 20)  # the fixture's max_envelope_bytes
         att = c.submit(round_id=1, key_epoch=0, model_digest=kit.digest, envelopes=envs)
         assert jobs == [len(envs)]  # 8 x 60 KiB: one message under the 1 MiB packing
+        stated: list[int] = []
+        message_lengths: list[int] = []
+        fetch_raw = c._fetch_raw
+
+        def recording_fetch_raw(request, **kw):
+            stated.append(request.max_message_bytes)
+            for message in fetch_raw(request, **kw):
+                message_lengths.append(len(message))
+                yield message
+
+        c._fetch_raw = recording_fetch_raw
         assert sorted(open_inner(x, server_private_key=kit.server_sk, key_epoch=0, round_id=1)
                       for x in c.fetch_all(att)) == sorted(kit.payload(i, size=size) for i in range(kit.n_clients))
+        # the client stated its receive limit, and the whole batch came in one message
+        assert stated == [message_limit(c._max)] and len(message_lengths) == 1, (stated, message_lengths)
 
     def fetched(stated: int | None) -> list[bytes]:
         request = pb.FetchRequest(batch_id=att.batch_id)
@@ -629,10 +642,16 @@ def test_packing_follows_the_limit_each_peer_states(kit, running, tmp_path, monk
     assert [len(m) // per_item for m in legacy] == [4, 4]  # 4 x 60 KiB fit in 256 KiB, 5 do not
     assert all(len(m) <= wire.LEGACY_PACKED_MESSAGE_BYTES for m in legacy)
     assert [len(m) // per_item for m in fetched(message_limit(1 << 20))] == [8]
-    # a fetcher that takes at most three items per message (packing budgets 11 framing bytes per item)
-    tight = fetched(3 * (att.inner_length + 11) + FRAMING_SLACK)
-    assert [len(m) // per_item for m in tight] == [3, 3, 2]
-    assert b"".join(legacy) == b"".join(fetched(message_limit(1 << 20))) == b"".join(tight)  # same bytes, same order
+    # no peer is packed below the legacy size: every version since 2026-11-22 accepts it, and a fetcher stating a
+    # tiny limit must not make each item travel alone
+    tiny = fetched(1)
+    assert [len(m) // per_item for m in tiny] == [4, 4]
+    # a fetcher whose limit less the 1 KiB slack leaves room for exactly five items (11 framing bytes budgeted
+    # per item), and one with a byte less
+    five = 5 * (att.inner_length + wire.FIELD_OVERHEAD) + FRAMING_SLACK
+    assert [len(m) // per_item for m in fetched(five)] == [5, 3]
+    assert [len(m) // per_item for m in fetched(five - 1)] == [4, 4]
+    assert b"".join(legacy) == b"".join(fetched(message_limit(1 << 20))) == b"".join(tiny)  # same bytes, same order
 
     # a shuffler too old to state its limit: the submitter falls back to the packing every shuffler accepts
     real_stats = ShufflerServicer.Stats
