@@ -1,6 +1,6 @@
 """``shuffledp deploy``: keys for a Flower deployment and a real multi-process TLS deployment on one machine.
 
-Three sub-commands:
+Four sub-commands:
 
 ``shuffledp deploy keys --out DIR --nodes N [--san NAME ...]``
     Everything a deployment needs, in one directory: the shuffler package's key directory (HPKE and signing keys,
@@ -31,6 +31,9 @@ Layout added by ``deploy keys`` next to the shuffler key directory (see docs/int
 
 ``shuffledp deploy bundle --keys DIR --node I --out D --eps0 X --clip-l1 C``
     Copies the files one device needs (and nothing else) into ``D`` and writes its ``node-config.toml``.
+
+``shuffledp deploy time-work --node-config FILE``
+    On the device: times its worst-case local work under its pinned limits (see ``--help``).
 
 The SuperLink has its own CA, separate from the shuffler's mTLS CA (``DIR/tls/``): the devices trust only the
 SuperLink CA, and whoever holds the SuperLink CA key cannot mint a client certificate the shuffler accepts.
@@ -807,6 +810,22 @@ def _flower_bin(name: str) -> str:
     return found
 
 
+#: Run-config keys that ``deploy local`` sets (and the SuperNodes pin, or the deployment wires up): a
+#: ``--run-config`` override of one would contradict the nodes or the deployment, so it is refused.
+_OWNED_RUN_CONFIG: dict[str, str] = {
+    "num-server-rounds": "use --rounds",
+    "min-reports": "use --min-reports",
+    "reply-timeout": "use --reply-timeout",
+    "eps0": "use --eps0",
+    "clip-l1": "use --clip-l1",
+    "fraction": "every node takes part",
+    "key-epoch": "the keys' manifest says it",
+    **{key: "the deployment wires it up" for key in (
+        "shuffler-address", "shuffler-root-cert", "shuffler-client-cert", "shuffler-client-key", "keys-dir",
+        "output-dir", "run-name")},
+}
+
+
 @dataclass
 class LocalDeployment:
     """Settings of ``shuffledp deploy local`` (validated by :meth:`validate`)."""
@@ -849,6 +868,14 @@ class LocalDeployment:
                 raise DeployError(
                     f"--workdir {work} is inside the app directory {app}: `flwr run` would pack its TOML/JSON files "
                     "(key paths, the enrolment file) into the app bundle; choose a directory outside it")
+            if work.exists() and (not work.is_dir() or any(work.iterdir())):
+                # a second run there would overwrite the first's results and logs, and read its old log lines
+                raise DeployError(f"--workdir {work} exists and is not an empty directory; choose a new one (each "
+                                  "run writes its keys, logs, results and Flower state there)")
+        for key in self.run_config:
+            if key in _OWNED_RUN_CONFIG:
+                raise DeployError(f"--run-config {key} is set by deploy local itself ({_OWNED_RUN_CONFIG[key]}); "
+                                  "an override would contradict what the nodes pin or how the deployment is wired")
         self.data_settings()
 
     def data_settings(self) -> dict[str, object]:

@@ -60,6 +60,26 @@ def test_workdir_inside_the_app_is_refused(tmp_path: Path) -> None:
         cfg.validate()
 
 
+def test_a_used_workdir_and_run_config_keys_the_deployment_sets_are_refused(tmp_path: Path) -> None:
+    """A second run in the same --workdir would overwrite the first's results and read its old log lines; a
+    --run-config of a key deploy local sets would contradict what the SuperNodes pin. Both are refused before
+    anything starts, and the used directory is left as it was."""
+    work = tmp_path / "work"
+    work.mkdir()
+    assert dc.LocalDeployment(workdir=work).validate() is None  # an empty directory is fine
+    (work / "deploy-result.json").write_text("{}")
+    with pytest.raises(dc.DeployError, match="not an empty directory"):
+        dc.LocalDeployment(workdir=work).validate()
+    assert (work / "deploy-result.json").read_text() == "{}"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(dc.DeployError, match="not an empty directory"):
+        dc.LocalDeployment(workdir=tmp_path / "file").validate()
+    for key, hint in (("eps0", "--eps0"), ("run-name", "wires it up"), ("key-epoch", "manifest")):
+        with pytest.raises(dc.DeployError, match=f"--run-config {key} is set by deploy local itself.*{hint}"):
+            dc.LocalDeployment(run_config={key: 1}).validate()
+    dc.LocalDeployment(run_config={"local-epochs": 2}).validate()  # keys the deployment leaves alone pass
+
+
 def test_node_config_file_round_trips_through_toml(tmp_path: Path) -> None:
     keys = dc.create_deploy_keys(tmp_path / "keys with space", 2)
     conf = dc.node_config(keys, 1, 2, eps0=2.5, clip_l1=0.5)
@@ -154,7 +174,7 @@ def test_devices_pin_their_data_settings(tmp_path: Path) -> None:
     app.mkdir()
     (app / "pyproject.toml").write_text('[tool.flwr.app.config]\ndataset = "digits"\npca-components = 20\n'
                                         'partition-seed = 4\n')
-    local = dc.LocalDeployment(app_dir=app, run_config={"pca-components": 0, "num-server-rounds": 2})
+    local = dc.LocalDeployment(app_dir=app, run_config={"pca-components": 0, "local-epochs": 2})
     local.validate()
     data = local.data_settings()
     assert (data["pca-components"], data["partition-seed"], data["dataset"]) == (0, 4, "digits")
