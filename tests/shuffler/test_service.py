@@ -308,15 +308,24 @@ def test_stalled_submits_cannot_starve_health_fetch_or_the_workers(kit, tmp_path
             codes.append((info.value.code(), (info.value.details() or "").split(":")[0]))
         assert sorted(codes, key=str).count((grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")) == 2, codes
         assert codes.count((grpc.StatusCode.DEADLINE_EXCEEDED, "submit_idle")) == 2, codes
-        with kit.client(address) as c:  # the slots are free again
-            assert c.submit(round_id=2, key_epoch=0, model_digest=kit.digest,
-                            envelopes=[kit.seal(i, round_id=2) for i in range(4)]).n_accepted == 4
+        _assert_submit_slots_free(kit, address)
     finally:
         gate.set()
-        for ch in chans:
-            ch.close()
-        server.stop(grace=None).wait()
-        core.close()
+        _stop(server, core, chans)
+
+
+def _assert_submit_slots_free(kit, address: str) -> None:
+    """An honest Submit of a new round goes through: the stalled streams gave their slots back."""
+    with kit.client(address) as c:
+        assert c.submit(round_id=2, key_epoch=0, model_digest=kit.digest,
+                        envelopes=[kit.seal(i, round_id=2) for i in range(4)]).n_accepted == 4
+
+
+def _stop(server, core, chans) -> None:
+    for ch in chans:
+        ch.close()
+    server.stop(grace=None).wait()
+    core.close()
 
 
 def test_a_stream_of_keepalives_cannot_hold_a_submit_slot_forever(kit, tmp_path) -> None:
@@ -347,15 +356,10 @@ def test_a_stream_of_keepalives_cannot_hold_a_submit_slot_forever(kit, tmp_path)
             assert (info.value.code(), (info.value.details() or "").split(":")[0]) == (
                 grpc.StatusCode.DEADLINE_EXCEEDED, "submit_duration")
         assert 2.5 <= time.monotonic() - t0 < 10
-        with kit.client(address) as c:  # the slots are free again
-            assert c.submit(round_id=2, key_epoch=0, model_digest=kit.digest,
-                            envelopes=[kit.seal(i, round_id=2) for i in range(4)]).n_accepted == 4
+        _assert_submit_slots_free(kit, address)
     finally:
         gate.set()
-        for ch in chans:
-            ch.close()
-        server.stop(grace=None).wait()
-        core.close()
+        _stop(server, core, chans)
 
 
 def test_unread_fetches_cannot_starve_health_stats_or_submit(kit, tmp_path) -> None:
@@ -402,10 +406,7 @@ def test_unread_fetches_cannot_starve_health_stats_or_submit(kit, tmp_path) -> N
             assert sorted(open_inner(x, server_private_key=kit.server_sk, key_epoch=0, round_id=1)
                           for x in c.fetch_all(att)) == sorted(kit.payload(i, size) for i in range(8))
     finally:
-        for ch in chans:
-            ch.close()
-        server.stop(grace=None).wait()
-        core.close()
+        _stop(server, core, chans)
 
 
 def test_fetch_of_a_damaged_output_is_internal(kit, running) -> None:
