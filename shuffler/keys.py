@@ -53,6 +53,7 @@ __all__ = [
     "client_id",
     "KeyDirectory",
     "init_key_directory",
+    "init_shuffler_keys",
     "create_client_key",
     "enrol_client",
     "DEFAULT_MAX_ENVELOPE_BYTES",
@@ -268,6 +269,10 @@ class KeyDirectory:
         return self.tls_dir / "ca.crt"
 
     @property
+    def ca_key(self) -> Path:
+        return self.tls_dir / "ca.key"
+
+    @property
     def shuffler_cert(self) -> Path:
         return self.tls_dir / "shuffler.crt"
 
@@ -292,69 +297,48 @@ def _toml_str(s: str) -> str:
     return json.dumps(s)  # a JSON string literal is a valid TOML basic string for these paths
 
 
-def init_key_directory(
-    out: str | os.PathLike[str],
-    n_clients: int,
-    *,
-    key_epoch: int = 0,
-    k: int | None = None,
-    max_envelope_bytes: int = DEFAULT_MAX_ENVELOPE_BYTES,
-    shuffler_sans: tuple[str, ...] = ("localhost", "127.0.0.1"),
-) -> KeyDirectory:
-    """Create every file of the key directory layout under ``out`` (which must not already hold keys).
-
-    ``k`` is the shuffler's release threshold (distinct enrolled signers); the default is
-    ``min(n_clients, max(2, n_clients // 2))``. The written ``shuffler.toml`` uses paths relative to itself,
-    listens on 127.0.0.1 port 0 and requires mTLS.
-    """
-    if isinstance(n_clients, bool) or not isinstance(n_clients, int) or not 1 <= n_clients <= 1_000_000:
-        raise ValueError(f"n_clients must be an int in [1, 1000000], got {n_clients!r}")
+def _check_shuffler_settings(key_epoch: int, k: int, max_envelope_bytes: int) -> None:
     if isinstance(key_epoch, bool) or not isinstance(key_epoch, int) or not 0 <= key_epoch < 2**32:
         raise ValueError(f"key_epoch must be an int in [0, 2**32), got {key_epoch!r}")
-    if k is None:
-        k = min(n_clients, max(2, n_clients // 2))
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_clients:
-        raise ValueError(f"k must be an int in [1, n_clients = {n_clients}], got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
     if isinstance(max_envelope_bytes, bool) or not isinstance(max_envelope_bytes, int) or max_envelope_bytes < 1024:
         raise ValueError(f"max_envelope_bytes must be an int >= 1024, got {max_envelope_bytes!r}")
-    d = KeyDirectory(Path(out))
-    if d.enrolment.exists() or d.shuffler_hpke_key.exists() or d.config.exists():
-        raise FileExistsError(f"{d.root} already holds a key directory; refusing to overwrite it")
-    d.root.mkdir(parents=True, exist_ok=True)
-    for sub in ("public", "shuffler", "server", "clients", "tls"):
-        (d.root / sub).mkdir(exist_ok=True)
-    for private_dir in ("shuffler", "server", "clients"):
-        os.chmod(d.root / private_dir, 0o700)
 
+
+def _new_directory(out: str | os.PathLike[str], subdirs: tuple[str, ...], private: tuple[str, ...]) -> KeyDirectory:
+    """Create ``out`` and its sub-directories (``private`` ones 0700 whatever the umask); refuse one holding keys."""
+    d = KeyDirectory(Path(out))
+    if d.enrolment.exists() or d.shuffler_hpke_key.exists() or d.server_hpke_key.exists() or d.config.exists():
+        raise FileExistsError(f"{d.root} already holds a key directory; refusing to overwrite it")
+    if not d.root.exists():
+        d.root.mkdir(parents=True)
+        os.chmod(d.root, 0o755)  # not group/world-writable whatever the umask: nobody else may swap a file in it
+    for sub in subdirs:
+        (d.root / sub).mkdir(exist_ok=True)
+        os.chmod(d.root / sub, 0o700 if sub in private else 0o755)
+    return d
+
+
+def _write_shuffler_side(d: KeyDirectory, *, key_epoch: int, k: int, max_envelope_bytes: int,
+                         shuffler_sans: tuple[str, ...]) -> tuple[bytes, bytes]:
+    """The shuffler operator's files: its HPKE and signing keys (and their public halves), the mTLS CA, its server
+    certificate and ``shuffler.toml``. Returns the CA ``(cert, key)`` PEMs."""
     sk, pk = generate_keypair("x25519")
     save_private_key(d.shuffler_hpke_key, sk, "x25519")
     save_public_key(d.shuffler_hpke_pub, pk, "x25519")
     sk, pk = generate_keypair("ed25519")
     save_private_key(d.shuffler_signing_key, sk, "ed25519")
     save_public_key(d.shuffler_signing_pub, pk, "ed25519")
-    sk, pk = generate_keypair("x25519")
-    save_private_key(d.server_hpke_key, sk, "x25519")
-    save_public_key(d.server_hpke_pub, pk, "x25519")
-    enrolled: dict[str, bytes] = {}
-    for i in range(n_clients):
-        sk, pk = generate_keypair("ed25519")
-        save_private_key(d.client_key(i), sk, "ed25519")
-        enrolled[client_id(i)] = pk
-    save_enrolment(d.enrolment, enrolled)
-
     ca_cert, ca_key = tls.create_ca("shuffledp shuffler CA")
     _atomic_write(d.ca_cert, ca_cert, 0o644, overwrite=False)
     # The CA key is kept (0600) so that the operator can issue further certificates; move it offline if wanted.
-    _atomic_write(d.tls_dir / "ca.key", ca_key, 0o600, overwrite=False)
+    _atomic_write(d.ca_key, ca_key, 0o600, overwrite=False)
     cert, key = tls.issue_certificate(
         ca_cert, ca_key, "shuffler", sans=list(shuffler_sans), is_server=True, is_client=False
     )
     _atomic_write(d.shuffler_cert, cert, 0o644, overwrite=False)
     _atomic_write(d.shuffler_tls_key, key, 0o600, overwrite=False)
-    cert, key = tls.issue_certificate(ca_cert, ca_key, "serverapp", sans=(), is_server=False, is_client=True)
-    _atomic_write(d.serverapp_cert, cert, 0o644, overwrite=False)
-    _atomic_write(d.serverapp_tls_key, key, 0o600, overwrite=False)
-
     config = "\n".join(
         [
             "# shuffledp shuffler service; paths are relative to this file.",
@@ -376,6 +360,72 @@ def init_key_directory(
         ]
     )
     _atomic_write(d.config, config.encode(), 0o644, overwrite=False)
+    return ca_cert, ca_key
+
+
+def init_key_directory(
+    out: str | os.PathLike[str],
+    n_clients: int,
+    *,
+    key_epoch: int = 0,
+    k: int | None = None,
+    max_envelope_bytes: int = DEFAULT_MAX_ENVELOPE_BYTES,
+    shuffler_sans: tuple[str, ...] = ("localhost", "127.0.0.1"),
+) -> KeyDirectory:
+    """Create every file of the key directory layout under ``out`` (which must not already hold keys).
+
+    ``k`` is the shuffler's release threshold (distinct enrolled signers); the default is
+    ``min(n_clients, max(2, n_clients // 2))``. The written ``shuffler.toml`` uses paths relative to itself,
+    listens on 127.0.0.1 port 0 and requires mTLS. Every party's secrets end up in one directory: for
+    simulations and one-operator tests; :func:`init_shuffler_keys` writes the shuffler operator's part alone.
+    """
+    if isinstance(n_clients, bool) or not isinstance(n_clients, int) or not 1 <= n_clients <= 1_000_000:
+        raise ValueError(f"n_clients must be an int in [1, 1000000], got {n_clients!r}")
+    if k is None:
+        k = min(n_clients, max(2, n_clients // 2))
+    _check_shuffler_settings(key_epoch, k, max_envelope_bytes)
+    if k > n_clients:
+        raise ValueError(f"k must be an int in [1, n_clients = {n_clients}], got {k!r}")
+    d = _new_directory(out, ("public", "shuffler", "server", "clients", "tls"), ("shuffler", "server", "clients"))
+    ca_cert, ca_key = _write_shuffler_side(d, key_epoch=key_epoch, k=k, max_envelope_bytes=max_envelope_bytes,
+                                           shuffler_sans=shuffler_sans)
+    sk, pk = generate_keypair("x25519")
+    save_private_key(d.server_hpke_key, sk, "x25519")
+    save_public_key(d.server_hpke_pub, pk, "x25519")
+    enrolled: dict[str, bytes] = {}
+    for i in range(n_clients):
+        sk, pk = generate_keypair("ed25519")
+        save_private_key(d.client_key(i), sk, "ed25519")
+        enrolled[client_id(i)] = pk
+    save_enrolment(d.enrolment, enrolled)
+    cert, key = tls.issue_certificate(ca_cert, ca_key, "serverapp", sans=(), is_server=False, is_client=True)
+    _atomic_write(d.serverapp_cert, cert, 0o644, overwrite=False)
+    _atomic_write(d.serverapp_tls_key, key, 0o600, overwrite=False)
+    return d
+
+
+def init_shuffler_keys(
+    out: str | os.PathLike[str],
+    *,
+    k: int,
+    key_epoch: int = 0,
+    max_envelope_bytes: int = DEFAULT_MAX_ENVELOPE_BYTES,
+    shuffler_sans: tuple[str, ...] = ("localhost", "127.0.0.1"),
+) -> KeyDirectory:
+    """Create the shuffler operator's own key directory under ``out``, on the shuffler's host.
+
+    The same layout as :func:`init_key_directory`, restricted to what the shuffler operator keeps: its HPKE and
+    signing keys, their public halves (``public/``, to publish), the mTLS CA (``tls/ca.crt``, ``tls/ca.key``),
+    its server certificate and ``shuffler.toml``. Nothing of the server's or of any client's: the ServerApp's
+    client certificate is issued from the server operator's signing request
+    (:func:`shuffler.tls.issue_certificate_for_csr`), and ``enrolment.json`` is filled by :func:`enrol_client`
+    from the keys the devices (or the enrolment authority) hand over. The service refuses to start until at least
+    ``k`` clients are enrolled.
+    """
+    _check_shuffler_settings(key_epoch, k, max_envelope_bytes)
+    d = _new_directory(out, ("public", "shuffler", "tls"), ("shuffler",))
+    _write_shuffler_side(d, key_epoch=key_epoch, k=k, max_envelope_bytes=max_envelope_bytes,
+                         shuffler_sans=shuffler_sans)
     return d
 
 

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["create_ca", "issue_certificate", "certificate_common_name"]
+__all__ = ["create_ca", "issue_certificate", "create_csr", "issue_certificate_for_csr", "certificate_common_name"]
 
 _DEFAULT_DAYS = 825
 
@@ -107,6 +107,72 @@ def issue_certificate(
     needs at least one (TLS clients check the SAN, not the CN). ``is_server``/``is_client`` set the extended
     key usages serverAuth/clientAuth; at least one must be true.
     """
+    key = _new_key()
+    cert = _sign_leaf(ca_cert, ca_key, key.public_key(), common_name, sans=sans, is_server=is_server,
+                      is_client=is_client, days=days)
+    return cert, _key_pem(key)
+
+
+def create_csr(common_name: str) -> tuple[bytes, bytes]:
+    """A fresh ECDSA P-256 key and a certificate signing request (PKCS#10) for it. Returns ``(csr_pem, key_pem)``.
+
+    The party that will use the certificate runs this, keeps the key and hands over only the request; the CA's
+    operator answers with :func:`issue_certificate_for_csr`, so no private key crosses between parties.
+    """
+    _check_name(common_name)
+    key = _new_key()
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .sign(key, hashes.SHA256())
+    )
+    return csr.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def issue_certificate_for_csr(
+    ca_cert: bytes,
+    ca_key: bytes,
+    csr_pem: bytes,
+    common_name: str,
+    *,
+    sans: Sequence[str] = (),
+    is_server: bool,
+    is_client: bool,
+    days: int = _DEFAULT_DAYS,
+) -> bytes:
+    """Issue a leaf certificate for the public key of a signing request (made by :func:`create_csr`).
+
+    Only the request's public key is used: the name, SANs and key usages are the CA operator's arguments, never
+    what the request asks for. The request must carry a valid self-signature (proof that its sender holds the
+    key) and an ECDSA P-256 or P-384 key (what every TLS stack gRPC is built with accepts). Returns the
+    certificate PEM. Raises ValueError for a request that is not PEM, not self-signed or has another key type.
+    """
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"the signing request is not a PEM PKCS#10 request: {exc}") from exc
+    if not csr.is_signature_valid:
+        raise ValueError("the signing request's signature does not verify: it was not made with its own key")
+    public = csr.public_key()
+    if not isinstance(public, ec.EllipticCurvePublicKey) or public.curve.name not in ("secp256r1", "secp384r1"):
+        raise ValueError(f"the signing request's key must be ECDSA P-256 or P-384, got {type(public).__name__}"
+                         + (f" on {public.curve.name}" if isinstance(public, ec.EllipticCurvePublicKey) else ""))
+    return _sign_leaf(ca_cert, ca_key, public, common_name, sans=sans, is_server=is_server, is_client=is_client,
+                      days=days)
+
+
+def _sign_leaf(
+    ca_cert: bytes,
+    ca_key: bytes,
+    public: ec.EllipticCurvePublicKey,
+    common_name: str,
+    *,
+    sans: Sequence[str],
+    is_server: bool,
+    is_client: bool,
+    days: int,
+) -> bytes:
+    """The leaf certificate (PEM) of ``public`` signed by the CA (checks shared by both issuing functions)."""
     _check_name(common_name)
     _check_days(days)
     if not (is_server or is_client):
@@ -125,7 +191,6 @@ def issue_certificate(
         raise ValueError("ca_key must be an EC private key (as written by create_ca)")
     if signer.public_key().public_numbers() != issuer.public_key().public_numbers():  # type: ignore[union-attr]
         raise ValueError("ca_key does not match ca_cert")
-    key = _new_key()
     usages = ([ExtendedKeyUsageOID.SERVER_AUTH] if is_server else []) + (
         [ExtendedKeyUsageOID.CLIENT_AUTH] if is_client else []
     )
@@ -134,7 +199,7 @@ def issue_certificate(
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
         .issuer_name(issuer.subject)
-        .public_key(key.public_key())
+        .public_key(public)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(min(now + datetime.timedelta(days=days), issuer.not_valid_after_utc))
@@ -160,8 +225,7 @@ def issue_certificate(
     )
     if names:
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-    cert = builder.sign(signer, hashes.SHA256())
-    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+    return builder.sign(signer, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
 
 
 def certificate_common_name(cert_pem: bytes) -> str:

@@ -1,0 +1,306 @@
+"""Per-party key generation for a deployment: each party makes its own secrets on its own host.
+
+``shuffledp deploy keys --out DIR --nodes N`` (:func:`server.deploy_cli.create_deploy_keys`) writes every
+party's secrets into one directory, which suits one-operator tests only: whoever holds that directory holds
+both HPKE private keys and can link every report to its sender. ``--party`` splits the same layout by who keeps
+what (deploy/README.md, "Keys and who keeps them"), and only public files and a certificate signing request
+travel between parties:
+
+========== ============================================================ ==========================================
+party      writes (its own secrets stay in its directory, mode 0600)     hands over (public)
+========== ============================================================ ==========================================
+server     ``server/hpke.key``; SuperLink CA, certificate, key and       ``public/server_hpke.pub``,
+           SuperExec secret under ``superlink/``; the ServerApp's mTLS  ``superlink/ca.crt`` (to devices);
+           key ``tls/serverapp.key`` and its request                    ``tls/serverapp.csr`` (to the shuffler)
+           ``tls/serverapp.csr``
+shuffler   ``shuffler/hpke.key``, ``shuffler/signing.key``, the mTLS CA  ``public/shuffler_hpke.pub`` (devices),
+           (``tls/ca.key``), its server certificate, ``shuffler.toml``   ``public/shuffler_signing.pub`` and
+                                                                        ``tls/ca.crt`` (server), and the
+                                                                        ServerApp's certificate it signs
+device i   ``client.key`` (envelope signing), ``supernode.key``          ``client.pub`` (enrolment),
+           (SuperNode authentication)                                   ``supernode.pub`` (SuperLink registration)
+========== ============================================================ ==========================================
+
+Each directory gets a ``deploy.json`` naming its party, which :func:`check_party_directory` (``shuffledp deploy
+check``) uses to verify that the directory holds what its party needs and **no other party's secret**.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from server.deploy_cli import (
+    DeployError,
+    DeployKeys,
+    _check_int,
+    _write_file,
+    supernode_keypair,
+)
+
+__all__ = [
+    "PARTIES",
+    "create_server_keys",
+    "create_shuffler_keys",
+    "create_device_keys",
+    "sign_serverapp_request",
+    "check_party_directory",
+    "DEVICE_FILES",
+]
+
+#: The parties ``deploy keys --party`` knows; ``all`` is the one-directory layout of ``create_deploy_keys``.
+PARTIES = ("all", "server", "shuffler", "device")
+
+#: File names in a device's directory (the same names as in a ``deploy bundle``).
+DEVICE_FILES = {
+    "client_key": "client.key",
+    "client_pub": "client.pub",
+    "supernode_key": "supernode.key",
+    "supernode_pub": "supernode.pub",
+}
+
+# Secrets by party, as paths relative to a directory (DeployKeys / shuffler.keys.KeyDirectory layout); a party's
+# directory must hold none of another party's.
+_SECRETS = {
+    "server": ("server/hpke.key", "superlink/ca.key", "superlink/superlink.key", "superlink/superexec.secret",
+               "tls/serverapp.key"),
+    "shuffler": ("shuffler/hpke.key", "shuffler/signing.key", "tls/ca.key", "tls/shuffler.key"),
+    "device": ("client.key", "supernode.key"),
+}
+# What a party's directory must hold before its service can run (after the hand-overs of the module docstring).
+_NEEDS = {
+    "server": ("server/hpke.key", "public/server_hpke.pub", "public/shuffler_signing.pub", "superlink/ca.crt",
+               "superlink/superlink.crt", "superlink/superlink.key", "tls/ca.crt", "tls/serverapp.crt",
+               "tls/serverapp.key"),
+    "shuffler": ("shuffler/hpke.key", "shuffler/signing.key", "public/shuffler_hpke.pub",
+                 "public/shuffler_signing.pub", "tls/ca.crt", "tls/shuffler.crt", "tls/shuffler.key",
+                 "shuffler.toml", "enrolment.json"),
+    "device": ("client.key", "supernode.key", "superlink-ca.crt", "server_hpke.pub", "shuffler_hpke.pub",
+               "node-config.toml"),
+}
+# Where each missing file comes from, for check_party_directory's messages.
+_SOURCE = {
+    "public/shuffler_signing.pub": "copy it from the shuffler operator's public/",
+    "tls/ca.crt": "copy the shuffler operator's tls/ca.crt",
+    "tls/serverapp.crt": "send tls/serverapp.csr to the shuffler operator (`shuffledp deploy sign-serverapp`)",
+    "enrolment.json": "enrol each device's client.pub (`shuffledp keys enrol`)",
+    "superlink-ca.crt": "complete the device with `shuffledp deploy bundle --device`",
+    "server_hpke.pub": "complete the device with `shuffledp deploy bundle --device`",
+    "shuffler_hpke.pub": "complete the device with `shuffledp deploy bundle --device`",
+    "node-config.toml": "complete the device with `shuffledp deploy bundle --device`",
+}
+
+
+def superlink_names(sans: Sequence[str]) -> list[str]:
+    """The SANs of the SuperLink's (and the shuffler's) server certificate: ``localhost``, ``127.0.0.1`` and
+    ``sans`` (DNS names or IP addresses the other hosts use), without repeats."""
+    if isinstance(sans, str):
+        raise DeployError("sans must be a sequence of names, not one string")
+    names = ["localhost", "127.0.0.1"]
+    return names + [s for i, s in enumerate(sans) if s not in names and s not in sans[:i]]
+
+
+def _new_party_directory(out: str | os.PathLike[str]) -> Path:
+    root = Path(out)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise DeployError(f"{root} exists and is not an empty directory; keys are never overwritten (choose a new "
+                          "directory)")
+    if not root.exists():
+        root.mkdir(parents=True)
+    os.chmod(root, 0o700)  # a party's directory holds its secrets: its operator only, whatever the umask
+    return root
+
+
+def _write_manifest(root: Path, party: str, **fields: Any) -> None:
+    doc = {"format": "shuffledp-deploy/v1", "party": party, **fields,
+           "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _write_file(root / "deploy.json", (json.dumps(doc, indent=1) + "\n").encode(), 0o644)
+
+
+def create_server_keys(out: str | os.PathLike[str], *, sans: Sequence[str] = ()) -> DeployKeys:
+    """The server operator's keys, made on the server's host (``deploy keys --party server``).
+
+    Writes the server's HPKE key pair (the inner layer of every report is sealed to it), the SuperLink's own CA
+    and TLS certificate (SANs ``localhost``, ``127.0.0.1`` and ``sans``), the SuperExec shared secret, and the
+    ServerApp's mTLS key with a certificate signing request for the shuffler operator to answer
+    (:func:`sign_serverapp_request`). Raises DeployError for a directory that already holds files or a bad SAN.
+    """
+    from shuffler import keys as shuffler_keys
+    from shuffler import tls
+
+    names = superlink_names(sans)
+    root = _new_party_directory(out)
+    paths = DeployKeys(root)
+    try:
+        ca_cert, ca_key = tls.create_ca("shuffledp SuperLink CA")
+        cert, key = tls.issue_certificate(ca_cert, ca_key, "superlink", sans=names, is_server=True,
+                                          is_client=False)
+    except ValueError as exc:
+        raise DeployError(f"cannot issue the SuperLink certificate for SANs {names}: {exc}") from exc
+    for sub, mode in (("server", 0o700), ("public", 0o755), ("superlink", 0o700), ("tls", 0o700)):
+        (root / sub).mkdir()
+        os.chmod(root / sub, mode)
+    sk, pk = shuffler_keys.generate_keypair("x25519")
+    shuffler_keys.save_private_key(root / "server" / "hpke.key", sk, "x25519")
+    shuffler_keys.save_public_key(paths.server_public_key, pk, "x25519")
+    _write_file(paths.superlink_ca_cert, ca_cert, 0o644)
+    _write_file(paths.superlink_ca_key, ca_key, 0o600)
+    _write_file(paths.superlink_cert, cert, 0o644)
+    _write_file(paths.superlink_key, key, 0o600)
+    _write_file(paths.superexec_secret, secrets.token_hex(32).encode(), 0o600)
+    csr, key = tls.create_csr("serverapp")
+    _write_file(paths.serverapp_key, key, 0o600)
+    _write_file(root / "tls" / "serverapp.csr", csr, 0o644)
+    _write_manifest(root, "server", **{"superlink-sans": names})
+    return paths
+
+
+def create_shuffler_keys(out: str | os.PathLike[str], *, k: int, key_epoch: int = 0,
+                         sans: Sequence[str] = ()) -> DeployKeys:
+    """The shuffler operator's keys, made on the shuffler's host (``deploy keys --party shuffler``).
+
+    :func:`shuffler.keys.init_shuffler_keys`: the shuffler's HPKE and signing keys, its mTLS CA and server
+    certificate (SANs ``localhost``, ``127.0.0.1`` and ``sans``) and ``shuffler.toml`` with release threshold
+    ``k``. The enrolment file is made by ``shuffledp keys enrol`` from the devices' ``client.pub``; the service
+    refuses to start until ``k`` clients are enrolled.
+    """
+    from shuffler import keys as shuffler_keys
+
+    k = _check_int("--k", k, 1, 1_000_000)
+    key_epoch = _check_int("--key-epoch", key_epoch, 0, 2**32 - 1)
+    names = superlink_names(sans)
+    root = _new_party_directory(out)
+    try:
+        shuffler_keys.init_shuffler_keys(root, k=k, key_epoch=key_epoch, shuffler_sans=tuple(names))
+    except ValueError as exc:
+        raise DeployError(f"cannot create the shuffler's keys: {exc}") from exc
+    _write_manifest(root, "shuffler", **{"shuffler-sans": names, "key-epoch": key_epoch, "k": k})
+    return DeployKeys(root)
+
+
+def create_device_keys(out: str | os.PathLike[str], node: int) -> Path:
+    """Device ``node``'s own keys, made on the device (``deploy keys --party device``).
+
+    ``client.key`` signs its envelopes (Ed25519; ``client.pub`` goes to the enrolment authority, which enrols it
+    as ``client-<node>``) and ``supernode.key`` authenticates its SuperNode to the SuperLink (ECDSA P-384;
+    ``supernode.pub`` is registered with ``flwr supernode register``). ``deploy bundle --device`` later adds the
+    public files the device pins and its node config. Returns the directory.
+    """
+    from shuffler import keys as shuffler_keys
+
+    node = _check_int("--node", node, 0, 2**31 - 1)
+    root = _new_party_directory(out)
+    sk, pk = shuffler_keys.generate_keypair("ed25519")
+    shuffler_keys.save_private_key(root / DEVICE_FILES["client_key"], sk, "ed25519")
+    shuffler_keys.save_public_key(root / DEVICE_FILES["client_pub"], pk, "ed25519")
+    private, public = supernode_keypair()
+    _write_file(root / DEVICE_FILES["supernode_key"], private, 0o600)
+    _write_file(root / DEVICE_FILES["supernode_pub"], public, 0o644)
+    _write_manifest(root, "device", node=node, **{"client-id": shuffler_keys.client_id(node)})
+    return root
+
+
+def sign_serverapp_request(shuffler_dir: str | os.PathLike[str], csr: str | os.PathLike[str],
+                           out: str | os.PathLike[str]) -> Path:
+    """The shuffler operator issues the ServerApp's mTLS client certificate from the server's request.
+
+    Only the request's public key is used (CN ``serverapp``, client authentication only, whatever the request
+    asks), signed with the shuffler's mTLS CA key (``tls/ca.key`` of ``shuffler_dir``). Writes ``out`` (never
+    overwriting); hand it back with ``tls/ca.crt``. Raises DeployError for a bad request or a directory without
+    the CA key.
+    """
+    from shuffler import tls
+    from shuffler.keys import KeyDirectory
+
+    d = KeyDirectory(Path(shuffler_dir))
+    try:
+        ca_cert, ca_key = d.ca_cert.read_bytes(), d.ca_key.read_bytes()
+    except OSError as exc:
+        raise DeployError(f"cannot read the shuffler's mTLS CA ({exc.filename}: {exc.strerror}): --keys must be the "
+                          "shuffler operator's directory (`shuffledp deploy keys --party shuffler`)") from exc
+    try:
+        request = Path(csr).read_bytes()
+    except OSError as exc:
+        raise DeployError(f"cannot read the signing request {csr}: {exc}") from exc
+    try:
+        cert = tls.issue_certificate_for_csr(ca_cert, ca_key, request, "serverapp", is_server=False, is_client=True)
+    except ValueError as exc:
+        raise DeployError(f"{csr}: {exc}") from exc
+    dest = Path(out)
+    if dest.exists():
+        raise DeployError(f"{dest} already exists; a certificate is never overwritten")
+    _write_file(dest, cert, 0o644)
+    return dest
+
+
+def check_party_directory(root: str | os.PathLike[str]) -> list[str]:
+    """What is wrong with a party's key directory (empty list: nothing), from its ``deploy.json``.
+
+    Checks that the directory holds every file its party needs (with where a missing one comes from), **no
+    secret of another party** (the non-collusion the trust model assumes starts here), private keys of mode
+    0600 and no directory writable by others, and that the ServerApp's certificate (server) matches its key and
+    was issued by ``tls/ca.crt``. A one-directory layout (``party`` ``all``) is reported as such. This is a check
+    of files, not of who has copies elsewhere.
+    """
+    base = Path(root)
+    doc = DeployKeys(base).load_manifest()
+    party = doc.get("party", "all")
+    if party not in PARTIES:
+        raise DeployError(f"{base / 'deploy.json'} names the unknown party {party!r}; known: {', '.join(PARTIES)}")
+    if party == "all":
+        return [f"{base} holds every party's secrets (made by `deploy keys` without --party): a one-operator test "
+                "set-up, in which the shuffler and the server do not stay apart"]
+    problems: list[str] = []
+    for rel in _NEEDS[party]:
+        if not (base / rel).is_file():
+            hint = _SOURCE.get(rel)
+            problems.append(f"missing {rel}" + (f": {hint}" if hint else ""))
+    for other, files in _SECRETS.items():
+        if other == party:
+            continue
+        problems += [f"{rel} is a secret of the {other}, not of the {party}: delete it from {base}"
+                     for rel in files if (base / rel).exists()]
+    for rel in _SECRETS[party]:
+        path = base / rel
+        if path.is_file() and stat.S_IMODE(path.stat().st_mode) & 0o077:
+            problems.append(f"{rel} is readable by others (mode {stat.S_IMODE(path.stat().st_mode):04o}); "
+                            "make it 0600")
+    for directory in [base, *[p for p in base.rglob("*") if p.is_dir()]]:
+        if stat.S_IMODE(directory.stat().st_mode) & 0o022:
+            problems.append(f"{directory} is writable by others than its owner; make it 0700 or 0755")
+    if party == "server":
+        problems += _check_serverapp_certificate(DeployKeys(base))
+    return problems
+
+
+def _check_serverapp_certificate(paths: DeployKeys) -> list[str]:
+    """The server's ``tls/serverapp.crt`` must carry the public key of ``tls/serverapp.key`` and be signed by
+    ``tls/ca.crt`` (the shuffler's mTLS CA), else the shuffler refuses the ServerApp at the handshake."""
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    try:
+        cert = x509.load_pem_x509_certificate(paths.serverapp_cert.read_bytes())
+        ca = x509.load_pem_x509_certificate(paths.shuffler_ca_cert.read_bytes())
+        key = serialization.load_pem_private_key(paths.serverapp_key.read_bytes(), password=None)
+    except FileNotFoundError:
+        return []  # reported as missing above
+    except ValueError as exc:
+        return [f"cannot read the ServerApp's certificate, key or the shuffler's CA: {exc}"]
+    problems = []
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != cert.public_key():
+        problems.append("tls/serverapp.crt is not the certificate of tls/serverapp.key (was it issued for this "
+                        "directory's tls/serverapp.csr?)")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature) as exc:
+        problems.append(f"tls/serverapp.crt was not issued by tls/ca.crt (the shuffler's mTLS CA): {exc!r}")
+    return problems

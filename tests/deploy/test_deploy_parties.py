@@ -1,0 +1,180 @@
+"""Per-party keys (``deploy keys --party``): each party's directory holds its own secrets only, and the parties'
+directories, joined by public hand-overs alone, run a real mTLS shuffle that the server can verify and open."""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from server import deploy_keys as dk
+from server.deploy_cli import DeployError, DeployKeys, create_deploy_keys
+from shuffler import envelope, tls
+from shuffler import keys as shuffler_keys
+from shuffler.client import ShufflerClient
+from shuffler.process import ShufflerProcess, ShufflerStartError
+
+NODES = 3
+
+
+def _hand_over(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dest)
+
+
+def _parties(root: Path, nodes: int = NODES) -> tuple[Path, Path, list[Path]]:
+    """The three kinds of party make their keys apart, then exchange public files only (deploy/README.md)."""
+    server = dk.create_server_keys(root / "server", sans=["shuffler.internal"]).root
+    shuffler = dk.create_shuffler_keys(root / "shuffler", k=2, sans=["shuffler.internal"]).root
+    devices = [dk.create_device_keys(root / f"device-{i}", i) for i in range(nodes)]
+    enrolment = shuffler / "enrolment.json"
+    for i, device in enumerate(devices):  # the enrolment authority enrols each device's public key
+        shuffler_keys.enrol_client(enrolment, shuffler_keys.client_id(i), device / "client.pub")
+    # the shuffler operator answers the server's signing request and publishes its CA and signing key
+    dk.sign_serverapp_request(shuffler, server / "tls" / "serverapp.csr", root / "serverapp.crt")
+    _hand_over(root / "serverapp.crt", server / "tls" / "serverapp.crt")
+    _hand_over(shuffler / "tls" / "ca.crt", server / "tls" / "ca.crt")
+    _hand_over(shuffler / "public" / "shuffler_signing.pub", server / "public" / "shuffler_signing.pub")
+    return server, shuffler, devices
+
+
+def test_each_party_holds_its_own_secrets_only_and_they_run_a_shuffle(tmp_path: Path) -> None:
+    server, shuffler, devices = _parties(tmp_path)
+    assert dk.check_party_directory(server) == []
+    assert dk.check_party_directory(shuffler) == []
+    # no private key of one party exists in another's directory: compare every key file's bytes
+    secrets_of = {p: {f.read_bytes() for f in p.rglob("*") if f.is_file() and stat.S_IMODE(f.stat().st_mode) == 0o600}
+                  for p in (server, shuffler, *devices)}
+    for a, held in secrets_of.items():
+        assert held, a
+        for b, other in secrets_of.items():
+            assert a == b or not held & other, (a, b)
+
+    s, v = DeployKeys(server), shuffler_keys.KeyDirectory(shuffler)
+    proc = ShufflerProcess(v.config, root_certificate=s.shuffler_ca_cert.read_bytes(),
+                           client_certificate=s.serverapp_cert.read_bytes(),
+                           client_key=s.serverapp_key.read_bytes(), log_path=tmp_path / "shuffler.log")
+    proc.start()
+    try:
+        digest = envelope.model_digest([b"model"])
+        payloads = [bytes([i]) * 64 for i in range(NODES)]
+        sealed = [envelope.seal(payloads[i],
+                                server_public_key=shuffler_keys.load_public_key(s.server_public_key, "x25519"),
+                                shuffler_public_key=shuffler_keys.load_public_key(v.shuffler_hpke_pub, "x25519"),
+                                signing_key=shuffler_keys.load_private_key(d / "client.key", "ed25519"),
+                                key_epoch=0, round_id=7, model_digest=digest) for i, d in enumerate(devices)]
+        verify_key = shuffler_keys.load_public_key(server / "public" / "shuffler_signing.pub", "ed25519")
+        with ShufflerClient(proc.address, root_certificate=s.shuffler_ca_cert.read_bytes(),
+                            client_certificate=s.serverapp_cert.read_bytes(),
+                            client_key=s.serverapp_key.read_bytes(), shuffler_verify_key=verify_key,
+                            max_message_bytes=1 << 20) as client:
+            attestation = client.submit(round_id=7, key_epoch=0, model_digest=digest, envelopes=sealed)
+            inner = client.fetch_all(attestation)
+        assert attestation.n_accepted == NODES
+        server_key = shuffler_keys.load_private_key(server / "server" / "hpke.key", "x25519")
+        opened = [envelope.open_inner(c, server_private_key=server_key, key_epoch=0, round_id=7) for c in inner]
+        assert sorted(opened) == sorted(payloads)
+    finally:
+        proc.stop()
+
+
+def test_the_shuffler_refuses_to_start_below_k_enrolled(tmp_path: Path) -> None:
+    server = dk.create_server_keys(tmp_path / "server").root
+    shuffler = dk.create_shuffler_keys(tmp_path / "shuffler", k=2).root
+    device = dk.create_device_keys(tmp_path / "device-0", 0)
+    shuffler_keys.enrol_client(shuffler / "enrolment.json", "client-0", device / "client.pub")
+    dk.sign_serverapp_request(shuffler, server / "tls" / "serverapp.csr", server / "tls" / "serverapp.crt")
+    s = DeployKeys(server)
+    proc = ShufflerProcess(shuffler / "shuffler.toml", root_certificate=(shuffler / "tls" / "ca.crt").read_bytes(),
+                           client_certificate=s.serverapp_cert.read_bytes(), client_key=s.serverapp_key.read_bytes(),
+                           log_path=tmp_path / "shuffler.log", startup_timeout=60.0)
+    with pytest.raises(ShufflerStartError, match="k = 2 exceeds the 1 enrolled"):
+        proc.start()
+
+
+def test_check_names_foreign_secrets_missing_hand_overs_and_loose_modes(tmp_path: Path) -> None:
+    server = dk.create_server_keys(tmp_path / "server").root
+    shuffler = dk.create_shuffler_keys(tmp_path / "shuffler", k=1).root
+    problems = dk.check_party_directory(server)
+    assert any("missing tls/serverapp.crt" in p and "sign-serverapp" in p for p in problems)
+    assert any("missing public/shuffler_signing.pub" in p for p in problems)
+    assert any("missing enrolment.json" in p and "keys enrol" in p for p in dk.check_party_directory(shuffler))
+    # a server that also holds the shuffler's HPKE key could open reports before they are shuffled
+    _hand_over(shuffler / "shuffler" / "hpke.key", server / "shuffler" / "hpke.key")
+    assert any("shuffler/hpke.key is a secret of the shuffler" in p for p in dk.check_party_directory(server))
+    os.chmod(server / "server" / "hpke.key", 0o644)
+    assert any("server/hpke.key is readable by others" in p for p in dk.check_party_directory(server))
+    os.chmod(server / "public", 0o777)
+    assert any("public is writable by others" in p for p in dk.check_party_directory(server))
+    # a certificate issued for another key, or by another CA, is named
+    other = dk.create_server_keys(tmp_path / "other").root
+    dk.sign_serverapp_request(shuffler, other / "tls" / "serverapp.csr", server / "tls" / "serverapp.crt")
+    _hand_over(shuffler / "tls" / "ca.crt", server / "tls" / "ca.crt")
+    assert any("is not the certificate of tls/serverapp.key" in p for p in dk.check_party_directory(server))
+    one_dir = create_deploy_keys(tmp_path / "all", 2)
+    assert "holds every party's secrets" in dk.check_party_directory(one_dir.root)[0]
+
+
+def test_party_directories_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        roots = [dk.create_server_keys(tmp_path / "server").root, dk.create_shuffler_keys(tmp_path / "sh", k=1).root,
+                 dk.create_device_keys(tmp_path / "device", 4)]
+    finally:
+        os.umask(old)
+    for root in roots:
+        assert stat.S_IMODE(root.stat().st_mode) == 0o700, root
+        for p in root.rglob("*"):
+            mode = stat.S_IMODE(p.stat().st_mode)
+            assert not mode & 0o022, (p, oct(mode))
+            if p.suffix in (".key", ".secret"):
+                assert mode == 0o600, (p, oct(mode))
+
+
+def test_sign_serverapp_uses_only_the_requests_key(tmp_path: Path) -> None:
+    shuffler = dk.create_shuffler_keys(tmp_path / "shuffler", k=1).root
+    ca_cert = (shuffler / "tls" / "ca.crt").read_bytes()
+    # a request asking to be a server certificate for another name still yields a client-only "serverapp" leaf
+    csr, _key = tls.create_csr("shuffler")
+    (tmp_path / "req.csr").write_bytes(csr)
+    cert = dk.sign_serverapp_request(shuffler, tmp_path / "req.csr", tmp_path / "app.crt").read_bytes()
+    assert tls.certificate_common_name(cert) == "serverapp"
+    leaf = x509.load_pem_x509_certificate(cert)
+    assert list(leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
+        ExtendedKeyUsageOID.CLIENT_AUTH]
+    leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(ca_cert))
+    # a tampered request (its signature no longer verifies) and garbage are refused with the reason
+    der = x509.load_pem_x509_csr(csr).public_bytes(serialization.Encoding.DER)
+    tampered = der.replace(b"shuffler", b"shufflex")  # the subject changed after signing
+    body = base64.encodebytes(tampered).replace(b"\n", b"")
+    pem = b"-----BEGIN CERTIFICATE REQUEST-----\n" + b"\n".join(
+        body[i:i + 64] for i in range(0, len(body), 64)) + b"\n-----END CERTIFICATE REQUEST-----\n"
+    (tmp_path / "bad.csr").write_bytes(pem)
+    with pytest.raises(DeployError, match="signature does not verify"):
+        dk.sign_serverapp_request(shuffler, tmp_path / "bad.csr", tmp_path / "bad.crt")
+    (tmp_path / "junk.csr").write_bytes(b"junk")
+    with pytest.raises(DeployError, match="not a PEM PKCS#10 request"):
+        dk.sign_serverapp_request(shuffler, tmp_path / "junk.csr", tmp_path / "bad.crt")
+    assert not (tmp_path / "bad.crt").exists()
+    with pytest.raises(DeployError, match="already exists"):
+        dk.sign_serverapp_request(shuffler, tmp_path / "req.csr", tmp_path / "app.crt")
+    with pytest.raises(DeployError, match="--keys must be the shuffler operator's directory"):
+        dk.sign_serverapp_request(tmp_path / "req.csr", tmp_path / "req.csr", tmp_path / "x.crt")
+
+
+def test_party_keys_refuse_a_used_directory_and_bad_parameters(tmp_path: Path) -> None:
+    dk.create_device_keys(tmp_path / "d", 0)
+    with pytest.raises(DeployError, match="not an empty directory"):
+        dk.create_device_keys(tmp_path / "d", 0)
+    with pytest.raises(DeployError, match="--k must be an integer"):
+        dk.create_shuffler_keys(tmp_path / "s", k=0)
+    with pytest.raises(DeployError, match="--node must be an integer"):
+        dk.create_device_keys(tmp_path / "d2", -1)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "d2").exists()
