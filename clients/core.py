@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from clients.data import DATASETS
 from clients.messages import RequestError, TrainConfig, arrays_digest
 from clients.noise import ChaCha20Rng
 from clients.randomizer import DiscreteLaplaceRandomizer, flatten_arrays
@@ -278,6 +279,10 @@ def parse_data_settings(src: Mapping[str, Any], where: str) -> dict[str, Any]:
     for key in ("dataset", "data-dir", "partition"):
         if not isinstance(v[key], str):
             raise ClientSetupError(f"{where}[{key!r}] must be a string, got {v[key]!r}")
+    if v["dataset"] not in DATASETS:
+        raise ClientSetupError(f"{where}['dataset'] must be one of {DATASETS}, got {v['dataset']!r}")
+    if v["dataset"] == "mnist" and not v["data-dir"]:
+        raise ClientSetupError(f"{where}: dataset 'mnist' needs 'data-dir' (a folder with MNIST/raw/*-ubyte[.gz])")
     if v["partition"] not in _PARTITION_SCHEMES:
         raise ClientSetupError(f"{where}['partition'] must be one of {_PARTITION_SCHEMES}, got {v['partition']!r}")
     for key in ("pca-components", "partition-seed"):

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
+    "DATASETS",
     "Dataset",
     "load_data",
     "load_digits_dataset",
@@ -204,6 +205,10 @@ def load_mnist(root: str | os.PathLike[str], *, pca_components: int | None = 60)
     return _load_mnist_cached(str(Path(root).resolve()), pca_components)
 
 
+#: The datasets :func:`load_data` knows: ``digits`` (bundled with scikit-learn) and ``mnist`` (IDX files in a folder).
+DATASETS = ("digits", "mnist")
+
+
 def load_data(name: str = "digits", *, data_dir: str | None = None, pca_components: int | None = None) -> Dataset:
     """``"digits"`` (default, bundled) or ``"mnist"`` (needs ``data_dir``)."""
     if name == "digits":
@@ -212,7 +217,7 @@ def load_data(name: str = "digits", *, data_dir: str | None = None, pca_componen
         if not data_dir:
             raise ValueError("dataset 'mnist' needs data_dir (a folder with MNIST/raw/*-ubyte[.gz])")
         return load_mnist(data_dir, pca_components=pca_components)
-    raise ValueError(f"unknown dataset {name!r}; allowed: 'digits', 'mnist'")
+    raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(repr(d) for d in DATASETS)}")
 
 
 def _check_partitions(n_items: int, num_partitions: int) -> None:
