@@ -15,7 +15,8 @@ Four sub-commands:
     installation disabled), the shuffler service (mTLS), registers each SuperNode's public key, starts the
     SuperNodes (each with its own node config: partition, pinned eps0 and clip-l1, key paths), submits the app with
     ``flwr run . <connection>``, follows the run until it finishes, prints the per-round report and the timing
-    breakdown, and stops every process it started, also on Ctrl-C, SIGTERM or failure.
+    breakdown, and stops every process it started, also on Ctrl-C, SIGTERM or failure; a watchdog process
+    (server/deploy_watchdog.py) stops them should ``deploy local`` itself be killed.
 
 Layout added by ``deploy keys`` next to the shuffler key directory (see docs/interfaces.md)::
 
@@ -73,6 +74,7 @@ from clients.core import (
     ClientSetupError,
     parse_data_settings,
 )
+from server.deploy_watchdog import DeployWatchdog, Kind, WatchdogError, open_pidfd, send_signal
 from server.report import epsilon_label
 
 __all__ = [
@@ -565,31 +567,90 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class _Proc:
+    """A process started as the leader of a session of its own, with the sessions it started itself (adopted:
+    leader pid -> pidfd, see :meth:`ProcessGroup.adopt_sessions`)."""
+
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    sessions: dict[int, int | None] = field(default_factory=dict)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to its process group and to each adopted session's group whose leader still lives."""
+        _signal_group(self.popen, sig)
+        for pid, fd in self.sessions.items():
+            send_signal(Kind.LED_GROUP, pid, fd, sig)
+
+    def kill(self, watchdog: DeployWatchdog | None, wait: float) -> None:
+        """SIGKILL the adopted sessions and the process group (:func:`_kill_group`); forget the sessions."""
+        for pid, fd in self.sessions.items():
+            send_signal(Kind.LED_GROUP, pid, fd, signal.SIGKILL)
+            if watchdog is not None:
+                watchdog.forget(pid, Kind.LED_GROUP)
+            if fd is not None:
+                os.close(fd)
+        self.sessions.clear()
+        _kill_group(self.popen, watchdog, wait)
 
 
 @dataclass
 class ProcessGroup:
-    """Processes started in their own process groups, stopped together (reverse order, TERM then KILL)."""
+    """Processes started in their own process groups, stopped together (reverse order, TERM then KILL).
+
+    With a ``watchdog``, each process group (and each adopted session, :meth:`adopt_sessions`) is named to it
+    when started and forgotten once killed, so that the watchdog stops those still running should this process
+    die without stopping them (SIGKILL included).
+    """
 
     procs: list[_Proc] = field(default_factory=list)
     grace_seconds: float = 10.0
+    watchdog: DeployWatchdog | None = None
 
     def start(self, name: str, argv: Sequence[str], *, log: Path, env: Mapping[str, str],
               cwd: Path | None = None) -> subprocess.Popen[bytes]:
+        """Start ``argv`` as the leader of a new session and process group, output appended to ``log``."""
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as fh:
             popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=dict(env), cwd=cwd, start_new_session=True)
         self.procs.append(_Proc(name, popen, log))
+        if self.watchdog is not None:
+            self.watchdog.watch(popen.pid, Kind.GROUP)
         return popen
 
+    def adopt_sessions(self, popen: subprocess.Popen[bytes]) -> list[int]:
+        """Stop, with ``popen``'s group, the sessions its process has started itself; returns their leaders' pids.
+
+        ``flower-superlink`` starts its ServerApp executor (``flower-superexec``, the parent of every
+        ``flwr-serverapp``) in a session of its own, out of reach of a signal to the SuperLink's group. Each such
+        child is held through a pidfd and named to the watchdog; its group is signalled only while it lives, so a
+        number reused once it has gone is never hit.
+        """
+        entry = next(p for p in self.procs if p.popen is popen)
+        for pid in _session_children(popen.pid):
+            if pid in entry.sessions:
+                continue
+            try:
+                fd = open_pidfd(pid)
+            except ProcessLookupError:
+                continue
+            if pid not in _session_children(popen.pid):  # gone, and its number reused, before the pidfd
+                if fd is not None:
+                    os.close(fd)
+                continue
+            entry.sessions[pid] = fd
+            if self.watchdog is not None:
+                self.watchdog.watch(pid, Kind.LED_GROUP)
+        return sorted(entry.sessions)
+
     def forget(self, popen: subprocess.Popen[bytes]) -> None:
-        """Drop an exited process from the group (it is being replaced); a running one is refused."""
+        """Drop an exited process from the group (it is being replaced); a running one is refused. Whatever it
+        left in its process group is killed, so the watchdog can forget the group's number."""
         if popen.poll() is None:
             raise DeployError(f"refusing to forget process {popen.pid}: it is still running")
+        for p in self.procs:
+            if p.popen is popen:
+                p.kill(self.watchdog, wait=0)
         self.procs = [p for p in self.procs if p.popen is not popen]
 
     def check_alive(self) -> None:
@@ -600,23 +661,47 @@ class ProcessGroup:
                 raise DeployError(f"{p.name} exited with code {code}; last lines of {p.log}:\n{tail(p.log)}")
 
     def stop_all(self) -> None:
+        """SIGTERM every group, wait up to ``grace_seconds``, then SIGKILL every group and forget them all."""
         for p in reversed(self.procs):
-            _signal_group(p.popen, signal.SIGTERM)
+            p.signal(signal.SIGTERM)
         deadline = time.monotonic() + self.grace_seconds
         for p in reversed(self.procs):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
         for p in reversed(self.procs):
-            # the group may still hold children (superexec, flwr-serverapp, flwr-clientapp) after the leader died
-            _signal_group(p.popen, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.popen.wait(timeout=5)
+            # the group may still hold children (a SuperNode's superexec and flwr-clientapp) after the leader died
+            p.kill(self.watchdog, wait=5)
         self.procs.clear()
 
 
 def _signal_group(popen: subprocess.Popen[Any], sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(popen.pid, sig)
+
+
+def _kill_group(popen: subprocess.Popen[Any], watchdog: DeployWatchdog | None, wait: float) -> None:
+    """SIGKILL the whole process group led by ``popen``, wait up to ``wait`` s for the leader, and once the leader
+    has been reaped tell ``watchdog`` to forget the group (its members are dead or dying of SIGKILL)."""
+    _signal_group(popen, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        popen.wait(timeout=wait)
+    if watchdog is not None and popen.poll() is not None:
+        watchdog.forget(popen.pid, Kind.GROUP)
+
+
+def _session_children(pid: int) -> list[int]:
+    """The children of ``pid`` that lead a session of their own (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:  # "pid (comm) state ppid pgrp session ..."; comm may hold spaces and parentheses
+            _state, ppid, _pgrp, session = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(ppid) == pid and int(session) == int(entry.name):
+            found.append(int(entry.name))
+    return found
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -631,20 +716,51 @@ class _Interrupted(BaseException):
     """Raised from the SIGTERM/SIGHUP handler so that every ``finally`` runs and the processes are stopped."""
 
 
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    def handler(signum: int, _frame: object) -> None:
-        raise _Interrupted(f"received signal {signal.Signals(signum).name}")
+class _Signals:
+    """SIGTERM, SIGHUP and SIGINT while ``deploy local`` runs (see :func:`_stop_on_signals`).
 
-    previous = {}
+    The first one starts the stopping: SIGINT raises KeyboardInterrupt, the others :class:`_Interrupted`, so every
+    ``finally`` runs. Once stopping has begun (that first signal, or :meth:`stopping` at the start of a cleanup
+    that began otherwise), a signal is only recorded: a second or third SIGTERM cannot cut the cleanup short and
+    leave processes running.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self.raised = False
+        self._stopping = False
+
+    def handler(self, signum: int, _frame: object) -> None:
+        self.received.append(signal.Signals(signum).name)
+        if self._stopping:
+            return
+        self._stopping = self.raised = True
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise _Interrupted(f"received signal {self.received[-1]}")
+
+    def stopping(self) -> None:
+        """The cleanup starts: from now on signals are recorded, not raised."""
+        self._stopping = True
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[_Signals]:
+    """Handle SIGTERM, SIGHUP and SIGINT with :class:`_Signals` inside the block (main thread only). A signal
+    that arrived during a cleanup that it did not start makes the block end with :class:`_Interrupted` once the
+    cleanup is done (unless another exception is already on its way), so the exit status says interrupted."""
+    signals = _Signals()
+    previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            previous[sig] = signal.signal(sig, handler)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            previous[sig] = signal.signal(sig, signals.handler)
     try:
-        yield
+        yield signals
     finally:
         for sig, old in previous.items():
-            signal.signal(sig, old)
+            signal.signal(sig, signal.SIG_DFL if old is None else old)
+    if signals.received and not signals.raised:
+        raise _Interrupted(f"received signal {signals.received[0]} while stopping")
 
 
 def _wait_for(predicate: Any, timeout: float, what: str, group: ProcessGroup, interval: float = 0.2) -> None:
@@ -682,7 +798,8 @@ def start_superlink(group: ProcessGroup, keys: DeployKeys, state_dir: Path, base
     ``isolation="subprocess"``: the SuperLink starts its own ServerApp executor, whose working directory is
     ``state_dir``. ``"process"``: it waits for a separate executor (:func:`start_serverapp_executor`, the
     ``serverapp`` container of deploy/compose.yml) that must present ``superlink/superexec.secret``.
-    Waits until it listens.
+    Waits until it listens, then adopts the session in which it started its executor
+    (:meth:`ProcessGroup.adopt_sessions`).
     """
     if isolation not in ("subprocess", "process"):
         raise DeployError(f"isolation must be 'subprocess' or 'process', got {isolation!r}")
@@ -696,8 +813,10 @@ def start_superlink(group: ProcessGroup, keys: DeployKeys, state_dir: Path, base
     ]
     if isolation == "process":
         argv += ["--isolation", "process", "--superexec-auth-secret-file", str(keys.superexec_secret)]
-    group.start("flower-superlink", argv, log=log, env=flower_env(state_dir / "flwr-home", base_env), cwd=state_dir)
+    popen = group.start("flower-superlink", argv, log=log, env=flower_env(state_dir / "flwr-home", base_env),
+                        cwd=state_dir)
     _wait_for(lambda: _log_contains(log, "Uvicorn running on"), ready_timeout, "the SuperLink to listen", group)
+    group.adopt_sessions(popen)  # its ServerApp executor (subprocess isolation), started before it listens
     return f"{host}:{port}"
 
 
@@ -730,21 +849,36 @@ def start_supernode(group: ProcessGroup, keys: DeployKeys, index: int, superlink
                        env=flower_env(state_dir / "flwr-home", base_env), cwd=state_dir)
 
 
-def start_shuffler(keys: DeployKeys, log: Path) -> Any:
+def start_shuffler(keys: DeployKeys, log: Path, *, watchdog: DeployWatchdog | None = None) -> Any:
     """Start the shuffler service from ``DIR/shuffler.toml`` (mTLS) and wait until it answers health checks
-    over mTLS with the ServerApp's client certificate. Returns the running :class:`shuffler.process.ShufflerProcess`.
+    over mTLS with the ServerApp's client certificate. Returns the running :class:`shuffler.process.ShufflerProcess`
+    (stop it with :func:`_stop_shuffler`). Its process is named to ``watchdog`` as soon as it exists; if it fails
+    to start, or this is interrupted meanwhile, it is stopped here.
     """
     from shuffler.process import ShufflerProcess, ShufflerStartError
 
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = ShufflerProcess(keys.shuffler_config, root_certificate=keys.shuffler_ca_cert.read_bytes(),
                            client_certificate=keys.serverapp_cert.read_bytes(),
-                           client_key=keys.serverapp_key.read_bytes(), log_path=log, startup_timeout=90.0)
+                           client_key=keys.serverapp_key.read_bytes(), log_path=log, startup_timeout=90.0,
+                           on_spawn=None if watchdog is None else lambda pid: watchdog.watch(pid, Kind.PROCESS))
     try:
         proc.start()
-    except ShufflerStartError as exc:
-        raise DeployError(f"the shuffler service did not start: {exc}") from exc
+    except BaseException as exc:
+        _stop_shuffler(proc, watchdog)  # the caller never gets it
+        if isinstance(exc, ShufflerStartError):
+            raise DeployError(f"the shuffler service did not start: {exc}") from exc
+        raise
     return proc
+
+
+def _stop_shuffler(proc: Any, watchdog: DeployWatchdog | None = None) -> None:
+    """Stop a :class:`shuffler.process.ShufflerProcess` (SIGTERM, SIGKILL if it does not stop in time), remove its
+    temporary files, and tell ``watchdog`` it is stopped."""
+    popen = proc.proc
+    proc.__exit__(None, None, None)
+    if watchdog is not None and popen is not None and popen.poll() is not None:
+        watchdog.forget(popen.pid, Kind.PROCESS)
 
 
 #: What uvicorn logs when the SuperNode's Runtime HTTP API port was taken (errno 98 on Linux).
@@ -1121,7 +1255,9 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
     """Run the whole local deployment (see the module docstring) and return what it observed.
 
     Every process is started in its own process group and stopped in ``finally``: on success, on error, on
-    Ctrl-C (KeyboardInterrupt) and on SIGTERM/SIGHUP (converted to an exception while this runs).
+    Ctrl-C (KeyboardInterrupt) and on SIGTERM/SIGHUP (converted to an exception while this runs); signals that
+    arrive during that cleanup do not interrupt it (:class:`_Signals`). Should this process die without its
+    ``finally`` (SIGKILL), the :class:`server.deploy_watchdog.DeployWatchdog` started first stops them.
     """
     cfg.validate()
     app_dir = (cfg.app_dir or _app_dir_default()).resolve()
@@ -1150,7 +1286,6 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
     cli_env = flower_env(work / "cli-home", base_env)
     host = "127.0.0.1"
-    group = ProcessGroup()
     shuffler: Any = None
     follower: _LogFollower | None = None
     tailer: FileTailer | None = None
@@ -1163,7 +1298,8 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
     output_dir = work / "outputs"
     run_name = "deploy-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{secrets.token_hex(3)}"
     t_start = time.monotonic()
-    with _stop_on_signals():
+    with _stop_on_signals() as signals, DeployWatchdog() as watchdog:
+        group = ProcessGroup(watchdog=watchdog)
         try:
             # 1. SuperLink: TLS, node authentication, a file database (`:memory:` fails under load in 1.4x)
             address = start_superlink(group, keys, work / "superlink", base_env, logs / "superlink.log", host=host,
@@ -1175,7 +1311,7 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
 
             # 2. the shuffler service (mTLS; its own key files)
             t = time.monotonic()
-            shuffler = start_shuffler(keys, logs / "shuffler.log")
+            shuffler = start_shuffler(keys, logs / "shuffler.log", watchdog=watchdog)
             shuffler_address = shuffler.address
             timings["shuffler-start-s"] = time.monotonic() - t
 
@@ -1233,6 +1369,7 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
             log_proc = subprocess.Popen([_flower_bin("flwr"), "log", run_id, CONNECTION_NAME, "--stream"],
                                         env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)
+            watchdog.watch(log_proc.pid, Kind.GROUP)
             follower = _LogFollower(log_proc, run_log, t_start, echo=out)
             follower.start()
             deadline = time.monotonic() + cfg.timeout
@@ -1268,11 +1405,12 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
             out.write("interrupted: stopping every process of the deployment\n")
             raise
         finally:
+            signals.stopping()  # later signals do not cut this short; the watchdog stops what it misses
             if log_proc is not None:
                 _signal_group(log_proc, signal.SIGTERM)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     log_proc.wait(timeout=5)
-                _signal_group(log_proc, signal.SIGKILL)
+                _kill_group(log_proc, watchdog, wait=5)
             if follower is not None:
                 follower.join(timeout=5)
                 follower.out.close()
@@ -1280,7 +1418,7 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
                 tailer.stop()
             group.stop_all()
             if shuffler is not None:
-                shuffler.__exit__(None, None, None)  # SIGTERM, wait, remove its temporary files
+                _stop_shuffler(shuffler, watchdog)  # SIGTERM, wait, remove its temporary files
 
     report_file = output_dir / run_name / "report.json"
     report_path = report_file if report_file.is_file() else None
@@ -1499,7 +1637,7 @@ def main(argv: Sequence[str]) -> int:
         else:
             print(format_report(result))
         return 0 if result.status == "finished:completed" and result.report is not None else 1
-    except DeployError as exc:
+    except (DeployError, WatchdogError) as exc:
         print(f"shuffledp deploy: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

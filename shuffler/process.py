@@ -3,7 +3,8 @@
 Starts ``python -m shuffler.cli shuffler serve --config F --port-file P``, waits until the service has written
 its bound port (it does so only after recovery and ``server.start()``), then, when it has credentials (or the
 config is insecure), until the gRPC health service answers SERVING. ``stop()`` sends SIGTERM (graceful: the
-service drains in-flight RPCs); ``kill()`` sends SIGKILL (crash tests).
+service drains in-flight RPCs); ``kill()`` sends SIGKILL (crash tests). ``on_spawn`` is called with the child's
+pid as soon as it exists, before the wait (``shuffledp deploy local`` hands it to its watchdog there).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -40,6 +42,7 @@ class ShufflerProcess:
         client_key: bytes | None = None,
         startup_timeout: float = 30.0,
         log_path: str | os.PathLike[str] | None = None,
+        on_spawn: Callable[[int], None] | None = None,
     ) -> None:
         self.config_path = Path(config_path)
         self.config = load_config(self.config_path)  # fail early on a bad config
@@ -51,6 +54,7 @@ class ShufflerProcess:
         self.log_path = Path(log_path) if log_path else Path(self._tmp.name) / "shuffler.log"
         self.port: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        self._on_spawn = on_spawn
 
     @property
     def address(self) -> str:
@@ -90,6 +94,8 @@ class ShufflerProcess:
             )
         finally:
             log.close()
+        if self._on_spawn is not None:
+            self._on_spawn(self.proc.pid)
         deadline = time.monotonic() + self.startup_timeout
         while not port_file.exists():
             if self.proc.poll() is not None:
