@@ -1,6 +1,6 @@
 """``shuffledp deploy``: keys for a Flower deployment and a real multi-process TLS deployment on one machine.
 
-Four sub-commands:
+Six sub-commands:
 
 ``shuffledp deploy keys --out DIR --nodes N [--san NAME ...]``
     Everything a deployment needs, in one directory: the shuffler package's key directory (HPKE and signing keys,
@@ -9,6 +9,14 @@ Four sub-commands:
     side: a CA for the SuperLink, the SuperLink's TLS certificate (SANs ``localhost``, ``127.0.0.1`` and every
     ``--san``), and one SuperNode authentication key pair per device (ECDSA P-384 in OpenSSH format, which is what
     ``flwr supernode register`` and ``flower-supernode --auth-supernode-private-key`` read in Flower 1.41).
+    That directory holds every party's secrets: for tests. ``--party server|shuffler|device`` instead makes one
+    party's keys on its own host (:mod:`server.deploy_keys`).
+
+``shuffledp deploy sign-serverapp --keys DIR --csr FILE --out FILE``
+    The shuffler operator issues the ServerApp's mTLS client certificate from the server's signing request.
+
+``shuffledp deploy check --keys DIR``
+    Whether a party's directory holds what it needs and no other party's secret; its public files' fingerprints.
 
 ``shuffledp deploy local --nodes 3 --rounds 2 [--workdir DIR]``
     Starts ``flower-superlink`` (TLS, ``--enable-supernode-auth``, a file database, runtime dependency
@@ -31,7 +39,8 @@ Layout added by ``deploy keys`` next to the shuffler key directory (see docs/int
     DIR/deploy.json                     what was generated (nodes, SANs, key epoch, k); no secrets
 
 ``shuffledp deploy bundle --keys DIR --node I --out D --eps0 X --clip-l1 C``
-    Copies the files one device needs (and nothing else) into ``D`` and writes its ``node-config.toml``.
+    Copies the files one device needs (and nothing else) into ``D`` and writes its ``node-config.toml``; with
+    ``--device D`` (and the three public files) it completes a device's own directory in place.
 
 ``shuffledp deploy time-work --node-config FILE``
     On the device: times its worst-case local work under its pinned limits (see ``--help``).
@@ -210,19 +219,13 @@ class DeployKeys:
 
 
 def _write_file(path: Path, data: bytes, mode: int) -> None:
-    """Create ``path`` with ``mode`` (never overwriting) and write ``data``; the mode is set before any byte."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    """Create ``path`` with ``mode`` (never overwriting; :func:`shuffler.journal.write_file_durably`)."""
+    from shuffler.journal import write_file_durably
+
     try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fd = -1
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-    finally:
-        if fd >= 0:
-            os.close(fd)
+        write_file_durably(path, data, mode=mode, overwrite=False)
+    except FileExistsError as exc:
+        raise DeployError(f"{path} already exists; a key or certificate is never overwritten") from exc
 
 
 def supernode_keypair() -> tuple[bytes, bytes]:
@@ -245,6 +248,18 @@ def _check_int(name: str, value: object, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise DeployError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
     return value
+
+
+def superlink_names(sans: Sequence[str]) -> list[str]:
+    """The SANs of the SuperLink's (and the shuffler's) server certificate: ``localhost``, ``127.0.0.1`` and
+    ``sans`` (DNS names or IP addresses the other hosts use), without repeats."""
+    if isinstance(sans, str):
+        raise DeployError("sans must be a sequence of names, not one string")
+    names = ["localhost", "127.0.0.1"]
+    for name in sans:
+        if name not in names:
+            names.append(name)
+    return names
 
 
 def create_deploy_keys(
@@ -270,14 +285,13 @@ def create_deploy_keys(
     key_epoch = _check_int("--key-epoch", key_epoch, 0, 2**32 - 1)
     if k is not None:
         k = _check_int("--k", k, 1, nodes)
-    if isinstance(sans, str):
-        raise DeployError("sans must be a sequence of names, not one string")
-    names = ["localhost", "127.0.0.1"] + [s for s in sans if s not in ("localhost", "127.0.0.1")]
+    names = superlink_names(sans)
     root = Path(out)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise DeployError(f"{root} exists and is not an empty directory; keys are never overwritten "
                           "(choose a new directory; see deploy/README.md, 'Rotating keys')")
     root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)  # every party's secrets: the operator only, whatever the umask
     paths = DeployKeys(root)
     try:
         ca_cert, ca_key = tls.create_ca("shuffledp SuperLink CA")
@@ -303,12 +317,14 @@ def create_deploy_keys(
     _write_file(paths.superexec_secret, secrets.token_hex(32).encode(), 0o600)
     shuffler_conf = load_shuffler_config(paths.shuffler_config)
     (root / "compose").mkdir()
+    os.chmod(root / "compose", 0o755)
     _write_file(paths.compose_shuffler_config, compose_shuffler_config(shuffler_conf.key_epoch, shuffler_conf.k,
                                                                        shuffler_conf.max_envelope_bytes), 0o644)
     _write_file(paths.compose_run_config, compose_run_config(shuffler_conf.key_epoch, min(shuffler_conf.k, nodes)),
                 0o644)
     manifest = {
         "format": "shuffledp-deploy/v1",
+        "party": "all",
         "nodes": nodes,
         "superlink-sans": names,
         "key-epoch": key_epoch,
@@ -402,24 +418,16 @@ def device_data_settings(values: Mapping[str, object] | None) -> dict[str, objec
     return chosen
 
 
-def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str], *, eps0: float, clip_l1: float,
-                         prefix: str | None = None, reply_floor: float = 0.0,
-                         max_local_epochs: int = DEFAULT_MAX_LOCAL_EPOCHS,
-                         min_batch_size: int = DEFAULT_MIN_BATCH_SIZE,
-                         max_model_parameters: int = DEFAULT_MAX_MODEL_PARAMETERS,
-                         data: Mapping[str, object] | None = None) -> Path:
-    """Copy what device ``node`` needs into ``out`` (a new directory) and write its ``node-config.toml``.
-
-    The node config pins eps0, clip-l1, the reply floor, the work limits (the device refuses requests for
-    more local epochs or smaller minibatches; with a reply floor, pick one above the work at these limits) and
-    the data settings (``data``, see :func:`device_data_settings`; ``data-dir`` is a path on the device).
-
-    The bundle holds the device's own secrets (its SuperNode key and its client signing key, 0600) and public
-    files only (the SuperLink CA and the pinned server and shuffler HPKE public keys). ``prefix`` is where the
-    bundle will live on the device (default: ``out`` itself), e.g. ``/device`` for the client container.
-    """
-    manifest = keys.load_manifest()
-    nodes = int(manifest["nodes"])
+def device_node_config(node: int, nodes: int, *, eps0: float, clip_l1: float, key_paths: Mapping[str, str],
+                       reply_floor: float = 0.0, max_local_epochs: int = DEFAULT_MAX_LOCAL_EPOCHS,
+                       min_batch_size: int = DEFAULT_MIN_BATCH_SIZE,
+                       max_model_parameters: int = DEFAULT_MAX_MODEL_PARAMETERS,
+                       data: Mapping[str, object] | None = None) -> dict[str, object]:
+    """The node config device ``node`` of ``nodes`` runs with (the keys the ClientApp reads, docs/interfaces.md),
+    every value checked: eps0, clip-l1, the reply floor and the work limits it pins, its data settings
+    (:func:`device_data_settings`) and ``key_paths`` (``client-key``, ``server-public-key``,
+    ``shuffler-public-key``: paths on the device; nothing secret is inlined). Raises DeployError."""
+    nodes = _check_int("the number of nodes", nodes, 1, _MAX_NODES)
     node = _check_int("--node", node, 0, nodes - 1)
     for name, value in (("--eps0", eps0), ("--clip-l1", clip_l1)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
@@ -427,27 +435,9 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
     reply_floor = _check_reply_floor(reply_floor)
     max_local_epochs, min_batch_size, max_model_parameters = _check_work_limits(
         max_local_epochs, min_batch_size, max_model_parameters)
-    data_settings = device_data_settings(data)
-    dest = Path(out)
-    if dest.exists():
-        raise DeployError(f"{dest} already exists; a bundle is written to a new directory")
-    dest.mkdir(parents=True, mode=0o700)
-    copies = [
-        (keys.superlink_ca_cert, "superlink-ca.crt", 0o644),
-        (keys.server_public_key, "server_hpke.pub", 0o644),
-        (keys.shuffler_public_key, "shuffler_hpke.pub", 0o644),
-        (keys.supernode_key(node), "supernode.key", 0o600),
-        (keys.supernode_pub(node), "supernode.pub", 0o644),
-        (keys.client_key(node), "client.key", 0o600),
-    ]
-    for src, name, mode in copies:
-        try:
-            data = src.read_bytes()
-        except FileNotFoundError as exc:
-            raise DeployError(f"{src} is missing from the key directory {keys.root}") from exc
-        _write_file(dest / name, data, mode)
-    base = prefix.rstrip("/") if prefix else str(dest.resolve())
-    config = {
+    if sorted(key_paths) != sorted(_KEY_PATH_NAMES):
+        raise DeployError(f"key_paths must name exactly {_KEY_PATH_NAMES}, got {sorted(key_paths)}")
+    return {
         "partition-id": node,
         "num-partitions": nodes,
         "eps0": float(eps0),
@@ -456,11 +446,62 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
         "max-local-epochs": max_local_epochs,
         "min-batch-size": min_batch_size,
         "max-model-parameters": max_model_parameters,
-        **data_settings,
-        "client-key": f"{base}/client.key",
-        "server-public-key": f"{base}/server_hpke.pub",
-        "shuffler-public-key": f"{base}/shuffler_hpke.pub",
+        **device_data_settings(data),
+        **{name: str(key_paths[name]) for name in _KEY_PATH_NAMES},
     }
+
+
+_KEY_PATH_NAMES = ("client-key", "server-public-key", "shuffler-public-key")
+#: A bundle's public files: (name in the bundle, DeployKeys attribute it is copied from).
+BUNDLE_PUBLIC_FILES = (("superlink-ca.crt", "superlink_ca_cert"), ("server_hpke.pub", "server_public_key"),
+                       ("shuffler_hpke.pub", "shuffler_public_key"))
+
+
+def bundle_key_paths(base: str) -> dict[str, str]:
+    """The key paths of a node config whose bundle lives at ``base`` on the device."""
+    return {"client-key": f"{base}/client.key", "server-public-key": f"{base}/server_hpke.pub",
+            "shuffler-public-key": f"{base}/shuffler_hpke.pub"}
+
+
+def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str], *, eps0: float, clip_l1: float,
+                         prefix: str | None = None, **limits_and_data: Any) -> Path:
+    """Copy what device ``node`` needs into ``out`` (a new directory) and write its ``node-config.toml``.
+
+    The node config (:func:`device_node_config`; ``limits_and_data`` are its ``reply_floor``, work limits and
+    ``data``) pins eps0, clip-l1, the reply floor, the work limits (the device refuses requests for more local
+    epochs or smaller minibatches; with a reply floor, pick one above the work at these limits) and the data
+    settings (``data-dir`` is a path on the device).
+
+    The bundle holds the device's own secrets (its SuperNode key and its client signing key, 0600) and public
+    files only (the SuperLink CA and the pinned server and shuffler HPKE public keys). ``prefix`` is where the
+    bundle will live on the device (default: ``out`` itself), e.g. ``/device`` for the client container.
+    """
+    manifest = keys.load_manifest()
+    nodes = manifest.get("nodes")
+    if manifest.get("party", "all") != "all" or isinstance(nodes, bool) or not isinstance(nodes, int):
+        raise DeployError(f"{keys.manifest} is not a one-directory layout with its number of nodes (a party's "
+                          "directory? a device completes its own with `deploy bundle --device`)")
+    dest = Path(out)
+    base = prefix.rstrip("/") if prefix else str(dest.resolve())
+    config = device_node_config(node, nodes, eps0=eps0, clip_l1=clip_l1, key_paths=bundle_key_paths(base),
+                                **limits_and_data)
+    if dest.exists():
+        raise DeployError(f"{dest} already exists; a bundle is written to a new directory")
+    copies = [(getattr(keys, attr), name, 0o644) for name, attr in BUNDLE_PUBLIC_FILES] + [
+        (keys.supernode_key(node), "supernode.key", 0o600),
+        (keys.supernode_pub(node), "supernode.pub", 0o644),
+        (keys.client_key(node), "client.key", 0o600),
+    ]
+    contents = []
+    for src, name, mode in copies:
+        try:
+            contents.append((name, src.read_bytes(), mode))
+        except FileNotFoundError as exc:
+            raise DeployError(f"{src} is missing from the key directory {keys.root}") from exc
+    dest.mkdir(parents=True, mode=0o700)
+    os.chmod(dest, 0o700)
+    for name, data, mode in contents:
+        _write_file(dest / name, data, mode)
     write_toml(dest / "node-config.toml", config)
     return dest
 
@@ -514,26 +555,13 @@ def write_flower_config(flwr_home: Path, address: str, root_certificates: Path,
 def node_config(keys: DeployKeys, partition_id: int, num_partitions: int, *, eps0: float,
                 clip_l1: float, reply_floor: float = 0.0,
                 data: Mapping[str, object] | None = None) -> dict[str, object]:
-    """The node config one SuperNode runs with (the keys the ClientApp reads, docs/interfaces.md).
-
-    eps0 and clip-l1 are pinned here, on the device: the ClientApp refuses a server request that asks for
-    other values. So are the data settings (``data``, see :func:`device_data_settings`): the device reads the
-    data its node config names. Keys are referred to by path; nothing secret is inlined.
-    """
-    return {
-        "partition-id": partition_id,
-        "num-partitions": num_partitions,
-        "eps0": float(eps0),
-        "clip-l1": float(clip_l1),
-        "reply-floor": float(reply_floor),
-        "max-local-epochs": DEFAULT_MAX_LOCAL_EPOCHS,
-        "min-batch-size": DEFAULT_MIN_BATCH_SIZE,
-        "max-model-parameters": DEFAULT_MAX_MODEL_PARAMETERS,
-        **device_data_settings(data),
-        "client-key": str(keys.client_key(partition_id).resolve()),
-        "server-public-key": str(keys.server_public_key.resolve()),
-        "shuffler-public-key": str(keys.shuffler_public_key.resolve()),
-    }
+    """The node config one SuperNode of ``deploy local`` runs with (:func:`device_node_config`, default work
+    limits), with the key paths of the one-directory layout ``keys``."""
+    return device_node_config(partition_id, num_partitions, eps0=eps0, clip_l1=clip_l1, reply_floor=reply_floor,
+                              data=data, key_paths={
+                                  "client-key": str(keys.client_key(partition_id).resolve()),
+                                  "server-public-key": str(keys.server_public_key.resolve()),
+                                  "shuffler-public-key": str(keys.shuffler_public_key.resolve())})
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1486,19 +1514,45 @@ def format_report(result: DeployResult) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shuffledp deploy", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True)
-    k = sub.add_parser("keys", help="create every key and certificate of a deployment")
+    k = sub.add_parser("keys", help="create the keys and certificates of a deployment (all, or one party's)")
     k.add_argument("--out", required=True, type=Path, help="new (empty) directory for the keys")
-    k.add_argument("--nodes", required=True, type=int, help="number of devices (SuperNodes/clients)")
+    k.add_argument("--party", choices=("all", "server", "shuffler", "device"), default="all",
+                   help="whose keys: all (one directory with every party's secrets: tests only; the default), or "
+                        "the server's, the shuffler's or one device's, made on that party's host "
+                        "(deploy/README.md, 'Each party makes its own keys')")
+    k.add_argument("--nodes", type=int, default=None, help="number of devices (SuperNodes/clients; --party all)")
+    k.add_argument("--node", type=int, default=None, help="this device's index, its partition id (--party device)")
     k.add_argument("--san", action="append", default=[], metavar="NAME",
                    help="extra DNS name or IP address of the SuperLink/shuffler (repeatable)")
     k.add_argument("--key-epoch", type=int, default=_DEFAULT_KEY_EPOCH,
                    help="key epoch the shuffler expects (raise it when rotating keys)")
-    k.add_argument("--k", type=int, default=None, help="shuffler release threshold (distinct signers)")
+    k.add_argument("--k", type=int, default=None,
+                   help="shuffler release threshold (distinct signers; required with --party shuffler)")
 
-    b = sub.add_parser("bundle", help="copy the files one device needs and write its node config")
-    b.add_argument("--keys", required=True, type=Path, help="directory written by `shuffledp deploy keys`")
-    b.add_argument("--node", required=True, type=int, help="device index (partition id)")
-    b.add_argument("--out", required=True, type=Path, help="new directory for the bundle")
+    sg = sub.add_parser("sign-serverapp", help="shuffler operator: issue the ServerApp's mTLS client certificate "
+                                               "from the server's tls/serverapp.csr")
+    sg.add_argument("--keys", required=True, type=Path, help="the shuffler operator's directory (--party shuffler)")
+    sg.add_argument("--csr", required=True, type=Path, help="the server's certificate signing request")
+    sg.add_argument("--out", required=True, type=Path, help="where to write the certificate (new file)")
+
+    ck = sub.add_parser("check", help="check a party's key directory: what it needs, no other party's secrets, "
+                                      "modes; print its public files' fingerprints")
+    ck.add_argument("--keys", required=True, type=Path, help="a directory written by `shuffledp deploy keys`")
+
+    b = sub.add_parser("bundle", help="write a device's bundle: the files it needs and its node config")
+    src = b.add_mutually_exclusive_group(required=True)
+    src.add_argument("--keys", type=Path, help="directory written by `shuffledp deploy keys` (--party all)")
+    src.add_argument("--device", type=Path,
+                     help="on the device: complete its own directory (`deploy keys --party device`) in place")
+    b.add_argument("--node", type=int, default=None, help="device index, its partition id (with --keys)")
+    b.add_argument("--out", type=Path, default=None, help="new directory for the bundle (with --keys)")
+    b.add_argument("--nodes", type=int, default=None, help="number of devices in the deployment (with --device)")
+    b.add_argument("--superlink-ca", type=Path, default=None,
+                   help="the server operator's superlink/ca.crt (with --device)")
+    b.add_argument("--server-public-key", type=Path, default=None,
+                   help="the server operator's public/server_hpke.pub (with --device)")
+    b.add_argument("--shuffler-public-key", type=Path, default=None,
+                   help="the shuffler operator's public/shuffler_hpke.pub (with --device)")
     b.add_argument("--eps0", required=True, type=float, help="eps0 the device pins (it refuses any other)")
     b.add_argument("--clip-l1", required=True, type=float, help="L1 clip C the device pins")
     b.add_argument("--reply-floor", type=float, default=0.0,
@@ -1563,6 +1617,103 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, object]:
     return out
 
 
+def _keys(args: argparse.Namespace) -> int:
+    """``deploy keys``: every party's keys in one directory (``--party all``), or one party's."""
+    from server import deploy_keys
+
+    allowed = {"all": {"nodes", "key_epoch", "k", "san"}, "server": {"san"},
+               "shuffler": {"k", "key_epoch", "san"}, "device": {"node"}}[args.party]
+    given = {"nodes": args.nodes is not None, "node": args.node is not None, "k": args.k is not None,
+             "key_epoch": args.key_epoch != _DEFAULT_KEY_EPOCH, "san": bool(args.san)}
+    extra = sorted(f"--{name.replace('_', '-')}" for name, on in given.items() if on and name not in allowed)
+    if extra:
+        raise DeployError(f"{', '.join(extra)} does not apply to --party {args.party}")
+    needed = {"all": ("nodes",), "shuffler": ("k",), "device": ("node",)}.get(args.party, ())
+    missing = [f"--{name}" for name in needed if not given[name]]
+    if missing:
+        raise DeployError(f"--party {args.party} needs {', '.join(missing)}")
+    if args.party == "all":
+        paths = create_deploy_keys(args.out, args.nodes, sans=args.san, key_epoch=args.key_epoch, k=args.k)
+        print(f"wrote deployment keys for {args.nodes} nodes to {paths.root}")
+        print(f"  SuperLink CA (give to devices): {paths.superlink_ca_cert}")
+        print(f"  register each device: flwr supernode register {paths.root}/supernodes/node-<i>.pub <connection>")
+        print("  this directory holds every party's secrets (tests only); private keys are mode 0600; see "
+              "deploy/README.md for which party keeps which file")
+        return 0
+    if args.party == "server":
+        root = deploy_keys.create_server_keys(args.out, sans=args.san).root
+        hand_over = ["tls/serverapp.csr to the shuffler operator (`deploy sign-serverapp`)",
+                     "superlink/ca.crt and public/server_hpke.pub to every device"]
+    elif args.party == "shuffler":
+        root = deploy_keys.create_shuffler_keys(args.out, k=args.k, key_epoch=args.key_epoch, sans=args.san).root
+        hand_over = ["public/shuffler_hpke.pub to every device",
+                     "public/shuffler_signing.pub and tls/ca.crt to the server operator",
+                     "then enrol each device's client.pub: `shuffledp keys enrol --enrolment "
+                     f"{root}/enrolment.json --client-id client-<i> --public-key client.pub`"]
+    else:
+        root = deploy_keys.create_device_keys(args.out, args.node)
+        hand_over = [f"client.pub to the shuffler operator (enrolled as client-{args.node})",
+                     "supernode.pub to the server operator (`flwr supernode register`)",
+                     "then complete it with `shuffledp deploy bundle --device` once the public keys have arrived"]
+    print(f"wrote the {args.party}'s keys to {root} (private keys 0600, directory 0700); hand over (public):")
+    for line in hand_over:
+        print(f"  {line}")
+    print(f"  `shuffledp deploy check --keys {root}` says what is still missing")
+    return 0
+
+
+def _check(root: Path) -> int:
+    """``deploy check``: the problems of a key directory (exit 1 if any) and its public files' fingerprints."""
+    from server.deploy_keys import check_party_directory, public_fingerprints
+
+    problems = check_party_directory(root)
+    for line in problems:
+        print(f"problem: {line}")
+    for rel, digest in public_fingerprints(root).items():
+        print(f"sha256 {digest}  {rel}")
+    print("ok: nothing is wrong with this directory" if not problems else f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    """``deploy bundle``: from a one-directory layout (``--keys``), or a device's own directory (``--device``)."""
+    limits_and_data: dict[str, Any] = {
+        "reply_floor": args.reply_floor, "max_local_epochs": args.max_local_epochs,
+        "min_batch_size": args.min_batch_size, "max_model_parameters": args.max_model_parameters,
+        "data": {key: value for key, value in (
+            ("dataset", args.dataset), ("data-dir", args.data_dir), ("pca-components", args.pca_components),
+            ("partition", args.partition), ("dirichlet-alpha", args.dirichlet_alpha),
+            ("partition-seed", args.partition_seed)) if value is not None}}
+    device_flags = {"--nodes": args.nodes, "--superlink-ca": args.superlink_ca,
+                    "--server-public-key": args.server_public_key, "--shuffler-public-key": args.shuffler_public_key}
+    if args.keys is not None:
+        wrong = [flag for flag, value in device_flags.items() if value is not None]
+        if wrong or args.node is None or args.out is None:
+            raise DeployError("bundle --keys needs --node and --out" + (
+                f", and takes no {', '.join(wrong)} (those complete a device's own directory, with --device)"
+                if wrong else ""))
+        dest = create_device_bundle(DeployKeys(args.keys), args.node, args.out, eps0=args.eps0,
+                                    clip_l1=args.clip_l1, prefix=args.prefix, **limits_and_data)
+        start = f"wrote the bundle of device {args.node} to {dest}; copy it to the device and start it with"
+    else:
+        from server.deploy_keys import complete_device_bundle
+
+        missing = [flag for flag, value in device_flags.items() if value is None]
+        if missing or args.node is not None or args.out is not None:
+            raise DeployError("bundle --device completes the device's directory in place: it needs "
+                              f"{', '.join(device_flags)}" + (f" (missing: {', '.join(missing)})" if missing else "")
+                              + " and takes no --node or --out (the node is in the directory's deploy.json)")
+        dest = complete_device_bundle(args.device, nodes=args.nodes, superlink_ca=args.superlink_ca,
+                                      server_public_key=args.server_public_key,
+                                      shuffler_public_key=args.shuffler_public_key, eps0=args.eps0,
+                                      clip_l1=args.clip_l1, prefix=args.prefix, **limits_and_data)
+        start = f"completed the device's bundle {dest}; start it with"
+    print(start)
+    print("  flower-supernode --superlink <superlink-host>:8000 --root-certificates <dir>/superlink-ca.crt "
+          "--auth-supernode-private-key <dir>/supernode.key --node-config <dir>/node-config.toml")
+    return 0
+
+
 def _time_work(node_config_path: Path, repeat: int) -> int:
     """``deploy time-work``: print :func:`clients.worktime.time_worst_case` as JSON; warn on stderr if the pinned
     reply-floor does not cover the measured worst case. Exit 0 once measured (1 for a bad node config)."""
@@ -1603,26 +1754,18 @@ def main(argv: Sequence[str]) -> int:
         return int(exc.code or 0)
     try:
         if args.action == "keys":
-            paths = create_deploy_keys(args.out, args.nodes, sans=args.san, key_epoch=args.key_epoch, k=args.k)
-            print(f"wrote deployment keys for {args.nodes} nodes to {paths.root}")
-            print(f"  SuperLink CA (give to devices): {paths.superlink_ca_cert}")
-            print(f"  register each device: flwr supernode register {paths.root}/supernodes/node-<i>.pub <connection>")
-            print("  private keys are mode 0600; see deploy/README.md for which party keeps which file")
+            return _keys(args)
+        if args.action == "sign-serverapp":
+            from server.deploy_keys import sign_serverapp_request
+
+            cert = sign_serverapp_request(args.keys, args.csr, args.out)
+            print(f"wrote the ServerApp's client certificate {cert}; send it to the server operator with "
+                  f"{args.keys / 'tls' / 'ca.crt'} (its tls/serverapp.crt and tls/ca.crt)")
             return 0
+        if args.action == "check":
+            return _check(args.keys)
         if args.action == "bundle":
-            dest = create_device_bundle(DeployKeys(args.keys), args.node, args.out, eps0=args.eps0,
-                                        clip_l1=args.clip_l1, prefix=args.prefix, reply_floor=args.reply_floor,
-                                        max_local_epochs=args.max_local_epochs, min_batch_size=args.min_batch_size,
-                                        max_model_parameters=args.max_model_parameters,
-                                        data={key: value for key, value in (
-                                            ("dataset", args.dataset), ("data-dir", args.data_dir),
-                                            ("pca-components", args.pca_components), ("partition", args.partition),
-                                            ("dirichlet-alpha", args.dirichlet_alpha),
-                                            ("partition-seed", args.partition_seed)) if value is not None})
-            print(f"wrote the bundle of device {args.node} to {dest}; copy it to the device and start it with")
-            print(f"  flower-supernode --superlink <superlink-host>:8000 --root-certificates <dir>/superlink-ca.crt "
-                  f"--auth-supernode-private-key <dir>/supernode.key --node-config <dir>/node-config.toml")
-            return 0
+            return _bundle(args)
         if args.action == "time-work":
             return _time_work(args.node_config, args.repeat)
         cfg = LocalDeployment(nodes=args.nodes, rounds=args.rounds, workdir=args.workdir, keys_dir=args.keys,

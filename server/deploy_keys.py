@@ -37,11 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from server.deploy_cli import (
+    BUNDLE_PUBLIC_FILES,
     DeployError,
     DeployKeys,
     _check_int,
     _write_file,
+    bundle_key_paths,
+    device_node_config,
+    superlink_names,
     supernode_keypair,
+    write_toml,
 )
 
 __all__ = [
@@ -49,8 +54,10 @@ __all__ = [
     "create_server_keys",
     "create_shuffler_keys",
     "create_device_keys",
+    "complete_device_bundle",
     "sign_serverapp_request",
     "check_party_directory",
+    "public_fingerprints",
     "DEVICE_FILES",
 ]
 
@@ -95,15 +102,6 @@ _SOURCE = {
     "shuffler_hpke.pub": "complete the device with `shuffledp deploy bundle --device`",
     "node-config.toml": "complete the device with `shuffledp deploy bundle --device`",
 }
-
-
-def superlink_names(sans: Sequence[str]) -> list[str]:
-    """The SANs of the SuperLink's (and the shuffler's) server certificate: ``localhost``, ``127.0.0.1`` and
-    ``sans`` (DNS names or IP addresses the other hosts use), without repeats."""
-    if isinstance(sans, str):
-        raise DeployError("sans must be a sequence of names, not one string")
-    names = ["localhost", "127.0.0.1"]
-    return names + [s for i, s in enumerate(sans) if s not in names and s not in sans[:i]]
 
 
 def _new_party_directory(out: str | os.PathLike[str]) -> Path:
@@ -206,6 +204,59 @@ def create_device_keys(out: str | os.PathLike[str], node: int) -> Path:
     return root
 
 
+def complete_device_bundle(device_dir: str | os.PathLike[str], *, nodes: int, superlink_ca: str | os.PathLike[str],
+                           server_public_key: str | os.PathLike[str], shuffler_public_key: str | os.PathLike[str],
+                           eps0: float, clip_l1: float, prefix: str | None = None,
+                           **limits_and_data: Any) -> Path:
+    """On the device: add the public files it pins and its ``node-config.toml`` to the directory made by
+    :func:`create_device_keys` (``deploy bundle --device``), which then has a bundle's layout.
+
+    ``superlink_ca`` is the server operator's ``superlink/ca.crt`` and ``server_public_key`` its
+    ``public/server_hpke.pub``; ``shuffler_public_key`` is the shuffler operator's ``public/shuffler_hpke.pub``.
+    Each is checked to be what it claims (a CA certificate, X25519 public keys) before anything is written.
+    ``limits_and_data`` are :func:`server.deploy_cli.device_node_config`'s. Raises DeployError.
+    """
+    from cryptography import x509
+
+    from shuffler import keys as shuffler_keys
+
+    root = Path(device_dir)
+    doc = DeployKeys(root).load_manifest()
+    if doc.get("party") != "device":
+        raise DeployError(f"{root} is not a device's directory (its deploy.json names party "
+                          f"{doc.get('party', 'all')!r}; make one with `deploy keys --party device`)")
+    node = doc.get("node")
+    if isinstance(node, bool) or not isinstance(node, int):
+        raise DeployError(f"{root / 'deploy.json'} names no node index; make the directory with `deploy keys "
+                          "--party device --node I`")
+    base = prefix.rstrip("/") if prefix else str(root.resolve())
+    config = device_node_config(node, nodes, eps0=eps0, clip_l1=clip_l1,
+                                key_paths=bundle_key_paths(base), **limits_and_data)
+    sources = {"superlink-ca.crt": Path(superlink_ca), "server_hpke.pub": Path(server_public_key),
+               "shuffler_hpke.pub": Path(shuffler_public_key)}
+    if sorted(sources) != sorted(name for name, _ in BUNDLE_PUBLIC_FILES):
+        raise DeployError("the bundle's public files changed; update complete_device_bundle")
+    for name in (*sources, "node-config.toml"):
+        if (root / name).exists():
+            raise DeployError(f"{root / name} already exists: this device's bundle is already complete")
+    contents = {}
+    for name, src in sources.items():
+        try:
+            contents[name] = src.read_bytes()
+            if name.endswith(".pub"):
+                shuffler_keys.load_public_key(src, "x25519")
+            else:
+                ca = x509.load_pem_x509_certificate(contents[name])
+                if not ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+                    raise ValueError("it is not a CA certificate")
+        except (OSError, ValueError, x509.ExtensionNotFound) as exc:
+            raise DeployError(f"{src} cannot be this device's {name}: {exc}") from exc
+    for name, data in contents.items():
+        _write_file(root / name, data, 0o644)
+    write_toml(root / "node-config.toml", config)
+    return root
+
+
 def sign_serverapp_request(shuffler_dir: str | os.PathLike[str], csr: str | os.PathLike[str],
                            out: str | os.PathLike[str]) -> Path:
     """The shuffler operator issues the ServerApp's mTLS client certificate from the server's request.
@@ -277,6 +328,19 @@ def check_party_directory(root: str | os.PathLike[str]) -> list[str]:
     if party == "server":
         problems += _check_serverapp_certificate(DeployKeys(base))
     return problems
+
+
+def public_fingerprints(root: str | os.PathLike[str]) -> dict[str, str]:
+    """SHA-256 (hex) of every public file of a directory (``*.pub``, ``*.crt``, ``*.csr``), by relative path.
+
+    The hand-overs between parties need authenticity: the receiver compares these over a second channel (a call,
+    a signed message) with what the sender's ``deploy check`` printed.
+    """
+    import hashlib
+
+    base = Path(root)
+    return {str(p.relative_to(base)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(base.rglob("*")) if p.is_file() and p.suffix in (".pub", ".crt", ".csr")}
 
 
 def _check_serverapp_certificate(paths: DeployKeys) -> list[str]:

@@ -163,12 +163,15 @@ def test_devices_pin_their_data_settings(tmp_path: Path) -> None:
         "alpha": 0.3, "seed": 7}
     for flags, data in ((["--pca-components", "-1"], {"pca-components": -1}),
                         (["--partition", "zipf"], {"partition": "zipf"}),
-                        (["--dirichlet-alpha", "0"], {"dirichlet-alpha": 0.0})):
+                        (["--dirichlet-alpha", "0"], {"dirichlet-alpha": 0.0}),
+                        (["--dataset", "minst"], {"dataset": "minst"})):
         assert dc.main(["deploy", "bundle", "--keys", str(keys.root), "--node", "0", "--out", str(tmp_path / "bad"),
                         "--eps0", "1", "--clip-l1", "1", *flags]) == 1
         with pytest.raises(dc.DeployError, match=f"data settings\\['{next(iter(data))}'\\] must be"):
             dc.create_device_bundle(keys, 0, tmp_path / "bad", eps0=1.0, clip_l1=1.0, data=data)
         assert not (tmp_path / "bad").exists()  # refused before anything was written
+    with pytest.raises(dc.DeployError, match="dataset 'mnist' needs 'data-dir'"):  # else it fails on the device
+        dc.create_device_bundle(keys, 0, tmp_path / "bad", eps0=1.0, clip_l1=1.0, data={"dataset": "mnist"})
     # deploy local: the app's run-config defaults with --run-config on top, the same for every node
     app = tmp_path / "app"
     app.mkdir()

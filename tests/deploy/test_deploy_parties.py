@@ -7,6 +7,7 @@ import base64
 import os
 import shutil
 import stat
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from server import deploy_keys as dk
 from server.deploy_cli import DeployError, DeployKeys, create_deploy_keys
+from server.deploy_cli import main as deploy_main
 from shuffler import envelope, tls
 from shuffler import keys as shuffler_keys
 from shuffler.client import ShufflerClient
@@ -50,7 +52,8 @@ def test_each_party_holds_its_own_secrets_only_and_they_run_a_shuffle(tmp_path: 
     assert dk.check_party_directory(server) == []
     assert dk.check_party_directory(shuffler) == []
     # no private key of one party exists in another's directory: compare every key file's bytes
-    secrets_of = {p: {f.read_bytes() for f in p.rglob("*") if f.is_file() and stat.S_IMODE(f.stat().st_mode) == 0o600}
+    secrets_of = {p: {f.read_bytes() for f in p.rglob("*")
+                      if f.is_file() and stat.S_IMODE(f.stat().st_mode) == 0o600}
                   for p in (server, shuffler, *devices)}
     for a, held in secrets_of.items():
         assert held, a
@@ -178,3 +181,68 @@ def test_party_keys_refuse_a_used_directory_and_bad_parameters(tmp_path: Path) -
     with pytest.raises(DeployError, match="--node must be an integer"):
         dk.create_device_keys(tmp_path / "d2", -1)
     assert not (tmp_path / "s").exists() and not (tmp_path / "d2").exists()
+
+
+def _deploy(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:
+    code = deploy_main(["deploy", *map(str, argv)])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_the_per_party_flow_through_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    server, shuffler, device = tmp_path / "server", tmp_path / "shuffler", tmp_path / "device"
+    assert _deploy(capsys, "keys", "--party", "server", "--out", server, "--san", "superlink.example.org")[0] == 0
+    assert _deploy(capsys, "keys", "--party", "shuffler", "--out", shuffler, "--k", 1)[0] == 0
+    code, out = _deploy(capsys, "keys", "--party", "device", "--out", device, "--node", 1)
+    assert code == 0 and "client.pub to the shuffler operator (enrolled as client-1)" in out
+    # flags of another party, and a missing one, are refused before anything is written
+    for argv, message in ((["--party", "device", "--node", "0", "--nodes", "3"],
+                           "--nodes does not apply to --party device"),
+                          (["--party", "server", "--k", "2"], "--k does not apply to --party server"),
+                          (["--party", "shuffler"], "--party shuffler needs --k"),
+                          (["--nodes", "2", "--node", "1"], "--node does not apply to --party all")):
+        code, out = _deploy(capsys, "keys", "--out", tmp_path / "refused", *argv)
+        assert code == 1 and message in out, out
+        assert not (tmp_path / "refused").exists()
+    code, out = _deploy(capsys, "check", "--keys", server)
+    assert code == 1 and "missing tls/serverapp.crt" in out and "problem(s)" in out
+
+    # the hand-overs: public files and one signing request
+    assert _deploy(capsys, "sign-serverapp", "--keys", shuffler, "--csr", server / "tls" / "serverapp.csr",
+                   "--out", server / "tls" / "serverapp.crt")[0] == 0
+    _hand_over(shuffler / "tls" / "ca.crt", server / "tls" / "ca.crt")
+    _hand_over(shuffler / "public" / "shuffler_signing.pub", server / "public" / "shuffler_signing.pub")
+    shuffler_keys.enrol_client(shuffler / "enrolment.json", "client-1", device / "client.pub")
+    public = {"--superlink-ca": server / "superlink" / "ca.crt",
+              "--server-public-key": server / "public" / "server_hpke.pub",
+              "--shuffler-public-key": shuffler / "public" / "shuffler_hpke.pub"}
+    flags = [str(x) for pair in public.items() for x in pair]
+    code, out = _deploy(capsys, "bundle", "--device", device, "--nodes", 3, "--eps0", 2, "--clip-l1", 1,
+                        "--out", tmp_path / "b")
+    assert code == 1 and "takes no --node or --out" in out
+    swapped = flags.copy()
+    swapped[1] = str(public["--server-public-key"])  # a public key where the SuperLink CA belongs
+    code, out = _deploy(capsys, "bundle", "--device", device, "--nodes", 3, "--eps0", 2, "--clip-l1", 1, *swapped)
+    assert code == 1 and "cannot be this device's superlink-ca.crt" in out
+    assert not (device / "node-config.toml").exists() and not (device / "server_hpke.pub").exists()
+    code, out = _deploy(capsys, "bundle", "--device", device, "--nodes", 3, "--eps0", 2, "--clip-l1", 1,
+                        "--dataset", "digits", *flags)
+    assert code == 0, out
+    conf = tomllib.loads((device / "node-config.toml").read_text())
+    assert (conf["partition-id"], conf["num-partitions"], conf["eps0"]) == (1, 3, 2.0)
+    assert shuffler_keys.load_private_key(conf["client-key"], "ed25519")
+    assert shuffler_keys.load_public_key(conf["server-public-key"], "x25519") == shuffler_keys.load_public_key(
+        public["--server-public-key"], "x25519")
+    code, out = _deploy(capsys, "bundle", "--device", device, "--nodes", 3, "--eps0", 2, "--clip-l1", 1, *flags)
+    assert code == 1 and "already complete" in out
+
+    prints = {}
+    for party in (server, shuffler, device):
+        code, out = _deploy(capsys, "check", "--keys", party)
+        assert code == 0 and "ok: nothing is wrong" in out, out
+        prints[party.name] = {line.split()[2]: line.split()[1] for line in out.splitlines()
+                              if line.startswith("sha256 ")}
+    # the fingerprints the two ends print for one hand-over agree, so they can be compared over another channel
+    assert prints["device"]["server_hpke.pub"] == prints["server"]["public/server_hpke.pub"]
+    assert prints["device"]["shuffler_hpke.pub"] == prints["shuffler"]["public/shuffler_hpke.pub"]
+    assert prints["server"]["tls/ca.crt"] == prints["shuffler"]["tls/ca.crt"]
