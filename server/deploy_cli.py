@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -204,6 +205,19 @@ class DeployKeys:
     def client_key(self, i: int) -> Path:
         return self.root / "clients" / f"client-{i}.key"
 
+    def load_layout(self) -> dict[str, Any]:
+        """The manifest of a one-directory layout (party ``all``), whose ``nodes`` and ``key-epoch`` are checked;
+        DeployError for a party's directory (``deploy keys --party``) or a manifest without them."""
+        doc = self.load_manifest()
+        if doc.get("party", "all") != "all":
+            raise DeployError(f"{self.root} holds the keys of the {doc.get('party')!r} party only; this needs a "
+                              "one-directory layout (`deploy keys --out DIR --nodes N`; a device completes its "
+                              "own directory with `deploy bundle --device`)")
+        for key in ("nodes", "key-epoch"):
+            if isinstance(doc.get(key), bool) or not isinstance(doc.get(key), int) or doc[key] < 0:
+                raise DeployError(f"{self.manifest} has no valid {key!r} (a non-negative integer)")
+        return doc
+
     def load_manifest(self) -> dict[str, Any]:
         """The ``deploy.json`` written by :func:`create_deploy_keys` (raises DeployError if absent or invalid)."""
         try:
@@ -226,6 +240,34 @@ def _write_file(path: Path, data: bytes, mode: int) -> None:
         write_file_durably(path, data, mode=mode, overwrite=False)
     except FileExistsError as exc:
         raise DeployError(f"{path} already exists; a key or certificate is never overwritten") from exc
+
+
+@contextlib.contextmanager
+def staged_directory(out: str | os.PathLike[str]) -> Iterator[Path]:
+    """A new key directory made whole or not at all: the files are written into a hidden sibling (mode 0700),
+    renamed to ``out`` only once all are written, and removed on any failure, so that a bad parameter found
+    late, or a kill, never leaves ``out`` half-written (a killed run may leave ``.NAME.partial-*`` beside it).
+
+    ``out`` must not exist or be an empty directory (keys are never overwritten). Missing parent directories are
+    created 0755 whatever the umask. Yields the staging path to write into.
+    """
+    root = Path(out)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise DeployError(f"{root} exists and is not an empty directory; keys are never overwritten "
+                          "(choose a new directory; see deploy/README.md, 'Rotating keys')")
+    missing = [parent for parent in root.absolute().parents if not parent.exists()]
+    for parent in reversed(missing):
+        parent.mkdir(exist_ok=True)
+        os.chmod(parent, 0o755)
+    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.partial-", dir=root.absolute().parent))  # 0700
+    try:
+        yield staging
+        if root.exists():
+            root.rmdir()  # empty (checked above); a file put there meanwhile makes this fail, and nothing is lost
+        os.rename(staging, root)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def supernode_keypair() -> tuple[bytes, bytes]:
@@ -275,23 +317,25 @@ def create_deploy_keys(
     ``sans`` are extra DNS names or IP addresses the devices use to reach the SuperLink (``localhost`` and
     ``127.0.0.1`` are always included); they are also added to the shuffler's server certificate, so the
     ServerApp can reach the shuffler by the same names. ``k`` is the shuffler's release threshold (default: the
-    shuffler package's). Raises DeployError for bad parameters or a directory that already holds files.
+    shuffler package's). Raises DeployError for bad parameters or a directory that already holds files; the
+    directory is made whole or not at all (:func:`staged_directory`).
     """
-    from shuffler import keys as shuffler_keys
-    from shuffler import tls
-    from shuffler.config import load_config as load_shuffler_config
-
     nodes = _check_int("--nodes", nodes, 1, _MAX_NODES)
     key_epoch = _check_int("--key-epoch", key_epoch, 0, 2**32 - 1)
     if k is not None:
         k = _check_int("--k", k, 1, nodes)
     names = superlink_names(sans)
-    root = Path(out)
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise DeployError(f"{root} exists and is not an empty directory; keys are never overwritten "
-                          "(choose a new directory; see deploy/README.md, 'Rotating keys')")
-    root.mkdir(parents=True, exist_ok=True)
-    os.chmod(root, 0o700)  # every party's secrets: the operator only, whatever the umask
+    with staged_directory(out) as staging:
+        _write_deploy_keys(staging, nodes, names, key_epoch, k)
+    return DeployKeys(Path(out))
+
+
+def _write_deploy_keys(root: Path, nodes: int, names: list[str], key_epoch: int, k: int | None) -> None:
+    """The files of :func:`create_deploy_keys`, written into ``root`` (its staging directory)."""
+    from shuffler import keys as shuffler_keys
+    from shuffler import tls
+    from shuffler.config import load_config as load_shuffler_config
+
     paths = DeployKeys(root)
     try:
         ca_cert, ca_key = tls.create_ca("shuffledp SuperLink CA")
@@ -332,7 +376,6 @@ def create_deploy_keys(
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     _write_file(paths.manifest, (json.dumps(manifest, indent=1) + "\n").encode(), 0o644)
-    return paths
 
 
 #: Where deploy/compose.yml mounts the key files inside the containers.
@@ -476,11 +519,7 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
     files only (the SuperLink CA and the pinned server and shuffler HPKE public keys). ``prefix`` is where the
     bundle will live on the device (default: ``out`` itself), e.g. ``/device`` for the client container.
     """
-    manifest = keys.load_manifest()
-    nodes = manifest.get("nodes")
-    if manifest.get("party", "all") != "all" or isinstance(nodes, bool) or not isinstance(nodes, int):
-        raise DeployError(f"{keys.manifest} is not a one-directory layout with its number of nodes (a party's "
-                          "directory? a device completes its own with `deploy bundle --device`)")
+    nodes = keys.load_layout()["nodes"]
     dest = Path(out)
     base = prefix.rstrip("/") if prefix else str(dest.resolve())
     config = device_node_config(node, nodes, eps0=eps0, clip_l1=clip_l1, key_paths=bundle_key_paths(base),
@@ -1297,7 +1336,7 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
 
     if cfg.keys_dir is not None:
         keys = DeployKeys(Path(cfg.keys_dir).resolve())
-        manifest = keys.load_manifest()
+        manifest = keys.load_layout()
         if int(manifest["nodes"]) < cfg.nodes:
             raise DeployError(f"{keys.root} has keys for {manifest['nodes']} nodes, fewer than --nodes {cfg.nodes}")
         key_epoch = int(manifest["key-epoch"])
@@ -1524,8 +1563,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--node", type=int, default=None, help="this device's index, its partition id (--party device)")
     k.add_argument("--san", action="append", default=[], metavar="NAME",
                    help="extra DNS name or IP address of the SuperLink/shuffler (repeatable)")
-    k.add_argument("--key-epoch", type=int, default=_DEFAULT_KEY_EPOCH,
-                   help="key epoch the shuffler expects (raise it when rotating keys)")
+    k.add_argument("--key-epoch", type=int, default=None,
+                   help=f"key epoch the shuffler expects (default {_DEFAULT_KEY_EPOCH}; raise it when rotating keys)")
     k.add_argument("--k", type=int, default=None,
                    help="shuffler release threshold (distinct signers; required with --party shuffler)")
 
@@ -1624,7 +1663,7 @@ def _keys(args: argparse.Namespace) -> int:
     allowed = {"all": {"nodes", "key_epoch", "k", "san"}, "server": {"san"},
                "shuffler": {"k", "key_epoch", "san"}, "device": {"node"}}[args.party]
     given = {"nodes": args.nodes is not None, "node": args.node is not None, "k": args.k is not None,
-             "key_epoch": args.key_epoch != _DEFAULT_KEY_EPOCH, "san": bool(args.san)}
+             "key_epoch": args.key_epoch is not None, "san": bool(args.san)}
     extra = sorted(f"--{name.replace('_', '-')}" for name, on in given.items() if on and name not in allowed)
     if extra:
         raise DeployError(f"{', '.join(extra)} does not apply to --party {args.party}")
@@ -1632,8 +1671,9 @@ def _keys(args: argparse.Namespace) -> int:
     missing = [f"--{name}" for name in needed if not given[name]]
     if missing:
         raise DeployError(f"--party {args.party} needs {', '.join(missing)}")
+    key_epoch = _DEFAULT_KEY_EPOCH if args.key_epoch is None else args.key_epoch
     if args.party == "all":
-        paths = create_deploy_keys(args.out, args.nodes, sans=args.san, key_epoch=args.key_epoch, k=args.k)
+        paths = create_deploy_keys(args.out, args.nodes, sans=args.san, key_epoch=key_epoch, k=args.k)
         print(f"wrote deployment keys for {args.nodes} nodes to {paths.root}")
         print(f"  SuperLink CA (give to devices): {paths.superlink_ca_cert}")
         print(f"  register each device: flwr supernode register {paths.root}/supernodes/node-<i>.pub <connection>")
@@ -1645,7 +1685,7 @@ def _keys(args: argparse.Namespace) -> int:
         hand_over = ["tls/serverapp.csr to the shuffler operator (`deploy sign-serverapp`)",
                      "superlink/ca.crt and public/server_hpke.pub to every device"]
     elif args.party == "shuffler":
-        root = deploy_keys.create_shuffler_keys(args.out, k=args.k, key_epoch=args.key_epoch, sans=args.san).root
+        root = deploy_keys.create_shuffler_keys(args.out, k=args.k, key_epoch=key_epoch, sans=args.san).root
         hand_over = ["public/shuffler_hpke.pub to every device",
                      "public/shuffler_signing.pub and tls/ca.crt to the server operator",
                      "then enrol each device's client.pub: `shuffledp keys enrol --enrolment "
@@ -1759,6 +1799,8 @@ def main(argv: Sequence[str]) -> int:
             from server.deploy_keys import sign_serverapp_request
 
             cert = sign_serverapp_request(args.keys, args.csr, args.out)
+            print(f"signed the request with sha256 {hashlib.sha256(args.csr.read_bytes()).hexdigest()} (compare it "
+                  "with the server's `deploy check` output over a second channel before trusting it)")
             print(f"wrote the ServerApp's client certificate {cert}; send it to the server operator with "
                   f"{args.keys / 'tls' / 'ca.crt'} (its tls/serverapp.crt and tls/ca.crt)")
             return 0

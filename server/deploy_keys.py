@@ -43,6 +43,7 @@ from server.deploy_cli import (
     _check_int,
     _write_file,
     bundle_key_paths,
+    staged_directory,
     device_node_config,
     superlink_names,
     supernode_keypair,
@@ -104,17 +105,6 @@ _SOURCE = {
 }
 
 
-def _new_party_directory(out: str | os.PathLike[str]) -> Path:
-    root = Path(out)
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise DeployError(f"{root} exists and is not an empty directory; keys are never overwritten (choose a new "
-                          "directory)")
-    if not root.exists():
-        root.mkdir(parents=True)
-    os.chmod(root, 0o700)  # a party's directory holds its secrets: its operator only, whatever the umask
-    return root
-
-
 def _write_manifest(root: Path, party: str, **fields: Any) -> None:
     doc = {"format": "shuffledp-deploy/v1", "party": party, **fields,
            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -127,13 +117,19 @@ def create_server_keys(out: str | os.PathLike[str], *, sans: Sequence[str] = ())
     Writes the server's HPKE key pair (the inner layer of every report is sealed to it), the SuperLink's own CA
     and TLS certificate (SANs ``localhost``, ``127.0.0.1`` and ``sans``), the SuperExec shared secret, and the
     ServerApp's mTLS key with a certificate signing request for the shuffler operator to answer
-    (:func:`sign_serverapp_request`). Raises DeployError for a directory that already holds files or a bad SAN.
+    (:func:`sign_serverapp_request`). Raises DeployError for a directory that already holds files or a bad SAN;
+    the directory is made whole or not at all.
     """
+    names = superlink_names(sans)
+    with staged_directory(out) as root:
+        _write_server_keys(root, names)
+    return DeployKeys(Path(out))
+
+
+def _write_server_keys(root: Path, names: list[str]) -> None:
     from shuffler import keys as shuffler_keys
     from shuffler import tls
 
-    names = superlink_names(sans)
-    root = _new_party_directory(out)
     paths = DeployKeys(root)
     try:
         ca_cert, ca_key = tls.create_ca("shuffledp SuperLink CA")
@@ -156,7 +152,6 @@ def create_server_keys(out: str | os.PathLike[str], *, sans: Sequence[str] = ())
     _write_file(paths.serverapp_key, key, 0o600)
     _write_file(root / "tls" / "serverapp.csr", csr, 0o644)
     _write_manifest(root, "server", **{"superlink-sans": names})
-    return paths
 
 
 def create_shuffler_keys(out: str | os.PathLike[str], *, k: int, key_epoch: int = 0,
@@ -173,13 +168,13 @@ def create_shuffler_keys(out: str | os.PathLike[str], *, k: int, key_epoch: int 
     k = _check_int("--k", k, 1, 1_000_000)
     key_epoch = _check_int("--key-epoch", key_epoch, 0, 2**32 - 1)
     names = superlink_names(sans)
-    root = _new_party_directory(out)
-    try:
-        shuffler_keys.init_shuffler_keys(root, k=k, key_epoch=key_epoch, shuffler_sans=tuple(names))
-    except ValueError as exc:
-        raise DeployError(f"cannot create the shuffler's keys: {exc}") from exc
-    _write_manifest(root, "shuffler", **{"shuffler-sans": names, "key-epoch": key_epoch, "k": k})
-    return DeployKeys(root)
+    with staged_directory(out) as root:
+        try:
+            shuffler_keys.init_shuffler_keys(root, k=k, key_epoch=key_epoch, shuffler_sans=tuple(names))
+        except ValueError as exc:
+            raise DeployError(f"cannot create the shuffler's keys: {exc}") from exc
+        _write_manifest(root, "shuffler", **{"shuffler-sans": names, "key-epoch": key_epoch, "k": k})
+    return DeployKeys(Path(out))
 
 
 def create_device_keys(out: str | os.PathLike[str], node: int) -> Path:
@@ -193,15 +188,15 @@ def create_device_keys(out: str | os.PathLike[str], node: int) -> Path:
     from shuffler import keys as shuffler_keys
 
     node = _check_int("--node", node, 0, 2**31 - 1)
-    root = _new_party_directory(out)
-    sk, pk = shuffler_keys.generate_keypair("ed25519")
-    shuffler_keys.save_private_key(root / DEVICE_FILES["client_key"], sk, "ed25519")
-    shuffler_keys.save_public_key(root / DEVICE_FILES["client_pub"], pk, "ed25519")
-    private, public = supernode_keypair()
-    _write_file(root / DEVICE_FILES["supernode_key"], private, 0o600)
-    _write_file(root / DEVICE_FILES["supernode_pub"], public, 0o644)
-    _write_manifest(root, "device", node=node, **{"client-id": shuffler_keys.client_id(node)})
-    return root
+    with staged_directory(out) as root:
+        sk, pk = shuffler_keys.generate_keypair("ed25519")
+        shuffler_keys.save_private_key(root / DEVICE_FILES["client_key"], sk, "ed25519")
+        shuffler_keys.save_public_key(root / DEVICE_FILES["client_pub"], pk, "ed25519")
+        private, public = supernode_keypair()
+        _write_file(root / DEVICE_FILES["supernode_key"], private, 0o600)
+        _write_file(root / DEVICE_FILES["supernode_pub"], public, 0o644)
+        _write_manifest(root, "device", node=node, **{"client-id": shuffler_keys.client_id(node)})
+    return Path(out)
 
 
 def complete_device_bundle(device_dir: str | os.PathLike[str], *, nodes: int, superlink_ca: str | os.PathLike[str],
@@ -214,12 +209,9 @@ def complete_device_bundle(device_dir: str | os.PathLike[str], *, nodes: int, su
     ``superlink_ca`` is the server operator's ``superlink/ca.crt`` and ``server_public_key`` its
     ``public/server_hpke.pub``; ``shuffler_public_key`` is the shuffler operator's ``public/shuffler_hpke.pub``.
     Each is checked to be what it claims (a CA certificate, X25519 public keys) before anything is written.
-    ``limits_and_data`` are :func:`server.deploy_cli.device_node_config`'s. Raises DeployError.
+    ``limits_and_data`` are :func:`server.deploy_cli.device_node_config`'s. Only the parsed public objects are
+    written (never the rest of a file), and all four files are written or none. Raises DeployError.
     """
-    from cryptography import x509
-
-    from shuffler import keys as shuffler_keys
-
     root = Path(device_dir)
     doc = DeployKeys(root).load_manifest()
     if doc.get("party") != "device":
@@ -236,25 +228,56 @@ def complete_device_bundle(device_dir: str | os.PathLike[str], *, nodes: int, su
                "shuffler_hpke.pub": Path(shuffler_public_key)}
     if sorted(sources) != sorted(name for name, _ in BUNDLE_PUBLIC_FILES):
         raise DeployError("the bundle's public files changed; update complete_device_bundle")
-    for name in (*sources, "node-config.toml"):
-        if (root / name).exists():
-            raise DeployError(f"{root / name} already exists: this device's bundle is already complete")
-    contents = {}
-    for name, src in sources.items():
-        try:
-            contents[name] = src.read_bytes()
-            if name.endswith(".pub"):
-                shuffler_keys.load_public_key(src, "x25519")
-            else:
-                ca = x509.load_pem_x509_certificate(contents[name])
-                if not ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
-                    raise ValueError("it is not a CA certificate")
-        except (OSError, ValueError, x509.ExtensionNotFound) as exc:
-            raise DeployError(f"{src} cannot be this device's {name}: {exc}") from exc
-    for name, data in contents.items():
-        _write_file(root / name, data, 0o644)
-    write_toml(root / "node-config.toml", config)
+    targets = [root / name for name in (*sources, "node-config.toml")]
+    present = [t.name for t in targets if t.exists() or t.is_symlink()]
+    if present:
+        state = "is already complete" if len(present) == len(targets) else f"already has {', '.join(present)}"
+        raise DeployError(f"this device's directory {root} {state}; a bundle is never overwritten")
+    contents = {name: _public_pem(name, src) for name, src in sources.items()}
+    if contents["server_hpke.pub"] == contents["shuffler_hpke.pub"]:
+        raise DeployError(f"{server_public_key} and {shuffler_public_key} hold the same key: the server's and the "
+                          "shuffler's HPKE keys must differ (with one party's key in both places, that party could "
+                          "open both layers and link each report to this device)")
+    written: list[Path] = []
+    try:
+        for name, data in contents.items():
+            _write_file(root / name, data, 0o644)
+            written.append(root / name)
+        write_toml(root / "node-config.toml", config)
+    except BaseException:
+        for path in written:  # all or nothing: a retry must not find half a bundle
+            path.unlink(missing_ok=True)
+        raise
     return root
+
+
+def _public_pem(name: str, src: Path) -> bytes:
+    """The public object in ``src`` (an X25519 public key for ``*.pub``, a CA certificate for ``*.crt``) written
+    out anew, so that nothing else the file holds reaches the bundle. A file with private key material or more
+    than one PEM block is refused: whoever sent it has leaked a secret or sent the wrong file."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import x25519
+
+    try:
+        data = src.read_bytes()
+    except OSError as exc:
+        raise DeployError(f"cannot read {src} (this device's {name}): {exc.strerror}") from exc
+    if b"PRIVATE KEY" in data or data.count(b"-----BEGIN ") != 1:
+        raise DeployError(f"{src} cannot be this device's {name}: it must hold exactly one PEM block and no private "
+                          "key (if it holds one, that key has leaked: the sender must replace it)")
+    try:
+        if name.endswith(".pub"):
+            key = serialization.load_pem_public_key(data)
+            if not isinstance(key, x25519.X25519PublicKey):
+                raise ValueError(f"it holds a {type(key).__name__}, not an X25519 public key")
+            return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        cert = x509.load_pem_x509_certificate(data)
+        if not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+            raise ValueError("it is not a CA certificate")
+        return cert.public_bytes(serialization.Encoding.PEM)
+    except (ValueError, TypeError, x509.ExtensionNotFound) as exc:
+        raise DeployError(f"{src} cannot be this device's {name}: {exc}") from exc
 
 
 def sign_serverapp_request(shuffler_dir: str | os.PathLike[str], csr: str | os.PathLike[str],
@@ -293,11 +316,14 @@ def sign_serverapp_request(shuffler_dir: str | os.PathLike[str], csr: str | os.P
 def check_party_directory(root: str | os.PathLike[str]) -> list[str]:
     """What is wrong with a party's key directory (empty list: nothing), from its ``deploy.json``.
 
-    Checks that the directory holds every file its party needs (with where a missing one comes from), **no
-    secret of another party** (the non-collusion the trust model assumes starts here), private keys of mode
-    0600 and no directory writable by others, and that the ServerApp's certificate (server) matches its key and
-    was issued by ``tls/ca.crt``. A one-directory layout (``party`` ``all``) is reported as such. This is a check
-    of files, not of who has copies elsewhere.
+    Checks that the directory holds every file its party needs (with where a missing one comes from); that **no
+    file holds a secret that is not one of the party's own** (another party's key at its usual path is named as
+    such; private key material anywhere else, say appended to a certificate or under another name, is found by
+    content: the non-collusion the trust model assumes starts here); private keys of mode 0600 and no directory
+    writable by others; that each TLS certificate matches its key and was issued by its CA (the ServerApp's
+    with CN ``serverapp`` for client authentication), that the shuffler has at least ``k`` clients enrolled, and
+    that a device pins two different HPKE keys. A one-directory layout (``party`` ``all``) is reported as such.
+    This is a check of files, not of who has copies elsewhere.
     """
     base = Path(root)
     doc = DeployKeys(base).load_manifest()
@@ -312,11 +338,7 @@ def check_party_directory(root: str | os.PathLike[str]) -> list[str]:
         if not (base / rel).is_file():
             hint = _SOURCE.get(rel)
             problems.append(f"missing {rel}" + (f": {hint}" if hint else ""))
-    for other, files in _SECRETS.items():
-        if other == party:
-            continue
-        problems += [f"{rel} is a secret of the {other}, not of the {party}: delete it from {base}"
-                     for rel in files if (base / rel).exists()]
+    problems += _foreign_secrets(base, party)
     for rel in _SECRETS[party]:
         path = base / rel
         if path.is_file() and stat.S_IMODE(path.stat().st_mode) & 0o077:
@@ -326,8 +348,105 @@ def check_party_directory(root: str | os.PathLike[str]) -> list[str]:
         if stat.S_IMODE(directory.stat().st_mode) & 0o022:
             problems.append(f"{directory} is writable by others than its owner; make it 0700 or 0755")
     if party == "server":
-        problems += _check_serverapp_certificate(DeployKeys(base))
+        problems += _leaf_problems(base, "tls/serverapp.crt", "tls/serverapp.key", "tls/ca.crt", "serverapp",
+                                   client=True)
+        problems += _leaf_problems(base, "superlink/superlink.crt", "superlink/superlink.key", "superlink/ca.crt",
+                                   "superlink", client=False)
+    elif party == "shuffler":
+        problems += _leaf_problems(base, "tls/shuffler.crt", "tls/shuffler.key", "tls/ca.crt", "shuffler",
+                                   client=False)
+        problems += _enrolment_problems(base)
+    elif (base / "server_hpke.pub").is_file() and (base / "shuffler_hpke.pub").is_file():
+        if (base / "server_hpke.pub").read_bytes() == (base / "shuffler_hpke.pub").read_bytes():
+            problems.append("server_hpke.pub and shuffler_hpke.pub are the same key: one party could open both "
+                            "layers of this device's reports")
     return problems
+
+
+#: Files larger than this are not scanned for key material (keys and certificates are a few KiB; the shuffler's
+#: journal may hold gigabytes of ciphertexts).
+_SCAN_LIMIT_BYTES = 1 << 20
+_PRIVATE_MARKERS = (b"PRIVATE KEY-----", b"PRIVATE KEY BLOCK-----")
+
+
+def _foreign_secrets(base: Path, party: str) -> list[str]:
+    """Files that hold a secret that is not one of ``party``'s own: another party's at its usual path, or any
+    private key material or ``*.secret`` file elsewhere (found by content)."""
+    own = set(_SECRETS[party])
+    owner = {rel: other for other, files in _SECRETS.items() if other != party for rel in files}
+    problems = []
+    for path in sorted(base.rglob("*")):
+        rel = str(path.relative_to(base))
+        if rel in own or not path.is_file():
+            continue
+        if rel in owner:
+            problems.append(f"{rel} is a secret of the {owner[rel]}, not of the {party}: delete it from {base}")
+            continue
+        if path.suffix == ".secret":
+            problems.append(f"{rel} is a shared secret, not one of the {party}'s: delete it from {base}")
+            continue
+        if path.stat().st_size > _SCAN_LIMIT_BYTES:
+            continue
+        if any(marker in path.read_bytes() for marker in _PRIVATE_MARKERS):
+            problems.append(f"{rel} holds private key material but is not one of the {party}'s own secrets "
+                            f"({', '.join(sorted(own))}): find out whose it is and delete it")
+    return problems
+
+
+def _leaf_problems(base: Path, cert_rel: str, key_rel: str, ca_rel: str, common_name: str, *,
+                   client: bool) -> list[str]:
+    """A TLS leaf certificate must carry the public key of its key file, be issued by its CA, name
+    ``common_name`` and be for client (``client``) or server authentication; otherwise the peer refuses it at
+    the handshake. Missing files are reported elsewhere."""
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    try:
+        cert = x509.load_pem_x509_certificate((base / cert_rel).read_bytes())
+        ca = x509.load_pem_x509_certificate((base / ca_rel).read_bytes())
+        key = serialization.load_pem_private_key((base / key_rel).read_bytes(), password=None)
+    except FileNotFoundError:
+        return []
+    except (ValueError, TypeError) as exc:  # TypeError: an encrypted key (the services read unencrypted keys)
+        return [f"cannot read {cert_rel}, {key_rel} or {ca_rel}: {exc}"]
+    problems = []
+    if key.public_key() != cert.public_key():
+        problems.append(f"{cert_rel} is not the certificate of {key_rel}")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        problems.append(f"{cert_rel} was not issued by {ca_rel}")
+    names = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if names != [common_name]:
+        problems.append(f"{cert_rel} names {names}, not CN {common_name!r}")
+    want = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
+    try:
+        usages = list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    except x509.ExtensionNotFound:
+        usages = []
+    if want not in usages:
+        problems.append(f"{cert_rel} is not for {'client' if client else 'server'} authentication")
+    return problems
+
+
+def _enrolment_problems(base: Path) -> list[str]:
+    """The shuffler refuses to start with fewer enrolled clients than its release threshold ``k``."""
+    from shuffler.config import ConfigError, load_config
+    from shuffler.keys import load_enrolment
+
+    if not (base / "enrolment.json").is_file():
+        return []  # reported as missing
+    try:
+        k = load_config(base / "shuffler.toml").k
+        enrolled = len(load_enrolment(base / "enrolment.json"))
+    except (ConfigError, ValueError, OSError) as exc:
+        return [f"cannot read shuffler.toml or enrolment.json: {exc}"]
+    if enrolled < k:
+        return [f"enrolment.json has {enrolled} client(s), fewer than k = {k}: the shuffler refuses to start "
+                "(enrol more devices with `shuffledp keys enrol`)"]
+    return []
 
 
 def public_fingerprints(root: str | os.PathLike[str]) -> dict[str, str]:
@@ -341,30 +460,3 @@ def public_fingerprints(root: str | os.PathLike[str]) -> dict[str, str]:
     base = Path(root)
     return {str(p.relative_to(base)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(base.rglob("*")) if p.is_file() and p.suffix in (".pub", ".crt", ".csr")}
-
-
-def _check_serverapp_certificate(paths: DeployKeys) -> list[str]:
-    """The server's ``tls/serverapp.crt`` must carry the public key of ``tls/serverapp.key`` and be signed by
-    ``tls/ca.crt`` (the shuffler's mTLS CA), else the shuffler refuses the ServerApp at the handshake."""
-    from cryptography import x509
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    try:
-        cert = x509.load_pem_x509_certificate(paths.serverapp_cert.read_bytes())
-        ca = x509.load_pem_x509_certificate(paths.shuffler_ca_cert.read_bytes())
-        key = serialization.load_pem_private_key(paths.serverapp_key.read_bytes(), password=None)
-    except FileNotFoundError:
-        return []  # reported as missing above
-    except ValueError as exc:
-        return [f"cannot read the ServerApp's certificate, key or the shuffler's CA: {exc}"]
-    problems = []
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != cert.public_key():
-        problems.append("tls/serverapp.crt is not the certificate of tls/serverapp.key (was it issued for this "
-                        "directory's tls/serverapp.csr?)")
-    try:
-        cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature) as exc:
-        problems.append(f"tls/serverapp.crt was not issued by tls/ca.crt (the shuffler's mTLS CA): {exc!r}")
-    return problems

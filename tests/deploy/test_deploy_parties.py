@@ -121,6 +121,10 @@ def test_check_names_foreign_secrets_missing_hand_overs_and_loose_modes(tmp_path
     dk.sign_serverapp_request(shuffler, other / "tls" / "serverapp.csr", server / "tls" / "serverapp.crt")
     _hand_over(shuffler / "tls" / "ca.crt", server / "tls" / "ca.crt")
     assert any("is not the certificate of tls/serverapp.key" in p for p in dk.check_party_directory(server))
+    another = dk.create_shuffler_keys(tmp_path / "another", k=1).root
+    (server / "tls" / "serverapp.crt").unlink()
+    dk.sign_serverapp_request(another, server / "tls" / "serverapp.csr", server / "tls" / "serverapp.crt")
+    assert "tls/serverapp.crt was not issued by tls/ca.crt" in dk.check_party_directory(server)
     one_dir = create_deploy_keys(tmp_path / "all", 2)
     assert "holds every party's secrets" in dk.check_party_directory(one_dir.root)[0]
 
@@ -246,3 +250,74 @@ def test_the_per_party_flow_through_the_command_line(tmp_path: Path, capsys: pyt
     assert prints["device"]["server_hpke.pub"] == prints["server"]["public/server_hpke.pub"]
     assert prints["device"]["shuffler_hpke.pub"] == prints["shuffler"]["public/shuffler_hpke.pub"]
     assert prints["server"]["tls/ca.crt"] == prints["shuffler"]["tls/ca.crt"]
+
+
+def test_what_travels_is_checked_by_content_not_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Review 46: a public file with a private key appended, a secret under another name, a server certificate
+    in the ServerApp's place, too few enrolled clients, one key pinned twice, an encrypted key."""
+    server, shuffler, devices = _parties(tmp_path, nodes=2)
+    device = devices[0]
+    ca, server_pub = server / "superlink" / "ca.crt", server / "public" / "server_hpke.pub"
+    shuffler_pub = shuffler / "public" / "shuffler_hpke.pub"
+    leaky = tmp_path / "leaky.pub"
+    leaky.write_bytes(server_pub.read_bytes() + (server / "server" / "hpke.key").read_bytes())
+    twice = {"nodes": 2, "superlink_ca": ca, "server_public_key": shuffler_pub, "shuffler_public_key": shuffler_pub,
+             "eps0": 1.0, "clip_l1": 1.0}
+    with pytest.raises(DeployError, match="same key"):
+        dk.complete_device_bundle(device, **twice)
+    (device / "shuffler_hpke.pub").symlink_to(tmp_path / "nowhere")  # a retry must find no half bundle
+    with pytest.raises(DeployError, match="already has shuffler_hpke.pub"):
+        dk.complete_device_bundle(device, **{**twice, "server_public_key": server_pub})
+    (device / "shuffler_hpke.pub").unlink()
+    with pytest.raises(DeployError, match="not a CA certificate"):  # the SuperLink's own leaf is no CA
+        dk.complete_device_bundle(device, **{**twice, "server_public_key": server_pub,
+                                             "superlink_ca": server / "superlink" / "superlink.crt"})
+    with pytest.raises(DeployError, match="no private key"):
+        dk.complete_device_bundle(device, **{**twice, "server_public_key": leaky})
+    assert sorted(p.name for p in device.iterdir()) == ["client.key", "client.pub", "deploy.json", "supernode.key",
+                                                        "supernode.pub"]
+    dk.complete_device_bundle(device, **{**twice, "server_public_key": server_pub})
+    assert dk.check_party_directory(device) == []
+    # only the parsed key is written: byte for byte what the server published
+    assert (device / "server_hpke.pub").read_bytes() == server_pub.read_bytes()
+
+    assert dk.check_party_directory(server) == []
+    with (server / "tls" / "ca.crt").open("ab") as fh:
+        fh.write((shuffler / "tls" / "ca.key").read_bytes())  # the shuffler CA's key, riding along
+    shutil.copyfile(shuffler / "shuffler" / "hpke.key", server / "server" / "backup.pem")
+    problems = dk.check_party_directory(server)
+    assert any(p.startswith("tls/ca.crt holds private key material") for p in problems), problems
+    assert any(p.startswith("server/backup.pem holds private key material") for p in problems), problems
+    # the shuffler's own server certificate and key in the ServerApp's place: right CA, wrong name and usage
+    for name in ("crt", "key"):
+        shutil.copyfile(shuffler / "tls" / f"shuffler.{name}", server / "tls" / f"serverapp.{name}")
+    problems = dk.check_party_directory(server)
+    assert "tls/serverapp.crt names ['shuffler'], not CN 'serverapp'" in problems
+    assert "tls/serverapp.crt is not for client authentication" in problems
+    # the server's key in the shuffler's TLS key's place; k above the enrolment
+    shutil.copyfile(server / "superlink" / "superlink.key", shuffler / "tls" / "shuffler.key")
+    config = shuffler / "shuffler.toml"
+    config.write_text(config.read_text().replace("k = 2", "k = 3"))
+    problems = dk.check_party_directory(shuffler)
+    assert "tls/shuffler.crt is not the certificate of tls/shuffler.key" in problems
+    assert any("2 client(s), fewer than k = 3" in p for p in problems), problems
+    # an encrypted key is a problem, not a traceback
+    key = serialization.load_pem_private_key((server / "superlink" / "superlink.key").read_bytes(), None)
+    (server / "superlink" / "superlink.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"x")))
+    assert any(p.startswith("cannot read superlink/superlink.crt") for p in dk.check_party_directory(server))
+
+
+def test_a_failed_or_misused_key_command_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _deploy(capsys, "keys", "--party", "shuffler", "--out", tmp_path / "s", "--k", 2,
+                        "--san", "bad name!")
+    assert code == 1 and "bad name!" in out
+    assert list(tmp_path.iterdir()) == []  # no half directory, no staging left behind
+    assert _deploy(capsys, "keys", "--party", "shuffler", "--out", tmp_path / "s", "--k", 2)[0] == 0
+    device = dk.create_device_keys(tmp_path / "d", 0)
+    # a party's directory is not a one-directory layout: clear errors, no traceback
+    code, out = _deploy(capsys, "local", "--keys", device, "--workdir", tmp_path / "w", "--nodes", 1)
+    assert code == 1 and "holds the keys of the 'device' party only" in out
+    with pytest.raises(DeployError, match="holds the keys of the 'shuffler' party only"):
+        DeployKeys(tmp_path / "s").load_layout()
