@@ -330,35 +330,42 @@ def create_deploy_keys(
     return DeployKeys(Path(out))
 
 
-def _write_deploy_keys(root: Path, nodes: int, names: list[str], key_epoch: int, k: int | None) -> None:
-    """The files of :func:`create_deploy_keys`, written into ``root`` (its staging directory)."""
-    from shuffler import keys as shuffler_keys
+def write_superlink_tls(paths: DeployKeys, names: list[str]) -> None:
+    """The SuperLink operator's files under ``superlink/`` (mode 0700): its own CA, its TLS certificate for the SANs
+    ``names`` and key, and the SuperExec shared secret (process isolation, compose; from the OS CSPRNG)."""
     from shuffler import tls
-    from shuffler.config import load_config as load_shuffler_config
 
-    paths = DeployKeys(root)
     try:
         ca_cert, ca_key = tls.create_ca("shuffledp SuperLink CA")
         cert, key = tls.issue_certificate(ca_cert, ca_key, "superlink", sans=names, is_server=True,
                                           is_client=False)
     except ValueError as exc:
         raise DeployError(f"cannot issue the SuperLink certificate for SANs {names}: {exc}") from exc
-    kwargs: dict[str, Any] = {"key_epoch": key_epoch, "shuffler_sans": tuple(names)}
-    if k is not None:
-        kwargs["k"] = k
-    shuffler_keys.init_key_directory(root, nodes, **kwargs)
-    (root / "superlink").mkdir(mode=0o700)
-    (root / "supernodes").mkdir(mode=0o700)
+    (paths.root / "superlink").mkdir(mode=0o700)
+    os.chmod(paths.root / "superlink", 0o700)
     _write_file(paths.superlink_ca_cert, ca_cert, 0o644)
     _write_file(paths.superlink_ca_key, ca_key, 0o600)
     _write_file(paths.superlink_cert, cert, 0o644)
     _write_file(paths.superlink_key, key, 0o600)
+    _write_file(paths.superexec_secret, secrets.token_hex(32).encode(), 0o600)
+
+
+def _write_deploy_keys(root: Path, nodes: int, names: list[str], key_epoch: int, k: int | None) -> None:
+    """The files of :func:`create_deploy_keys`, written into ``root`` (its staging directory)."""
+    from shuffler import keys as shuffler_keys
+    from shuffler.config import load_config as load_shuffler_config
+
+    paths = DeployKeys(root)
+    write_superlink_tls(paths, names)
+    kwargs: dict[str, Any] = {"key_epoch": key_epoch, "shuffler_sans": tuple(names)}
+    if k is not None:
+        kwargs["k"] = k
+    shuffler_keys.init_key_directory(root, nodes, **kwargs)
+    (root / "supernodes").mkdir(mode=0o700)
     for i in range(nodes):
         private, public = supernode_keypair()
         _write_file(paths.supernode_key(i), private, 0o600)
         _write_file(paths.supernode_pub(i), public, 0o644)
-    # SuperExec <-> SuperLink shared secret (process isolation, compose); raw bytes, from the OS CSPRNG
-    _write_file(paths.superexec_secret, secrets.token_hex(32).encode(), 0o600)
     shuffler_conf = load_shuffler_config(paths.shuffler_config)
     (root / "compose").mkdir()
     os.chmod(root / "compose", 0o755)

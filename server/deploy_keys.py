@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import stat
 import time
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ from server.deploy_cli import (
     device_node_config,
     superlink_names,
     supernode_keypair,
+    write_superlink_tls,
     write_toml,
 )
 
@@ -131,23 +131,13 @@ def _write_server_keys(root: Path, names: list[str]) -> None:
     from shuffler import tls
 
     paths = DeployKeys(root)
-    try:
-        ca_cert, ca_key = tls.create_ca("shuffledp SuperLink CA")
-        cert, key = tls.issue_certificate(ca_cert, ca_key, "superlink", sans=names, is_server=True,
-                                          is_client=False)
-    except ValueError as exc:
-        raise DeployError(f"cannot issue the SuperLink certificate for SANs {names}: {exc}") from exc
-    for sub, mode in (("server", 0o700), ("public", 0o755), ("superlink", 0o700), ("tls", 0o700)):
+    write_superlink_tls(paths, names)
+    for sub, mode in (("server", 0o700), ("public", 0o755), ("tls", 0o700)):
         (root / sub).mkdir()
         os.chmod(root / sub, mode)
     sk, pk = shuffler_keys.generate_keypair("x25519")
     shuffler_keys.save_private_key(root / "server" / "hpke.key", sk, "x25519")
     shuffler_keys.save_public_key(paths.server_public_key, pk, "x25519")
-    _write_file(paths.superlink_ca_cert, ca_cert, 0o644)
-    _write_file(paths.superlink_ca_key, ca_key, 0o600)
-    _write_file(paths.superlink_cert, cert, 0o644)
-    _write_file(paths.superlink_key, key, 0o600)
-    _write_file(paths.superexec_secret, secrets.token_hex(32).encode(), 0o600)
     csr, key = tls.create_csr("serverapp")
     _write_file(paths.serverapp_key, key, 0o600)
     _write_file(root / "tls" / "serverapp.csr", csr, 0o644)
