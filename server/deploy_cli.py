@@ -507,8 +507,10 @@ BUNDLE_PUBLIC_FILES = (("superlink-ca.crt", "superlink_ca_cert"), ("server_hpke.
                        ("shuffler_hpke.pub", "shuffler_public_key"))
 
 
-def bundle_key_paths(base: str) -> dict[str, str]:
-    """The key paths of a node config whose bundle lives at ``base`` on the device."""
+def bundle_key_paths(bundle: Path, prefix: str | None) -> dict[str, str]:
+    """The key paths of a node config for the bundle in ``bundle``, which will live at ``prefix`` on the device
+    (default: ``bundle`` itself)."""
+    base = prefix.rstrip("/") if prefix else str(bundle.resolve())
     return {"client-key": f"{base}/client.key", "server-public-key": f"{base}/server_hpke.pub",
             "shuffler-public-key": f"{base}/shuffler_hpke.pub"}
 
@@ -528,8 +530,7 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
     """
     nodes = keys.load_layout()["nodes"]
     dest = Path(out)
-    base = prefix.rstrip("/") if prefix else str(dest.resolve())
-    config = device_node_config(node, nodes, eps0=eps0, clip_l1=clip_l1, key_paths=bundle_key_paths(base),
+    config = device_node_config(node, nodes, eps0=eps0, clip_l1=clip_l1, key_paths=bundle_key_paths(dest, prefix),
                                 **limits_and_data)
     if dest.exists():
         raise DeployError(f"{dest} already exists; a bundle is written to a new directory")

@@ -36,14 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from server.deploy_cli import (
-    BUNDLE_PUBLIC_FILES,
     DeployError,
     DeployKeys,
     _check_int,
     _write_file,
     bundle_key_paths,
-    staged_directory,
     device_node_config,
+    staged_directory,
     superlink_names,
     supernode_keypair,
     write_superlink_tls,
@@ -179,9 +178,7 @@ def create_device_keys(out: str | os.PathLike[str], node: int) -> Path:
 
     node = _check_int("--node", node, 0, 2**31 - 1)
     with staged_directory(out) as root:
-        sk, pk = shuffler_keys.generate_keypair("ed25519")
-        shuffler_keys.save_private_key(root / DEVICE_FILES["client_key"], sk, "ed25519")
-        shuffler_keys.save_public_key(root / DEVICE_FILES["client_pub"], pk, "ed25519")
+        shuffler_keys.create_client_key(root, "client")  # client.key (0600) and client.pub
         private, public = supernode_keypair()
         _write_file(root / DEVICE_FILES["supernode_key"], private, 0o600)
         _write_file(root / DEVICE_FILES["supernode_pub"], public, 0o644)
@@ -211,13 +208,10 @@ def complete_device_bundle(device_dir: str | os.PathLike[str], *, nodes: int, su
     if isinstance(node, bool) or not isinstance(node, int):
         raise DeployError(f"{root / 'deploy.json'} names no node index; make the directory with `deploy keys "
                           "--party device --node I`")
-    base = prefix.rstrip("/") if prefix else str(root.resolve())
     config = device_node_config(node, nodes, eps0=eps0, clip_l1=clip_l1,
-                                key_paths=bundle_key_paths(base), **limits_and_data)
+                                key_paths=bundle_key_paths(root, prefix), **limits_and_data)
     sources = {"superlink-ca.crt": Path(superlink_ca), "server_hpke.pub": Path(server_public_key),
                "shuffler_hpke.pub": Path(shuffler_public_key)}
-    if sorted(sources) != sorted(name for name, _ in BUNDLE_PUBLIC_FILES):
-        raise DeployError("the bundle's public files changed; update complete_device_bundle")
     targets = [root / name for name in (*sources, "node-config.toml")]
     present = [t.name for t in targets if t.exists() or t.is_symlink()]
     if present:
