@@ -947,6 +947,18 @@ def start_shuffler(keys: DeployKeys, log: Path, *, watchdog: DeployWatchdog | No
     return proc
 
 
+def _refuse_a_spent_key_epoch(proc: Any, key_epoch: int) -> None:
+    """Refuse, before any SuperNode starts, a key epoch whose batches the shuffler has already released. The
+    ServerApp would refuse it too (a fresh accountant cannot start at 0 for reports already released), but only
+    after the whole deployment has started, and only in its own log."""
+    epoch, released = proc.spent_epoch_batches()
+    if epoch == key_epoch and released > 0:
+        raise DeployError(
+            f"the shuffler has already released {released} batch(es) of key epoch {key_epoch} (its journal is in "
+            "these keys' directory), so a new run with them would start its accountant at 0 for reports that were "
+            "already released. Rotate the keys to a new key epoch (deploy/README.md, key rotation) or use new keys")
+
+
 def _stop_shuffler(proc: Any, watchdog: DeployWatchdog | None = None) -> None:
     """Stop a :class:`shuffler.process.ShufflerProcess` (SIGTERM, SIGKILL if it does not stop in time), remove its
     temporary files, and tell ``watchdog`` it is stopped."""
@@ -1071,12 +1083,14 @@ class LocalDeployment:
         app = (self.app_dir or _app_dir_default()).resolve()
         if not (app / "pyproject.toml").is_file():
             raise DeployError(f"--app {app} has no pyproject.toml; point it at the shuffledp project directory")
+        for flag, directory, holds in (("--workdir", self.workdir, "key paths, the enrolment file"),
+                                       ("--keys", self.keys_dir, "the enrolment file, key configs")):
+            if directory is not None and (Path(directory).resolve() == app or app in Path(directory).resolve().parents):
+                raise DeployError(
+                    f"{flag} {Path(directory).resolve()} is inside the app directory {app}: `flwr run` would pack "
+                    f"its TOML/JSON files ({holds}) into the app bundle; choose a directory outside it")
         if self.workdir is not None:
             work = Path(self.workdir).resolve()
-            if work == app or app in work.parents:
-                raise DeployError(
-                    f"--workdir {work} is inside the app directory {app}: `flwr run` would pack its TOML/JSON files "
-                    "(key paths, the enrolment file) into the app bundle; choose a directory outside it")
             if work.exists() and (not work.is_dir() or any(work.iterdir())):
                 # a second run there would overwrite the first's results and logs, and read its old log lines
                 raise DeployError(f"--workdir {work} exists and is not an empty directory; choose a new one (each "
@@ -1389,6 +1403,7 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
             shuffler = start_shuffler(keys, logs / "shuffler.log", watchdog=watchdog)
             shuffler_address = shuffler.address
             timings["shuffler-start-s"] = time.monotonic() - t
+            _refuse_a_spent_key_epoch(shuffler, key_epoch)
 
             # 3. register each SuperNode's public key, then start the SuperNodes
             with ThreadPoolExecutor(max_workers=min(8, cfg.nodes)) as pool:  # each `flwr` call starts Python

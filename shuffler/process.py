@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shuffler import shuffler_pb2 as pb
+from shuffler import shuffler_pb2_grpc as pb_grpc
 from shuffler.config import load_config
 
 __all__ = ["ShufflerProcess", "ShufflerStartError"]
@@ -123,6 +125,12 @@ class ShufflerProcess:
                 health_pb2.HealthCheckRequest(service="shuffledp.shuffler.v1.Shuffler"), timeout=timeout
             )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def spent_epoch_batches(self, timeout: float = 10.0) -> tuple[int, int]:
+        """The service's key epoch and how many batches of it it has already released (its Stats)."""
+        with self._channel() as ch:
+            resp = pb_grpc.ShufflerStub(ch).Stats(pb.StatsRequest(), timeout=timeout)
+        return int(resp.key_epoch), int(resp.epoch_batches_released)
 
     def _wait_healthy(self, deadline: float) -> None:
         last = ""

@@ -51,13 +51,18 @@ def test_bad_arguments_are_refused_with_a_reason(argv: list[str], message: str, 
     assert not (tmp_path / "k").exists()  # nothing written for a refused command
 
 
-def test_workdir_inside_the_app_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("which", ["workdir", "keys_dir"])
+def test_workdir_or_keys_inside_the_app_are_refused(which: str, tmp_path: Path) -> None:
+    """`flwr run` packs the app folder's TOML/JSON files into the app bundle; neither the run's directory nor the
+    keys may be in it (the app folder itself included); a sibling of the app folder is fine."""
     app = tmp_path / "app"
     app.mkdir()
-    (app / "pyproject.toml").write_text("[project]\nname='x'\n")
-    cfg = dc.LocalDeployment(workdir=app / "work", app_dir=app)
-    with pytest.raises(dc.DeployError, match="inside the app directory"):
-        cfg.validate()
+    (app / "pyproject.toml").write_text("[project]\nname='x'\n[tool.flwr.app.config]\n")
+    for inside in (app / "sub" / "dir", app):
+        with pytest.raises(dc.DeployError, match=f"--{'workdir' if which == 'workdir' else 'keys'} .* is inside "
+                                                  "the app directory"):
+            dc.LocalDeployment(app_dir=app, **{which: inside}).validate()
+    assert dc.LocalDeployment(app_dir=app, **{which: tmp_path / "appx"}).validate() is None
 
 
 def test_a_used_workdir_and_run_config_keys_the_deployment_sets_are_refused(tmp_path: Path) -> None:

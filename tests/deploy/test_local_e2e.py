@@ -77,6 +77,13 @@ def test_local_deployment_three_nodes_two_rounds(tmp_path: Path) -> None:
     assert "PRIVATE KEY" not in run_config and "shuffler-client-key" in run_config
     # nothing the deployment started is left running
     assert _wait_gone(str(work)) == []
+    # a second run with the same keys (the same key epoch, whose batches were released above) is refused once the
+    # shuffler answers, before any SuperNode starts or anything is submitted
+    again = tmp_path / "again"
+    with pytest.raises(dc.DeployError, match=r"already released 2 batch\(es\) of key epoch 0"):
+        dc.run_local(dc.LocalDeployment(nodes=3, rounds=1, workdir=again, keys_dir=work / "keys", timeout=120))
+    assert not (again / "supernodes").exists() and not (again / "run-config.toml").exists()
+    assert _wait_gone(str(again)) == [] and _wait_gone(str(work)) == []
 
 
 def test_process_isolation_as_in_the_compose_file(tmp_path: Path) -> None:
