@@ -129,6 +129,11 @@ class DeployError(RuntimeError):
     """The deployment could not be prepared, started or completed; the message says which step and why."""
 
 
+class DeployUsageError(DeployError):
+    """A parameter of the command is wrong (the message says which and what is allowed); nothing was started or
+    written. ``shuffledp deploy`` exits 2 for it, as for an argument the parser refused, and 1 for a failure."""
+
+
 # --------------------------------------------------------------------------------------------------------------
 # keys
 
@@ -288,7 +293,7 @@ def supernode_keypair() -> tuple[bytes, bytes]:
 
 def _check_int(name: str, value: object, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise DeployError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        raise DeployUsageError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
     return value
 
 
@@ -296,7 +301,7 @@ def superlink_names(sans: Sequence[str]) -> list[str]:
     """The SANs of the SuperLink's (and the shuffler's) server certificate: ``localhost``, ``127.0.0.1`` and
     ``sans`` (DNS names or IP addresses the other hosts use), without repeats."""
     if isinstance(sans, str):
-        raise DeployError("sans must be a sequence of names, not one string")
+        raise DeployUsageError("sans must be a sequence of names, not one string")
     names = ["localhost", "127.0.0.1"]
     for name in sans:
         if name not in names:
@@ -441,7 +446,7 @@ def _check_reply_floor(value: object) -> float:
     from clients.core import MAX_REPLY_FLOOR
 
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_REPLY_FLOOR:
-        raise DeployError(f"--reply-floor must be a number of seconds in [0, {MAX_REPLY_FLOOR:g}], got {value!r}")
+        raise DeployUsageError(f"--reply-floor must be a number of seconds in [0, {MAX_REPLY_FLOOR:g}], got {value!r}")
     return float(value)
 
 
@@ -464,7 +469,7 @@ def device_data_settings(values: Mapping[str, object] | None) -> dict[str, objec
     try:
         parse_data_settings(chosen, "the device's data settings")
     except ClientSetupError as exc:
-        raise DeployError(str(exc)) from None
+        raise DeployUsageError(str(exc)) from None
     return chosen
 
 
@@ -481,7 +486,7 @@ def device_node_config(node: int, nodes: int, *, eps0: float, clip_l1: float, ke
     node = _check_int("--node", node, 0, nodes - 1)
     for name, value in (("--eps0", eps0), ("--clip-l1", clip_l1)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-            raise DeployError(f"{name} must be a finite number > 0, got {value!r}")
+            raise DeployUsageError(f"{name} must be a finite number > 0, got {value!r}")
     reply_floor = _check_reply_floor(reply_floor)
     max_local_epochs, min_batch_size, max_model_parameters = _check_work_limits(
         max_local_epochs, min_batch_size, max_model_parameters)
@@ -1072,32 +1077,32 @@ class LocalDeployment:
                             ("--reply-timeout", self.reply_timeout), ("--timeout", self.timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                     math.isfinite(value) and value > 0):
-                raise DeployError(f"{name} must be a finite number > 0, got {value!r}")
+                raise DeployUsageError(f"{name} must be a finite number > 0, got {value!r}")
         if _check_reply_floor(self.reply_floor) >= self.reply_timeout:
-            raise DeployError(f"--reply-floor ({self.reply_floor:g} s) must be below --reply-timeout "
+            raise DeployUsageError(f"--reply-floor ({self.reply_floor:g} s) must be below --reply-timeout "
                               f"({self.reply_timeout:g} s)")
         if self.min_reports is not None:
             _check_int("--min-reports", self.min_reports, 1, self.nodes)
         if self.isolation not in ("subprocess", "process"):
-            raise DeployError(f"--isolation must be 'subprocess' or 'process', got {self.isolation!r}")
+            raise DeployUsageError(f"--isolation must be 'subprocess' or 'process', got {self.isolation!r}")
         app = (self.app_dir or _app_dir_default()).resolve()
         if not (app / "pyproject.toml").is_file():
-            raise DeployError(f"--app {app} has no pyproject.toml; point it at the shuffledp project directory")
+            raise DeployUsageError(f"--app {app} has no pyproject.toml; point it at the shuffledp project directory")
         for flag, directory, holds in (("--workdir", self.workdir, "key paths, the enrolment file"),
                                        ("--keys", self.keys_dir, "the enrolment file, key configs")):
             if directory is not None and (Path(directory).resolve() == app or app in Path(directory).resolve().parents):
-                raise DeployError(
+                raise DeployUsageError(
                     f"{flag} {Path(directory).resolve()} is inside the app directory {app}: `flwr run` would pack "
                     f"its TOML/JSON files ({holds}) into the app bundle; choose a directory outside it")
         if self.workdir is not None:
             work = Path(self.workdir).resolve()
             if work.exists() and (not work.is_dir() or any(work.iterdir())):
                 # a second run there would overwrite the first's results and logs, and read its old log lines
-                raise DeployError(f"--workdir {work} exists and is not an empty directory; choose a new one (each "
+                raise DeployUsageError(f"--workdir {work} exists and is not an empty directory; choose a new one (each "
                                   "run writes its keys, logs, results and Flower state there)")
         for key in self.run_config:
             if key in _OWNED_RUN_CONFIG:
-                raise DeployError(f"--run-config {key} is set by deploy local itself ({_OWNED_RUN_CONFIG[key]}); "
+                raise DeployUsageError(f"--run-config {key} is set by deploy local itself ({_OWNED_RUN_CONFIG[key]}); "
                                   "an override would contradict what the nodes pin or how the deployment is wired")
         self.data_settings()
 
@@ -1111,7 +1116,7 @@ class LocalDeployment:
         try:
             defaults = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
         except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
-            raise DeployError(f"cannot read the run-config defaults of {app / 'pyproject.toml'}: {exc!r}") from None
+            raise DeployUsageError(f"cannot read the run-config defaults of {app / 'pyproject.toml'}: {exc!r}") from None
         return device_data_settings({**defaults, **self.run_config})
 
 
@@ -1671,7 +1676,7 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, object]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise DeployError(f"--run-config expects KEY=VALUE, got {item!r}")
+            raise DeployUsageError(f"--run-config expects KEY=VALUE, got {item!r}")
         try:
             out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
@@ -1689,11 +1694,11 @@ def _keys(args: argparse.Namespace) -> int:
              "key_epoch": args.key_epoch is not None, "san": bool(args.san)}
     extra = sorted(f"--{name.replace('_', '-')}" for name, on in given.items() if on and name not in allowed)
     if extra:
-        raise DeployError(f"{', '.join(extra)} does not apply to --party {args.party}")
+        raise DeployUsageError(f"{', '.join(extra)} does not apply to --party {args.party}")
     needed = {"all": ("nodes",), "shuffler": ("k",), "device": ("node",)}.get(args.party, ())
     missing = [f"--{name}" for name in needed if not given[name]]
     if missing:
-        raise DeployError(f"--party {args.party} needs {', '.join(missing)}")
+        raise DeployUsageError(f"--party {args.party} needs {', '.join(missing)}")
     key_epoch = _DEFAULT_KEY_EPOCH if args.key_epoch is None else args.key_epoch
     if args.party == "all":
         paths = create_deploy_keys(args.out, args.nodes, sans=args.san, key_epoch=key_epoch, k=args.k)
@@ -1752,7 +1757,7 @@ def _bundle(args: argparse.Namespace) -> int:
     if args.keys is not None:
         wrong = [flag for flag, value in device_flags.items() if value is not None]
         if wrong or args.node is None or args.out is None:
-            raise DeployError("bundle --keys needs --node and --out" + (
+            raise DeployUsageError("bundle --keys needs --node and --out" + (
                 f", and takes no {', '.join(wrong)} (those complete a device's own directory, with --device)"
                 if wrong else ""))
         dest = create_device_bundle(DeployKeys(args.keys), args.node, args.out, eps0=args.eps0,
@@ -1763,7 +1768,7 @@ def _bundle(args: argparse.Namespace) -> int:
 
         missing = [flag for flag, value in device_flags.items() if value is None]
         if missing or args.node is not None or args.out is not None:
-            raise DeployError("bundle --device completes the device's directory in place: it needs "
+            raise DeployUsageError("bundle --device completes the device's directory in place: it needs "
                               f"{', '.join(device_flags)}" + (f" (missing: {', '.join(missing)})" if missing else "")
                               + " and takes no --node or --out (the node is in the directory's deploy.json)")
         dest = complete_device_bundle(args.device, nodes=args.nodes, superlink_ca=args.superlink_ca,
@@ -1845,6 +1850,9 @@ def main(argv: Sequence[str]) -> int:
         else:
             print(format_report(result))
         return 0 if result.status == "finished:completed" and result.report is not None else 1
+    except DeployUsageError as exc:
+        print(f"shuffledp deploy: {exc}", file=sys.stderr)
+        return 2
     except (DeployError, WatchdogError) as exc:
         print(f"shuffledp deploy: {exc}", file=sys.stderr)
         return 1

@@ -46,7 +46,7 @@ def test_readme_sections_exist() -> None:
 def test_bad_arguments_are_refused_with_a_reason(argv: list[str], message: str, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     argv = [a if a != "X" else str(tmp_path / "k") for a in argv]
-    assert dc.main(argv) == 1
+    assert dc.main(argv) == 2  # a usage error, as argparse's own; a failed run exits 1
     assert message in capsys.readouterr().err
     assert not (tmp_path / "k").exists()  # nothing written for a refused command
 
@@ -171,7 +171,7 @@ def test_devices_pin_their_data_settings(tmp_path: Path) -> None:
                         (["--dirichlet-alpha", "0"], {"dirichlet-alpha": 0.0}),
                         (["--dataset", "minst"], {"dataset": "minst"})):
         assert dc.main(["deploy", "bundle", "--keys", str(keys.root), "--node", "0", "--out", str(tmp_path / "bad"),
-                        "--eps0", "1", "--clip-l1", "1", *flags]) == 1
+                        "--eps0", "1", "--clip-l1", "1", *flags]) == 2
         with pytest.raises(dc.DeployError, match=f"data settings\\['{next(iter(data))}'\\] must be"):
             dc.create_device_bundle(keys, 0, tmp_path / "bad", eps0=1.0, clip_l1=1.0, data=data)
         assert not (tmp_path / "bad").exists()  # refused before anything was written

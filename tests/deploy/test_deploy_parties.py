@@ -206,7 +206,7 @@ def test_the_per_party_flow_through_the_command_line(tmp_path: Path, capsys: pyt
                           (["--party", "shuffler"], "--party shuffler needs --k"),
                           (["--nodes", "2", "--node", "1"], "--node does not apply to --party all")):
         code, out = _deploy(capsys, "keys", "--out", tmp_path / "refused", *argv)
-        assert code == 1 and message in out, out
+        assert code == 2 and message in out, out  # a usage error
         assert not (tmp_path / "refused").exists()
     code, out = _deploy(capsys, "check", "--keys", server)
     assert code == 1 and "missing tls/serverapp.crt" in out and "problem(s)" in out
@@ -223,7 +223,7 @@ def test_the_per_party_flow_through_the_command_line(tmp_path: Path, capsys: pyt
     flags = [str(x) for pair in public.items() for x in pair]
     code, out = _deploy(capsys, "bundle", "--device", device, "--nodes", 3, "--eps0", 2, "--clip-l1", 1,
                         "--out", tmp_path / "b")
-    assert code == 1 and "takes no --node or --out" in out
+    assert code == 2 and "takes no --node or --out" in out
     swapped = flags.copy()
     swapped[1] = str(public["--server-public-key"])  # a public key where the SuperLink CA belongs
     code, out = _deploy(capsys, "bundle", "--device", device, "--nodes", 3, "--eps0", 2, "--clip-l1", 1, *swapped)
