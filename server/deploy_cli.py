@@ -1240,7 +1240,7 @@ def _strip_ansi(line: str) -> str:
 
 
 _ROUND_TAG = re.compile(r"\[RUN \d+, ROUND (\S+)\]")
-_PROGRESS = re.compile(r"\[shuffledp\] round (\d+):")
+_PROGRESS = re.compile(r"\[shuffledp\] round (\d+): (?:(skipped|stopped|lost) - )?")
 
 
 def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) -> list[dict[str, float]]:
@@ -1260,6 +1260,8 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) ->
     * ``server-side``: the last reply sent to the progress line: the ServerApp's own polling for replies, the
       shuffler round trip, opening and applying the reports, central evaluation.
 
+    A round that updated no model (its progress line says ``skipped``, ``stopped`` or ``lost``) has ``status``.
+
     Times are arrival times of log lines sampled every few tens of ms, so each figure is good to about 0.1 s.
     """
     recv: dict[int, dict[str, float]] = {}
@@ -1268,11 +1270,14 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) ->
     marks: dict[str, dict[int, dict[str, float]]] = {"Received successfully": {}, "Start `flwr-clientapp`": {},
                                                      "Sending:": {}}
     done: dict[int, float] = {}
+    status: dict[int, str] = {}
     current: dict[str, int | None] = {}
     for t, key, line in sorted(events, key=lambda e: e[0]):
         m = _PROGRESS.search(line)
         if m:
             done.setdefault(int(m.group(1)), t)
+            if m.group(2):
+                status.setdefault(int(m.group(1)), m.group(2))
             continue
         if not key.startswith("supernode"):
             continue
@@ -1294,7 +1299,9 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) ->
     out: list[dict[str, float]] = []
     previous_end = run_start
     for rnd in sorted(done):
-        row: dict[str, float] = {"round": rnd, "wall": done[rnd] - previous_end}
+        row: dict[str, Any] = {"round": rnd, "wall": done[rnd] - previous_end}
+        if rnd in status:
+            row["status"] = status[rnd]  # no model update this round: nothing to open, apply or evaluate
         r_recv, r_sent = recv.get(rnd, {}), sent.get(rnd, {})
         if r_recv:
             row["to-first-node"] = min(r_recv.values()) - previous_end
@@ -1563,6 +1570,10 @@ def format_report(result: DeployResult) -> str:
             def f(key: str) -> str:
                 v = row.get(key)
                 return f"{v:.2f}" if isinstance(v, (int, float)) else "?"
+            if "status" in row:  # a budget stop, a skipped or a lost round: no phases beyond what is known
+                known = ", slowest client " + f("client") if "client" in row else ""
+                lines.append(f"  round {row['round']}: {row['status']} (no model update), wall {f('wall')}{known}")
+                continue
             lines.append(
                 f"  round {row['round']}: wall {f('wall')} | ServerApp collect {f('server-collect')} = slowest "
                 f"client {f('client')} (download {f('client-download')}, executor pickup {f('client-pickup')}, "

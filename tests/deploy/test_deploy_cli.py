@@ -214,12 +214,20 @@ def test_round_timings_splits_each_round() -> None:
         (25.0, "supernode-0", "Sent successfully"),
         (26.0, "run", "[shuffledp] round 2: 1 reports (attested)"),
     ]
+    ev.append((26.5, "run", "[shuffledp] round 3: stopped - round 3 is not run: the budget ..."))
     rows = dc.round_timings(ev, run_start=5.0)
     assert rows[0] == {"round": 1, "wall": 15.0, "to-first-node": 8.0, "node-spread": 1.0, "client": 3.1,
                        "server-side": 3.0}
     assert rows[1] == {"round": 2, "wall": 6.0, "to-first-node": 3.0, "node-spread": 0.0, "client": 2.0,
                        "server-side": 1.0, "client-download": 0.25, "client-pickup": 0.25, "clientapp": 1.0,
                        "client-upload": 0.5}
+    assert rows[2] == {"round": 3, "wall": 0.5, "status": "stopped"}
+    # the report prints a stopped round as what it is, not as a row of unknown phases
+    result = dc.DeployResult(status="finished:completed", run_id="5", report={"rounds": []}, report_path=None,
+                             timings={"rounds": rows}, workdir=Path("."))
+    text = dc.format_report(result)
+    assert "  round 3: stopped (no model update), wall 0.50\n" in text
+    assert "  round 2: wall 6.00 | ServerApp collect ? = slowest client 2.00" in text
 
 
 def test_file_tailer_stamps_new_lines(tmp_path: Path) -> None:
