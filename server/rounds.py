@@ -333,17 +333,32 @@ class RoundEngine:
         """Write the current state as the checkpoint (atomic)."""
         self.store.save(self._checkpoint())
 
-    def _refuse_a_spent_key_epoch(self) -> None:
-        """Raise ResumeError if the shuffler reports released batches of this run's key epoch (its Stats; a
-        shuffler too old to report them says 0)."""
+    def _refuse_a_spent_key_epoch(self, rows: Sequence[Mapping[str, Any]], *, fresh: bool) -> None:
+        """Raise ResumeError if the shuffler reports more released batches of this run's key epoch than this run's
+        ledger charged (its Stats; a shuffler too old to report them says 0).
+
+        A run's batches are charged before they are fetched (released), so every release of this run has a ledger
+        row, and a surplus of releases is another run's, in the same key epoch: this accountant would leave out
+        reports already released to a server. Rows without a batch (older ledgers) count as this epoch's.
+        """
         stats = self.shuffler.stats()
         released = int(stats.get("epoch_batches_released", 0))
-        if int(stats.get("key_epoch", -1)) == self.cfg.key_epoch and released > 0:
+        if int(stats.get("key_epoch", -1)) != self.cfg.key_epoch:
+            return
+        charged = sum(1 for r in rows if r.get("key_epoch") in (self.cfg.key_epoch, None))
+        if released > charged and fresh:
             raise ResumeError(
                 f"the shuffler has already released {released} batch(es) of key epoch {self.cfg.key_epoch}, and this "
                 "run has no checkpoint or ledger rows: a fresh accountant would start at epsilon 0 although this "
                 "epoch's reports were already released to a server. Resume the run that spent them (its output "
                 "directory), or rotate the keys to a new key epoch for a new run"
+            )
+        if released > charged:
+            raise ResumeError(
+                f"the shuffler has released {released} batch(es) of key epoch {self.cfg.key_epoch}, but this run's "
+                f"ledger charges only {charged}: another run has used this key epoch since, and its releases are "
+                "not in this run's accountant, so the epsilon it would report leaves them out. Find that run "
+                "(`shuffledp audit` with both ledgers names the batches); every run needs its own key epoch"
             )
 
     def restore(self) -> int:
@@ -354,6 +369,9 @@ class RoundEngine:
         * no checkpoint and an empty ledger, but the shuffler has already released batches of this key epoch:
           refused. Those releases were charged to another run's accountant (or to none); a fresh accountant
           starting at 0 would report an epsilon that leaves them out. Rotate keys (a new key epoch) per run.
+        * a checkpoint, but the shuffler has released more batches of this key epoch than the ledger charges:
+          refused. The surplus is another run's (this run charges a batch before it is released), and this
+          accountant would leave it out.
         * ledger rows after the checkpoint's round: each is a round whose release was charged but whose model
           update was not checkpointed (a crash between the ledger append and the checkpoint). The accountant is
           charged with it from the ledger row, exactly once, and it is recorded as ``"lost"``.
@@ -375,7 +393,7 @@ class RoundEngine:
                     "is no checkpoint; refusing to start a run that would mix with another run's ledger "
                     "(use a fresh run name or output directory)"
                 )
-            self._refuse_a_spent_key_epoch()
+            self._refuse_a_spent_key_epoch(rows, fresh=True)
             self.last_round = 0
             self.save()
             return 1
@@ -387,6 +405,7 @@ class RoundEngine:
                 "the configuration changed since the checkpoint in settings that a resume must keep: "
                 + ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
             )
+        self._refuse_a_spent_key_epoch(rows, fresh=False)
         budget_changes = list(ckpt.budget_changes)
         old_budget, new_budget = ckpt.config.get("budget-epsilon"), current.get("budget-epsilon")
         if old_budget != new_budget:

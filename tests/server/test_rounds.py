@@ -318,6 +318,18 @@ def test_a_fresh_run_in_a_key_epoch_the_shuffler_already_released_is_refused(h: 
     fresh.store.close()
     resumed = h.engine(h.config(**{"run-name": "fresh-1"}), h.grid([h.honest()] * h.N))
     assert resumed.restore() == 3  # the run that spent the epoch resumes as before
+    # Review 49, M1: the first run has a checkpoint (its round 1 was skipped), so it is a resume, not a fresh
+    # start; but fresh-1 has released a batch of the epoch since, which the first run's accountant leaves out
+    first.ledger.close()
+    first.store.close()
+    again = h.engine(h.config(**{"min-reports": h.N + 1}), h.grid([h.honest()] * h.N))
+    before = again.store.load()
+    with pytest.raises(ResumeError, match="released 1 batch\\(es\\) of key epoch 0, but this run's ledger charges "
+                                          "only 0: another run has used this key epoch"):
+        again.restore()
+    after = again.store.load()  # refused before changing anything
+    assert again.ledger.rows() == [] and (after.round, after.history, after.accountant) == (
+        before.round, before.history, before.accountant)
 
 
 def test_a_failed_ledger_write_leaves_nothing_charged_in_the_accountant(h: Any) -> None:
