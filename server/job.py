@@ -247,6 +247,9 @@ def format_progress(o: RoundOutcome) -> str:
         )
         if o.n_bad_reports:
             text += f", {o.n_bad_reports} bad reports skipped"
+        if o.epsilon_if_bad_gave_no_cover is not None:
+            text += (f", epsilon {format_epsilon(o.epsilon_if_bad_gave_no_cover, o.epsilon_kind)} if the bad reports "
+                     "gave no cover")
         return text
     return f"[shuffledp] round {o.round}: {o.status} - {o.reason}"
 

@@ -4,7 +4,7 @@
 
     {"config": {...run config, kebab-case...},
      "rounds": [{"round", "n_reports", "accuracy", "loss", "eps0", "epsilon", "family", "kind", "delta",
-                 "n_applied", "n_bad_reports"}, ...],
+                 "n_applied", "n_bad_reports", "epsilon_if_bad_gave_no_cover"}, ...],
      "skipped": [{"round", "reason", ...counts}], "stopped": {"round", "reason"} | null,
      "accounting": {"family", "kind": "upper", "target_delta", "epsilon", "comparison": {family: ...}},
      "finished": true once the run has ended (finished its rounds or stopped at the budget),
@@ -12,8 +12,10 @@
 
 ``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family (``family``), an
 upper bound (``kind``) at ``delta``. ``n_reports`` is the attested count the round was charged with; of those,
-``n_applied`` opened and decoded and ``n_bad_reports`` did not (the accounting still assumes all ``n_reports``
-came from the eps0-LDP randomizer: many bad reports mean that assumption deserves a look). A round charged but
+``n_applied`` opened and decoded and ``n_bad_reports`` did not. ``epsilon`` counts every released report as cover
+(the shuffle bound assumes all ``n_reports`` came from the eps0-LDP randomizer). An honest client's report always
+opens, so once any round had a bad report ``epsilon_if_bad_gave_no_cover`` is the cumulative upper bound with them
+taken out of each round's n (null before that); the budget stop uses the larger of the two. A round charged but
 whose update was lost in a crash has ``accuracy = loss = null`` and ``n_applied = n_bad_reports = 0``.
 Both files are written with ``shuffler.journal.write_file_durably`` (temporary file, fsync, rename, directory
 fsync).

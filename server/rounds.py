@@ -166,6 +166,11 @@ class RoundOutcome:
     epsilon: float | None = None  # cumulative, after this round, of the family below
     epsilon_family: str = ""  # the run's accounting family
     epsilon_kind: str = ""  # "upper" (a guarantee): accounting-family must be an upper-bound family
+    #: cumulative upper bound of the same family if the reports that failed to open or decode gave no cover (each
+    #: charged round composed with n_reports - n_bad_reports, at least 1); None while no round had bad reports.
+    #: An honest client's report always opens, so a bad one came from a broken or malicious enrolled client, and
+    #: the shuffle bound's assumption that all n reports came from the eps0-LDP randomizer failed for it.
+    epsilon_if_bad_gave_no_cover: float | None = None
     delta: float | None = None
     accuracy: float | None = None
     loss: float | None = None
@@ -614,14 +619,35 @@ class RoundEngine:
         is sent or fetched (the value is cached and reused once the round is charged)."""
         try:
             exceeded = self.accountant.would_exceed(event, self.cfg.budget_epsilon)
+            no_cover = None if exceeded else self._no_cover_accountant()
+            exceeded_without_bad = no_cover is not None and no_cover.would_exceed(event, self.cfg.budget_epsilon)
         except RefusedError as exc:
             return f"the accounting family {self.cfg.accounting_family!r} cannot bound this round: {exc}"
-        if not exceeded:
+        if exceeded:
+            return (
+                f"it would exceed the privacy budget epsilon={self.cfg.budget_epsilon:g} at "
+                f"delta={self.cfg.target_delta:g} ({self.cfg.accounting_family})"
+            )
+        if exceeded_without_bad:  # pessimistic: reports that failed to open are not counted as cover
+            return (
+                f"it would exceed the privacy budget epsilon={self.cfg.budget_epsilon:g} at "
+                f"delta={self.cfg.target_delta:g} ({self.cfg.accounting_family}) once the reports of earlier rounds "
+                "that failed to open or decode are not counted as cover"
+            )
+        return None
+
+    def _no_cover_accountant(self, extra: RoundOutcome | None = None) -> ShuffleAccountant | None:
+        """The run's charged rounds (and ``extra``) composed with the reports that failed to open or decode taken
+        out of each round's n (they gave no cover; a round left with none is composed at n = 1, no amplification).
+        None if no such round had a bad report. A round lost in a crash keeps its attested n (it was never
+        opened here). Same family and delta as the run's accountant, no comparison families."""
+        charged = [h for h in self.history if h.status in ("applied", "lost")] + ([extra] if extra else [])
+        if not any(h.n_bad_reports for h in charged):
             return None
-        return (
-            f"it would exceed the privacy budget epsilon={self.cfg.budget_epsilon:g} at "
-            f"delta={self.cfg.target_delta:g} ({self.cfg.accounting_family})"
-        )
+        acct = ShuffleAccountant(target_delta=self.cfg.target_delta, family=self.cfg.accounting_family)
+        for h in charged:
+            acct.compose(ShuffleRound(n=max(1, h.n_reports - h.n_bad_reports), eps0=h.eps0))
+        return acct
 
     def _spent(self) -> str:
         """The budget spent so far, labelled: ``epsilon=... (family, upper bound)``."""
@@ -751,6 +777,15 @@ class RoundEngine:
             out.n_applied = acc.count
             if acc.count + bad != n_attested:  # ShufflerClient.fetch checks this too; never apply more than charged
                 raise RuntimeError(f"the shuffler released {acc.count + bad} reports for an attested {n_attested}")
+            no_cover = self._no_cover_accountant(out)
+            if no_cover is not None:
+                out.epsilon_if_bad_gave_no_cover = float(no_cover.epsilon().value)
+                if bad:
+                    log.warning(
+                        "round %d: %d of %d released reports failed to open or decode (an honest client's always "
+                        "opens); epsilon is %s counting them as cover, %s if they gave none (report.json: "
+                        "epsilon_if_bad_gave_no_cover; the budget uses the larger)", round_id, bad, n_attested,
+                        out.epsilon, out.epsilon_if_bad_gave_no_cover)
             t4 = time.perf_counter()
             out.seconds["open_apply"] = t4 - t3
             if acc.count:
@@ -808,6 +843,7 @@ class RoundEngine:
                 "delta": o.delta,
                 "n_applied": o.n_applied,
                 "n_bad_reports": o.n_bad_reports,
+                "epsilon_if_bad_gave_no_cover": o.epsilon_if_bad_gave_no_cover,
             }
             for o in self.history
             if o.status in ("applied", "lost")

@@ -274,20 +274,25 @@ def _alive(pid: int) -> bool:
 
 
 def _progress_line(row: Mapping[str, Any]) -> str:
-    return (
+    line = (
         f"[shuffledp] round {row['round']}: {row['n_reports']} reports (attested), accuracy "
         f"{_fmt(row.get('accuracy'))}, loss {_fmt(row.get('loss'))}, epsilon so far {_epsilon(row)} "
         f"({epsilon_label(row.get('family', ''), row.get('kind', ''))}, delta {_fmt(row.get('delta'))})"
     )
+    if row.get("n_bad_reports"):
+        line += f", {row['n_bad_reports']} bad reports skipped"
+    if row.get("epsilon_if_bad_gave_no_cover") is not None:
+        line += (f", epsilon {_epsilon(row, 'epsilon_if_bad_gave_no_cover')} if the bad reports gave no cover")
+    return line
 
 
 def _fmt(value: Any) -> str:
     return "n/a" if value is None else f"{float(value):.4g}"
 
 
-def _epsilon(row: Mapping[str, Any]) -> str:
+def _epsilon(row: Mapping[str, Any], key: str = "epsilon") -> str:
     """The round's cumulative epsilon, rounded outward for a bound (an upper bound never prints below itself)."""
-    value = row.get("epsilon")
+    value = row.get(key)
     return "n/a" if value is None else format_epsilon(float(value), str(row.get("kind", "")))
 
 

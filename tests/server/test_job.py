@@ -41,8 +41,9 @@ def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
     assert [r["round"] for r in report["rounds"]] == [1, 2, 3]
     for row in report["rounds"]:
         assert set(row) == {"round", "n_reports", "accuracy", "loss", "eps0", "epsilon", "family", "kind", "delta",
-                            "n_applied", "n_bad_reports"}
+                            "n_applied", "n_bad_reports", "epsilon_if_bad_gave_no_cover"}
         assert row["n_reports"] == row["n_applied"] == 12 and row["n_bad_reports"] == 0
+        assert row["epsilon_if_bad_gave_no_cover"] is None
         assert (row["family"], row["kind"], row["delta"]) == (cfg.accounting_family, "upper", cfg.target_delta)
         cli = _cli_epsilon(capsys, eps0=2.0, n=12, delta=cfg.target_delta, rounds=row["round"])
         assert row["epsilon"] == pytest.approx(cli, rel=1e-12, abs=0.0)
@@ -273,6 +274,12 @@ def test_progress_lines_print_bounds_outward_and_survive_a_failed_evaluation() -
     row = {"round": 3, "n_reports": 12, "accuracy": 0.5, "loss": 1.0, "epsilon": 0.12344, "family": "clones",
            "kind": "upper", "delta": 1e-6}
     assert "epsilon so far 0.1235 (clones, upper bound, delta 1e-06)" in _progress_line(row)
+    assert "bad reports" not in _progress_line(row) and "no cover" not in _progress_line(row)
+    # a round with reports that failed to open: both figures, each rounded outward, on both paths
+    row.update(n_bad_reports=2, epsilon_if_bad_gave_no_cover=0.20001)
+    assert _progress_line(row).endswith(", 2 bad reports skipped, epsilon 0.2001 if the bad reports gave no cover")
+    out.n_bad_reports, out.epsilon_if_bad_gave_no_cover = 2, 0.20001
+    assert format_progress(out).endswith(", 2 bad reports skipped, epsilon 0.2001 if the bad reports gave no cover")
 
 
 def test_the_run_lock_on_a_filesystem_without_flock_warns_and_runs(

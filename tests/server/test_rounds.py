@@ -18,8 +18,9 @@ from accounting.accountant import ShuffleAccountant
 from accounting.events import ShuffleRound
 from clients import messages as M
 from clients.report import decode_report
+from server.job import format_progress
 from server.optim import flatten
-from server.rounds import ResumeError, envelope_of, sample_nodes
+from server.rounds import ResumeError, RoundOutcome, envelope_of, sample_nodes
 
 
 def _ledger_rounds(engine: Any) -> list[int]:
@@ -133,6 +134,50 @@ def test_garbage_replies_are_counted_and_dropped(h: Any) -> None:
     assert out.n_reports == h.N - 2  # the shuffler drops the random bytes (they do not open)
     assert out.n_bad_reports == 1 and out.n_applied == h.N - 3  # the bad payload is opened, counted, skipped
     assert [(r["round"], r["n_reports"]) for r in engine.ledger.rows()] == [(1, h.N - 2)]
+
+
+def test_reports_that_fail_to_open_are_not_counted_as_cover(h: Any) -> None:
+    """Review 49, M2: a released report that fails to open came from a broken or malicious enrolled client (an
+    honest one always opens), so it hid nobody. The ledger is charged the attested n (all were released), and the
+    run also reports, and budgets with, the bound that leaves such reports out of each round's n. eps0 = 1, where
+    n = 10 and n = 12 give clearly different bounds."""
+    eps0, family = 1.0, h.config().accounting_family
+
+    def bound(*ns: int) -> float:
+        acct = ShuffleAccountant(target_delta=h.config().target_delta, family=family)
+        for n in ns:
+            acct.compose(ShuffleRound(n=n, eps0=eps0))
+        return float(acct.epsilon().value)
+
+    assert h.N == 12 and bound(12, 12) < bound(10, 12)
+    budget = (bound(12, 12) + bound(10, 12)) / 2  # round 2 fits only if the two bad reports count as cover
+    cfg = h.config(**{"eps0": eps0, "budget-epsilon": budget})
+    engine = h.engine(cfg, h.grid([h.honest()] * (h.N - 2) + [h.inner_garbage(), h.inner_garbage()]))
+    engine.restore()
+    out = engine.run_round(1)
+    assert (out.status, out.n_reports, out.n_bad_reports, out.n_applied) == ("applied", 12, 2, 10)
+    assert [(r["round"], r["n_reports"]) for r in engine.ledger.rows()] == [(1, 12)]  # all 12 were released
+    assert out.epsilon == pytest.approx(bound(12), rel=1e-12)
+    assert out.epsilon_if_bad_gave_no_cover == pytest.approx(bound(10), rel=1e-12)
+    assert out.epsilon_if_bad_gave_no_cover > out.epsilon
+    assert f"epsilon {out.epsilon_if_bad_gave_no_cover:.4f}"[:12] in format_progress(out)
+    assert engine.report_rows()[0]["epsilon_if_bad_gave_no_cover"] == out.epsilon_if_bad_gave_no_cover
+    # round 2 would fit the budget with the bad reports as cover, not without them: the run stops before it
+    stopped = engine.run_round(2)
+    assert stopped.status == "stopped" and "not counted as cover" in stopped.reason
+    assert len(engine.ledger.rows()) == 1
+    # the figure survives a checkpoint: an older checkpoint without it reads as None
+    assert RoundOutcome.from_dict(out.as_dict()) == out
+    legacy = {k: v for k, v in out.as_dict().items() if k != "epsilon_if_bad_gave_no_cover"}
+    assert RoundOutcome.from_dict(legacy).epsilon_if_bad_gave_no_cover is None
+
+
+def test_without_bad_reports_there_is_no_second_figure(h: Any) -> None:
+    engine = h.engine(h.config(**{"eps0": 1.0}), h.grid([h.honest()] * h.N))
+    engine.restore()
+    out = engine.run_round(1)
+    assert out.n_bad_reports == 0 and out.epsilon_if_bad_gave_no_cover is None
+    assert "no cover" not in format_progress(out)
 
 
 def _tagging(engine: Any, victim_index: int) -> None:
