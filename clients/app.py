@@ -119,6 +119,8 @@ def _handle(msg: Message, context: Context) -> tuple[Reply, float]:
         arrays = [np.asarray(a) for a in msg.content.array_records[ARRAYS_KEY].to_numpy_ndarrays()]
         if not arrays:
             raise RequestError("the request carries no model arrays")
+        if any(a.dtype.kind != "f" for a in arrays):
+            raise RequestError(f"model arrays must be floating-point (float32), got {[str(a.dtype) for a in arrays]}")
         digest = arrays_digest(arrays)
     except (RequestError, TypeError, ValueError) as exc:
         return _error(ERR_BAD_REQUEST, f"bad request: {exc}"), 0.0
@@ -128,7 +130,13 @@ def _handle(msg: Message, context: Context) -> tuple[Reply, float]:
         pinned = pinned_from_configs(context.node_config, context.run_config)
     except ClientSetupError as exc:
         return _error(ERR_CLIENT_SETUP, f"client setup: {exc}"), 0.0
-    return _answer(context, cfg, arrays, digest, pinned), pinned.reply_floor
+    try:
+        return _answer(context, cfg, arrays, digest, pinned), pinned.reply_floor
+    except Exception:  # noqa: BLE001 - the last resort: a clear error under the floor, never Flower's traceback reply
+        # Flower would reply at once with the exception's type and text, which may be about the client's data
+        _log.exception("round %d: unexpected error while answering", cfg.round)
+        return _error(ERR_CLIENT_SETUP, "the client could not answer this request (see the client's log)"), \
+            pinned.reply_floor
 
 
 def _answer(

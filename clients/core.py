@@ -223,11 +223,12 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
     if "eps0" in node_config:
         where = "node_config"
         src = node_config
-        keys = _load_keys(
-            Path(str(node_config.get("client-key", ""))),
-            Path(str(node_config.get("server-public-key", ""))),
-            Path(str(node_config.get("shuffler-public-key", ""))),
-        )
+        names = ("client-key", "server-public-key", "shuffler-public-key")
+        missing = [n for n in names if not isinstance(node_config.get(n), str) or not node_config[n]]
+        if missing:
+            raise ClientSetupError(f"node_config pins 'eps0' (a deployment) but has no {missing} (paths of the "
+                                   "device's key files, written by `shuffledp deploy bundle`)")
+        keys = _load_keys(*(Path(str(node_config[n])) for n in names))
     else:
         where = "run_config"
         src = run_config

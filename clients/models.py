@@ -80,9 +80,13 @@ def set_arrays(model: nn.Module, arrays: Sequence[np.ndarray]) -> None:
             a = np.asarray(a)
             if tuple(p.shape) != a.shape:
                 raise ValueError(f"parameter {i}: shape {tuple(p.shape)} expected, got {a.shape}")
-            if not np.all(np.isfinite(a)):
-                raise ValueError(f"parameter {i} has non-finite values")
-            p.copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)))
+            if a.dtype.kind != "f":  # complex, integer, bool, datetime, text or structured: not a model's weights
+                raise ValueError(f"parameter {i} has dtype {a.dtype}; a floating-point type (float32) is expected")
+            with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf: refused just below
+                a32 = np.ascontiguousarray(a, dtype=np.float32)
+            if not np.all(np.isfinite(a32)):
+                raise ValueError(f"parameter {i} has non-finite values (as float32)")
+            p.copy_(torch.from_numpy(a32))
 
 
 def model_from_arrays(arrays: Sequence[np.ndarray]) -> nn.Module:

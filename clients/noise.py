@@ -298,7 +298,6 @@ def _digit_table(kind: str, x_num: int, x_log2_den: int, n: int) -> _DigitTable:
 
 
 _TOP_MIN_X = Fraction(1, 64)
-_MAX_DIGITS = 7  # magnitudes are assembled as 7 little-endian bytes of an int64 (plus restarts)
 
 
 class DiscreteLaplaceSampler:

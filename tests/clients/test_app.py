@@ -267,6 +267,10 @@ def test_pinned_settings_resolution_errors(keys) -> None:
            "partition-id": 0, "num-partitions": 1}
     with pytest.raises(ClientSetupError, match="cannot load"):
         pinned_from_configs(dep, {})
+    # review 48, N1: a missing path was read as "." ("cannot load the client's keys: . has mode 777")
+    for absent in ("client-key", "shuffler-public-key"):
+        with pytest.raises(ClientSetupError, match=f"has no \\['{absent}'\\]"):
+            pinned_from_configs({k: v for k, v in dep.items() if k != absent}, {})
     assert data_settings_from_configs(node, {}) == {"dataset": "digits", "data_dir": None, "pca_components": 10,
                                                     "scheme": "iid", "alpha": 0.5, "seed": 0}
     assert data_settings_from_configs(node, {"pca-components": 0})["pca_components"] is None
@@ -478,3 +482,42 @@ def test_refusals_carry_nothing_about_the_clients_data(keys, model, tmp_path, ca
     # a data setting of the wrong type is a refusal too, not an exception (TypeError escaped the handler)
     r = train_shuffled(_msg(model, _cfg(1)), _ctx(keys, **{"pca-components": [10]}))
     assert r.has_error() and r.error.code == ERR_CLIENT_SETUP
+
+
+def test_model_arrays_that_are_not_floats_are_refused_with_a_reason(keys, model) -> None:
+    """Review 48, M1 and L1: a text or structured array made np.isfinite raise TypeError, which left the ClientApp
+    (Flower then replied at once with the exception's text, before any reply-floor); complex, integer, bool and
+    datetime arrays were accepted (the imaginary part dropped); a float64 weight beyond float32's range became
+    inf after the finiteness check and every report was the zero update."""
+    w, b = model
+    for odd in (w.astype("U8"), w.astype(np.complex64) + 1j, w.astype(np.int32), w > 0,
+                w.astype("datetime64[s]"), np.zeros(w.shape, dtype=[("a", "<f4")])):
+        r = train_shuffled(_msg([odd, b], _cfg(1)), _ctx(keys))
+        assert r.has_error() and r.error.code == ERR_BAD_REQUEST, odd.dtype
+        assert "must be floating-point (float32)" in r.error.reason and str(odd.dtype) in r.error.reason
+    huge = w.astype(np.float64)
+    huge[0, 0] = 1e300  # finite as float64, inf as float32
+    r = train_shuffled(_msg([huge, b], _cfg(1)), _ctx(keys))
+    assert r.has_error() and r.error.code == ERR_BAD_REQUEST and "non-finite values (as float32)" in r.error.reason
+    assert not train_shuffled(_msg([w.astype(np.float64), b], _cfg(1)), _ctx(keys)).has_error()  # float64 is fine
+
+
+def test_an_unexpected_error_is_a_clear_reply_held_to_the_floor(keys, model, monkeypatch, caplog) -> None:
+    """Whatever goes wrong while answering, the server gets a fixed reason (not the exception's text, which may be
+    about the client's data) and not before the pinned reply-floor."""
+    import logging
+
+    import clients.app as client_app
+
+    def broken(*_args: object, **_kwargs: object) -> bytes:
+        raise KeyError("/secret/path/of/the/client/data has 172 rows")
+
+    monkeypatch.setattr(client_app, "make_envelope", broken)
+    floor = 0.5
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="shuffledp.client"):
+        r = app(_msg(model, _cfg(1)), _ctx(keys, **{"reply-floor": floor}))
+    assert time.monotonic() - t0 >= floor
+    assert r.has_error() and r.error.code == ERR_CLIENT_SETUP
+    assert r.error.reason == "the client could not answer this request (see the client's log)"
+    assert "172 rows" in caplog.text  # the details stay in the client's own log
