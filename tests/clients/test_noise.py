@@ -296,3 +296,47 @@ def test_concurrent_threads_share_one_stream_without_error_or_overlap() -> None:
     stream = ChaCha20Rng(_key(7)).random_bytes(3 * 200 * (1 << 14)).tobytes()
     want = sorted(stream[i : i + (1 << 14)] for i in range(0, len(stream), 1 << 14))
     assert got == want
+
+
+def _survival(k: np.ndarray, x: float) -> np.ndarray:
+    """P(|Z| >= k) = 2 t^k / (1 + t) for k >= 1 (t = exp(-x)); P(|Z| >= 0) = 1."""
+    k = np.asarray(k, dtype=np.float64)
+    return np.where(k >= 1, 2.0 * np.exp(-x * k) / (1.0 + math.exp(-x)), 1.0)
+
+
+def test_sampler_tail_beyond_the_top_digit() -> None:
+    """At x = 1/64 the top digit's "255 or more" outcome restarts the draw in 1.9% of draws. The chi-square above
+    merges that tail into one bin, so a sampler whose support stopped at 255 (no restart: bounded noise, no pure
+    DP) passed it (review 48, T1). Exact binomial tests, each at ALPHA, of |Z| == 255, |Z| >= 256 and
+    |Z| >= 510 (expected about 58, 3,690 and 69 of 200,000)."""
+    num, log2_den = 1, 6
+    x = num / 2.0**log2_den
+    a = np.abs(DiscreteLaplaceSampler(num, log2_den).sample(N, ChaCha20Rng(_key(num * 16 + log2_den))))
+    s255, s256, s510 = _survival(np.array([255, 256, 510]), x)
+    p255 = s255 * -math.expm1(-x)  # S(255) - S(256) without cancellation
+    for count, p in ((np.count_nonzero(a == 255), p255), (np.count_nonzero(a >= 256), s256),
+                     (np.count_nonzero(a >= 510), s510)):
+        assert N * p > 50
+        assert stats.binomtest(int(count), N, float(p)).pvalue > ALPHA, (count, N * p)
+
+
+@pytest.mark.parametrize("log2_den", [15, 21])
+def test_sampler_second_digit(log2_den: int) -> None:
+    """The second base-256 digit of |Z|, (|Z| >> 8) & 255, against its exact law, where the sampler draws it from
+    its own truncated table (two truncated digits from scale 2**15 on): a table with the wrong ratio passed the
+    quantile test above (review 48, T1). Over each period of 65,536 the law decays by exp(-2) at 2**15 and by
+    exp(-1/32) at 2**21 (the randomizer's scale): P(d = j) = sum over blocks m of S(256 j + 65536 m) -
+    S(256 j + 256 + 65536 m), summed in closed form."""
+    num = 1
+    assert DiscreteLaplaceSampler(num, log2_den).n_digits == 2
+    x = num / 2.0**log2_den
+    t = math.exp(-x)
+    z = DiscreteLaplaceSampler(num, log2_den).sample(N, ChaCha20Rng(_key(180 + log2_den)))
+    d = ((np.abs(z) >> 8) & 0xFF).astype(np.int64)
+    j = np.arange(256)
+    # with S(k) = 2 t^k / (1+t) for every k >= 0, the blocks of digit j sum to 2/(1+t) t^(256 j) (1 - t^256) /
+    # (1 - t^65536); k = 0 has mass (1-t)/(1+t), not S(0) - S(1) = 2(1-t)/(1+t), so digit 0 loses (1-t)/(1+t)
+    probs = 2.0 / (1.0 + t) * np.exp(-x * 256 * j) * math.expm1(-x * 256) / math.expm1(-x * 65536)
+    probs[0] -= -math.expm1(-x) / (1.0 + t)
+    assert abs(probs.sum() - 1.0) < 1e-12  # the closed form is a distribution
+    assert stats.chisquare(np.bincount(d, minlength=256), probs * N).pvalue > ALPHA
