@@ -217,3 +217,19 @@ def test_dirichlet_with_many_partitions_fills_every_partition() -> None:
         assert all(np.array_equal(a, b) for a, b in zip(parts, again))
     with pytest.raises(ValueError, match="exceeds"):
         partition_dirichlet(y, 500, 0.5, min_size=3)
+
+
+@pytest.mark.parametrize("pca_components", [None, 3])
+def test_preprocessing_is_fitted_on_the_held_out_split_only(pca_components: int | None) -> None:
+    """The PCA basis and the scaling come from the server's held-out split, never from the clients' rows (review
+    48, T2: fitting them on x_train went unnoticed): changing the training rows changes neither the held-out
+    features nor the map applied to a training row."""
+    from clients.data import _preprocess
+
+    gen = np.random.default_rng(0)  # test data only
+    x_tr, x_te = gen.normal(size=(40, 8)), gen.normal(size=(50, 8)) * np.arange(1, 9)
+    a_tr, a_te = _preprocess(x_tr, x_te, pca_components)
+    b_tr, b_te = _preprocess(np.vstack([x_tr, 100.0 * x_tr + 7.0]), x_te, pca_components)
+    assert np.array_equal(a_te, b_te)
+    assert np.allclose(a_tr, b_tr[:40], rtol=0, atol=1e-6)
+    assert abs(float(a_te.mean())) < 1e-6 and a_te.shape[1] == (pca_components or 8)
