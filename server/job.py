@@ -281,7 +281,7 @@ def write_outputs(engine: RoundEngine, paths: RunPaths, *, plot: bool = True, fi
         {"round": o.round, "reason": o.reason, "n_sampled": o.n_sampled, "n_envelopes": o.n_envelopes,
          "n_reports": o.n_reports}
         for o in engine.history
-        if o.status == "skipped"
+        if o.status in ("skipped", "abandoned")  # nothing released, nothing charged
     ]
     stopped = None if engine.stopped is None else {"round": engine.stopped.round, "reason": engine.stopped.reason}
     rows = engine.report_rows()

@@ -10,7 +10,8 @@
      "finished": true once the run has ended (finished its rounds or stopped at the budget),
      "budget_changes": [{"after_round", "from", "to"}, ...]: each resume that changed budget-epsilon}
 
-``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family (``family``), an
+``skipped`` also lists the rounds ``abandoned`` in a crash or failure before their charge (their ids were used,
+nothing was released). ``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family (``family``), an
 upper bound (``kind``) at ``delta``. ``n_reports`` is the attested count the round was charged with; of those,
 ``n_applied`` opened and decoded and ``n_bad_reports`` did not. ``epsilon`` counts every released report as cover
 (the shuffle bound assumes all ``n_reports`` came from the eps0-LDP randomizer). An honest client's report always

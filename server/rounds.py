@@ -147,7 +147,9 @@ class RoundOutcome:
 
     ``status``: ``"applied"`` (charged, model updated), ``"skipped"`` (nothing released, nothing charged),
     ``"stopped"`` (the budget would be exceeded; the run ends), ``"lost"`` (charged, but the process died
-    before the model update was checkpointed; only produced by :meth:`RoundEngine.restore`).
+    before the model update was checkpointed; only produced by :meth:`RoundEngine.restore`), ``"abandoned"``
+    (its id was used, but the process stopped or failed before the charge, so nothing was released; only
+    produced by :meth:`RoundEngine.restore`).
     """
 
     round: int
@@ -464,13 +466,25 @@ class RoundEngine:
             )
             log.warning("round %d was charged (ledger) but its model update was lost in a crash", row["round"])
 
+        last_ledger = max((int(r["round"]) for r in rows), default=0)
+        last_started = self.store.last_started()
+        known = {h.round for h in history}
+        for rnd in range(1, last_started + 1):
+            if rnd not in known:  # used (its requests may have gone out), never charged: nothing was released
+                history.append(RoundOutcome(
+                    round=rnd, status="abandoned", eps0=self.cfg.eps0, delta=self.cfg.target_delta,
+                    reason="the process stopped or failed during this round before it was charged; nothing of it "
+                           "was released to the server, and its id is not reused"))
+                log.warning("round %d was started but never charged (the process stopped or failed): recorded "
+                            "as abandoned", rnd)
+        history.sort(key=lambda h: h.round)
+
         self.arrays = [np.array(a, copy=True) for a in ckpt.arrays]
         self.optimizer = optimizer
         self.accountant = accountant
         self.history = history
         self.budget_changes = budget_changes
-        last_ledger = max((int(r["round"]) for r in rows), default=0)
-        self.last_round = max(ckpt.round, last_ledger, self.store.last_started())
+        self.last_round = max(ckpt.round, last_ledger, last_started)
         self.save()  # persist the reconciliation before anything else happens
         return self.last_round + 1
 

@@ -483,9 +483,17 @@ def test_crash_before_the_ledger_uses_a_fresh_round_id_and_charges_nothing(h: An
     engine.store.close()
     resumed = h.engine(cfg, grid)
     assert resumed.restore() == 3  # round 2 was started (messages went out): its id is not reused
-    assert [o.status for o in resumed.history] == ["applied"]
+    # review 49, L1: the used id is on record (it was missing from report.json), as nothing released or charged
+    assert [(o.round, o.status) for o in resumed.history] == [(1, "applied"), (2, "abandoned")]
+    assert "before it was charged" in resumed.history[1].reason
     resumed.run(start_round=3)
     assert _ledger_rounds(resumed) == [1, 3]
+    assert [(o.round, o.status) for o in resumed.history] == [(1, "applied"), (2, "abandoned"), (3, "applied")]
+    assert [r["round"] for r in resumed.report_rows()] == [1, 3]
+    resumed.ledger.close()
+    resumed.store.close()
+    again = h.engine(cfg, grid)
+    assert again.restore() == 4 and [o.status for o in again.history] == ["applied", "abandoned", "applied"]
 
 
 def test_resume_refuses_a_changed_privacy_setting(h: Any) -> None:
