@@ -739,8 +739,14 @@ class RoundEngine:
         out.n_reports = n_attested
         t2 = time.perf_counter()
         out.seconds["shuffle"] = t2 - t1
-        _check_attestation(attestation, round_id=round_id, key_epoch=cfg.key_epoch, digest=digest,
-                           submitted=out.n_envelopes)
+        try:
+            _check_attestation(attestation, round_id=round_id, key_epoch=cfg.key_epoch, digest=digest,
+                               submitted=out.n_envelopes)
+        except RuntimeError:
+            # a signed, sealed batch that disagrees with what was submitted: never fetched, never charged, but on
+            # record like every other sealed batch (attestations.jsonl), for the audit and the operator
+            self._record_attestation(round_id, attestation, charged=False)
+            raise
         if n_attested < cfg.min_reports:
             out.reason = (
                 f"the shuffler accepted {n_attested} of {out.n_envelopes} envelopes, fewer than min-reports "

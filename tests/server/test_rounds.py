@@ -219,8 +219,7 @@ def test_tagging_that_leaves_fewer_than_k_skips_the_round(h: Any) -> None:
 
 
 def test_budget_stops_before_the_round_that_would_exceed(h: Any) -> None:
-    one_round = ShuffleAccountant(1e-6).epsilon().value  # 0 before any round
-    assert one_round == 0.0
+    assert ShuffleAccountant(1e-6).epsilon().value == 0.0  # nothing composed, nothing spent
     probe = ShuffleAccountant(1e-6)
     probe.compose(ShuffleRound(12, 8.0))
     eps1 = probe.epsilon().value
@@ -340,6 +339,27 @@ def test_a_failing_attestation_record_after_the_charge_is_remembered_and_nothing
     with pytest.raises(ValueError, match="never reused"):
         engine.run_round(1)
     assert _ledger_rounds(engine) == [1] and len(engine.accountant.rounds) == 1
+
+
+def test_a_sealed_batch_that_fails_the_cross_check_is_on_record_and_never_fetched(h: Any, monkeypatch) -> None:
+    """Review 49, L2: attestations.jsonl is the record of every sealed batch; one whose attestation disagreed with
+    the submission raised before it was recorded."""
+    import server.rounds as rounds_module
+
+    engine = h.engine(h.config(), h.grid([h.honest()] * h.N))
+    engine.restore()
+    recorded: list[tuple[int, int, bool]] = []
+    engine.on_attestation = lambda rnd, att, charged: recorded.append((rnd, int(att.n_accepted), charged))
+
+    def mismatch(att: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the attestation's model_digest b'..' does not match the submitted b'..'")
+
+    monkeypatch.setattr(rounds_module, "_check_attestation", mismatch)
+    fetched: list[Any] = []
+    engine.shuffler.fetch = lambda att: fetched.append(att) or iter(())
+    with pytest.raises(RuntimeError, match="does not match the submitted"):
+        engine.run_round(1)
+    assert recorded == [(1, h.N, False)] and fetched == [] and engine.ledger.rows() == []
 
 
 def test_a_fresh_run_in_a_key_epoch_the_shuffler_already_released_is_refused(h: Any) -> None:
