@@ -111,7 +111,8 @@ def test_dropouts_below_k_skip_the_round_and_charge_nothing(h: Any) -> None:
 
 
 def test_dropouts_above_k_charge_the_attested_count(h: Any) -> None:
-    cfg = h.config()
+    # eps0 = 1, where n = 9 and n = 12 give bounds 2.6e-5 apart (exact to 1e-12; at eps0 = 8 they agree to 1e-9)
+    cfg = h.config(**{"eps0": 1.0})
     n_ok = h.K + 1
     grid = h.grid([h.honest()] * n_ok + [h.silent] * 2 + [h.refusing] * (h.N - n_ok - 2))
     engine = h.engine(cfg, grid)
@@ -120,6 +121,11 @@ def test_dropouts_above_k_charge_the_attested_count(h: Any) -> None:
     assert out.status == "applied"
     assert (out.n_replies, out.n_error_replies, out.n_reports) == (h.N - 2, h.N - n_ok - 2, n_ok)
     assert [(r["round"], r["n_reports"]) for r in engine.ledger.rows()] == [(1, n_ok)]
+    charged, asked = (ShuffleAccountant(cfg.target_delta, family=cfg.accounting_family) for _ in range(2))
+    charged.compose(ShuffleRound(n=n_ok, eps0=1.0))
+    asked.compose(ShuffleRound(n=h.N, eps0=1.0))
+    assert out.epsilon == pytest.approx(charged.epsilon().value, rel=1e-12)
+    assert out.epsilon > asked.epsilon().value * (1 + 1e-5)  # not the count of clients asked (2.6e-5 apart)
 
 
 def test_garbage_replies_are_counted_and_dropped(h: Any) -> None:
