@@ -258,7 +258,7 @@ def staged_directory(out: str | os.PathLike[str]) -> Iterator[Path]:
     """
     root = Path(out)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise DeployError(f"{root} exists and is not an empty directory; keys are never overwritten "
+        raise DeployUsageError(f"{root} exists and is not an empty directory; keys are never overwritten "
                           "(choose a new directory; see deploy/README.md, 'Rotating keys')")
     missing = [parent for parent in root.absolute().parents if not parent.exists()]
     for parent in reversed(missing):
@@ -538,7 +538,7 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
     config = device_node_config(node, nodes, eps0=eps0, clip_l1=clip_l1, key_paths=bundle_key_paths(dest, prefix),
                                 **limits_and_data)
     if dest.exists():
-        raise DeployError(f"{dest} already exists; a bundle is written to a new directory")
+        raise DeployUsageError(f"{dest} already exists; a bundle is written to a new directory")
     copies = [(getattr(keys, attr), name, 0o644) for name, attr in BUNDLE_PUBLIC_FILES] + [
         (keys.supernode_key(node), "supernode.key", 0o600),
         (keys.supernode_pub(node), "supernode.pub", 0o644),

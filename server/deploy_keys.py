@@ -38,6 +38,7 @@ from typing import Any
 from server.deploy_cli import (
     DeployError,
     DeployKeys,
+    DeployUsageError,
     _check_int,
     _write_file,
     bundle_key_paths,
@@ -216,7 +217,7 @@ def complete_device_bundle(device_dir: str | os.PathLike[str], *, nodes: int, su
     present = [t.name for t in targets if t.exists() or t.is_symlink()]
     if present:
         state = "is already complete" if len(present) == len(targets) else f"already has {', '.join(present)}"
-        raise DeployError(f"this device's directory {root} {state}; a bundle is never overwritten")
+        raise DeployUsageError(f"this device's directory {root} {state}; a bundle is never overwritten")
     contents = {name: _public_pem(name, src) for name, src in sources.items()}
     if contents["server_hpke.pub"] == contents["shuffler_hpke.pub"]:
         raise DeployError(f"{server_public_key} and {shuffler_public_key} hold the same key: the server's and the "
@@ -292,7 +293,7 @@ def sign_serverapp_request(shuffler_dir: str | os.PathLike[str], csr: str | os.P
         raise DeployError(f"{csr}: {exc}") from exc
     dest = Path(out)
     if dest.exists():
-        raise DeployError(f"{dest} already exists; a certificate is never overwritten")
+        raise DeployUsageError(f"{dest} already exists; a certificate is never overwritten")
     _write_file(dest, cert, 0o644)
     return dest
 

@@ -51,6 +51,17 @@ def test_bad_arguments_are_refused_with_a_reason(argv: list[str], message: str, 
     assert not (tmp_path / "k").exists()  # nothing written for a refused command
 
 
+def test_an_output_that_exists_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Nothing is overwritten: an --out that already holds files is refused with exit 2 (a wrong parameter), not
+    1 (a failure), and left as it was."""
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "mine").write_text("keep")
+    assert dc.main(["deploy", "keys", "--out", str(used), "--nodes", "2"]) == 2
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert [p.name for p in used.iterdir()] == ["mine"] and (used / "mine").read_text() == "keep"
+
+
 @pytest.mark.parametrize("which", ["workdir", "keys_dir"])
 def test_workdir_or_keys_inside_the_app_are_refused(which: str, tmp_path: Path) -> None:
     """`flwr run` packs the app folder's TOML/JSON files into the app bundle; neither the run's directory nor the
