@@ -182,6 +182,7 @@ def _answer(
         _log.error("could not compute a report: %s", exc)
         return _error(ERR_BAD_REQUEST, "cannot compute a report for this request (see the client's log)")
 
-    context.state[STATE_REQUEST] = ConfigRecord(key)
+    # the envelope first: a failure between the two leaves the old key, which no new request matches
     context.state[STATE_ENVELOPE] = ArrayRecord({ENVELOPE_ARRAY: envelope_record(envelope)[ENVELOPE_ARRAY]})
+    context.state[STATE_REQUEST] = ConfigRecord(key)
     return _reply(envelope)

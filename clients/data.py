@@ -1,12 +1,13 @@
 """Datasets and federated partitions (simulation setup).
 
-* ``digits`` (default): scikit-learn's bundled 8x8 handwritten digits (1,797 images, no download), standardised
-  with the training split's mean and standard deviation, a fixed stratified 80/20 split (1,437 train, 360 test).
+* ``digits`` (default): scikit-learn's bundled 8x8 handwritten digits (1,797 images, no download), a fixed
+  stratified 80/20 split (1,437 train, 360 test), standardised with the held-out split's mean and standard
+  deviation (see :func:`_preprocess`: nothing is fitted on the clients' rows).
 * ``mnist``: read from a local folder in torchvision's raw layout (``<root>/MNIST/raw/train-images-idx3-ubyte``,
   ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``)
   with a native IDX reader (LeCun's format: big-endian magic ``0x0000 <type> <ndim>``, ``ndim`` uint32 dims, then
   the data). Pixels scaled to [0, 1]; optional PCA to 60 components as in Table 2 of Chen, Cao, Ge (ICASSP 2024)
-  (fitted on the training split only), then standardised.
+  (fitted on the held-out split only), then standardised the same way.
 
 Partitions (IID and Dirichlet label skew, Hsu, Qi, Brown 2019) are deterministic functions of a seed: they are
 simulation setup, not privacy randomness, so numpy's seeded generator is appropriate here.

@@ -215,7 +215,7 @@ class DeployKeys:
         DeployError for a party's directory (``deploy keys --party``) or a manifest without them."""
         doc = self.load_manifest()
         if doc.get("party", "all") != "all":
-            raise DeployError(f"{self.root} holds the keys of the {doc.get('party')!r} party only; this needs a "
+            raise DeployUsageError(f"{self.root} holds the keys of the {doc.get('party')!r} party only; this needs a "
                               "one-directory layout (`deploy keys --out DIR --nodes N`; a device completes its "
                               "own directory with `deploy bundle --device`)")
         for key in ("nodes", "key-epoch"):
@@ -345,7 +345,7 @@ def write_superlink_tls(paths: DeployKeys, names: list[str]) -> None:
         cert, key = tls.issue_certificate(ca_cert, ca_key, "superlink", sans=names, is_server=True,
                                           is_client=False)
     except ValueError as exc:
-        raise DeployError(f"cannot issue the SuperLink certificate for SANs {names}: {exc}") from exc
+        raise DeployUsageError(f"cannot issue the SuperLink certificate for SANs {names}: {exc}") from exc
     (paths.root / "superlink").mkdir(mode=0o700)
     os.chmod(paths.root / "superlink", 0o700)
     _write_file(paths.superlink_ca_cert, ca_cert, 0o644)
@@ -956,7 +956,13 @@ def _refuse_a_spent_key_epoch(proc: Any, key_epoch: int) -> None:
     """Refuse, before any SuperNode starts, a key epoch whose batches the shuffler has already released. The
     ServerApp would refuse it too (a fresh accountant cannot start at 0 for reports already released), but only
     after the whole deployment has started, and only in its own log."""
-    epoch, released = proc.spent_epoch_batches()
+    import grpc
+
+    try:
+        epoch, released = proc.spent_epoch_batches()
+    except grpc.RpcError as exc:
+        raise DeployError(f"the shuffler did not answer its Stats call ({exc.code().name}: {exc.details()}); "
+                          f"see its log") from None
     if epoch == key_epoch and released > 0:
         raise DeployError(
             f"the shuffler has already released {released} batch(es) of key epoch {key_epoch} (its journal is in "

@@ -162,7 +162,7 @@ def create_shuffler_keys(out: str | os.PathLike[str], *, k: int, key_epoch: int 
         try:
             shuffler_keys.init_shuffler_keys(root, k=k, key_epoch=key_epoch, shuffler_sans=tuple(names))
         except ValueError as exc:
-            raise DeployError(f"cannot create the shuffler's keys: {exc}") from exc
+            raise DeployUsageError(f"cannot create the shuffler's keys: {exc}") from exc
         _write_manifest(root, "shuffler", **{"shuffler-sans": names, "key-epoch": key_epoch, "k": k})
     return DeployKeys(Path(out))
 

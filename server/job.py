@@ -280,8 +280,8 @@ def write_outputs(engine: RoundEngine, paths: RunPaths, *, plot: bool = True, fi
     skipped = [
         {"round": o.round, "reason": o.reason, "n_sampled": o.n_sampled, "n_envelopes": o.n_envelopes,
          "n_reports": o.n_reports}
-        for o in engine.history
-        if o.status in ("skipped", "abandoned")  # nothing released, nothing charged
+        for o in engine.history  # nothing released, nothing charged; a stop of an earlier process too (resumed)
+        if o.status in ("skipped", "abandoned") or (o.status == "stopped" and o is not engine.stopped)
     ]
     stopped = None if engine.stopped is None else {"round": engine.stopped.round, "reason": engine.stopped.reason}
     rows = engine.report_rows()

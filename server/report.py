@@ -17,7 +17,8 @@ upper bound (``kind``) at ``delta``. ``n_reports`` is the attested count the rou
 (the shuffle bound assumes all ``n_reports`` came from the eps0-LDP randomizer). An honest client's report always
 opens, so once any round had a bad report ``epsilon_if_bad_gave_no_cover`` is the cumulative upper bound with them
 taken out of each round's n (null before that); the budget stop uses the larger of the two. A round charged but
-whose update was lost in a crash has ``accuracy = loss = null`` and ``n_applied = n_bad_reports = 0``.
+whose update was lost in a crash has ``accuracy = loss = null``, ``n_applied = 0`` and the ``n_bad_reports``
+recorded when its reports were opened (0 if the crash came before).
 Both files are written with ``shuffler.journal.write_file_durably`` (temporary file, fsync, rename, directory
 fsync).
 """

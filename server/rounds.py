@@ -448,6 +448,7 @@ class RoundEngine:
         ):
             raise ResumeError("the checkpoint's accountant does not match the ledger rows up to its round")
         ahead = [r for r in rows if r["round"] > ckpt.round]
+        bad_reports = self.store.bad_reports()
         for row in ahead:
             accountant.compose(ShuffleRound(n=int(row["n_reports"]), eps0=float(row["eps0"])))
             entry = row["epsilons"].get(accountant.family, {})
@@ -457,6 +458,7 @@ class RoundEngine:
                     status="lost",
                     reason="the process stopped after this round was charged and before its update was saved",
                     n_reports=int(row["n_reports"]),
+                    n_bad_reports=bad_reports.get(int(row["round"]), 0),  # if it was opened before the crash
                     eps0=float(row["eps0"]),
                     epsilon=entry.get("value"),
                     epsilon_family=accountant.family,
@@ -633,10 +635,14 @@ class RoundEngine:
         is sent or fetched (the value is cached and reused once the round is charged)."""
         try:
             exceeded = self.accountant.would_exceed(event, self.cfg.budget_epsilon)
-            no_cover = None if exceeded else self._no_cover_accountant()
-            exceeded_without_bad = no_cover is not None and no_cover.would_exceed(event, self.cfg.budget_epsilon)
         except RefusedError as exc:
             return f"the accounting family {self.cfg.accounting_family!r} cannot bound this round: {exc}"
+        no_cover = None if exceeded else self._no_cover_accountant()
+        try:
+            exceeded_without_bad = no_cover is not None and no_cover.would_exceed(event, self.cfg.budget_epsilon)
+        except RefusedError as exc:
+            return (f"the accounting family {self.cfg.accounting_family!r} cannot bound the rounds once the reports "
+                    f"that failed to open or decode are left out of n: {exc}")
         if exceeded:
             return (
                 f"it would exceed the privacy budget epsilon={self.cfg.budget_epsilon:g} at "
@@ -653,8 +659,9 @@ class RoundEngine:
     def _no_cover_accountant(self, extra: RoundOutcome | None = None) -> ShuffleAccountant | None:
         """The run's charged rounds (and ``extra``) composed with the reports that failed to open or decode taken
         out of each round's n (they gave no cover; a round left with none is composed at n = 1, no amplification).
-        None if no such round had a bad report. A round lost in a crash keeps its attested n (it was never
-        opened here). Same family and delta as the run's accountant, no comparison families."""
+        None if no such round had a bad report. A round lost in a crash (rebuilt from its ledger row) has the bad
+        count recorded when it was opened (:meth:`CheckpointStore.record_bad_reports`). Same family and delta as
+        the run's accountant, no comparison families."""
         charged = [h for h in self.history if h.status in ("applied", "lost")] + ([extra] if extra else [])
         if not any(h.n_bad_reports for h in charged):
             return None
@@ -745,7 +752,11 @@ class RoundEngine:
         except RuntimeError:
             # a signed, sealed batch that disagrees with what was submitted: never fetched, never charged, but on
             # record like every other sealed batch (attestations.jsonl), for the audit and the operator
-            self._record_attestation(round_id, attestation, charged=False)
+            try:
+                self._record_attestation(round_id, attestation, charged=False)
+            except Exception as record_exc:  # noqa: BLE001 - the cross-check's error is the one to raise
+                log.error("round %d: could not record the sealed batch that failed the cross-check: %s", round_id,
+                          record_exc)
             raise
         if n_attested < cfg.min_reports:
             out.reason = (
@@ -797,9 +808,16 @@ class RoundEngine:
             out.n_applied = acc.count
             if acc.count + bad != n_attested:  # ShufflerClient.fetch checks this too; never apply more than charged
                 raise RuntimeError(f"the shuffler released {acc.count + bad} reports for an attested {n_attested}")
+            if bad:  # kept even if the round is lost before its checkpoint (the no-cover figure needs it)
+                self.store.record_bad_reports(round_id, bad)
             no_cover = self._no_cover_accountant(out)
             if no_cover is not None:
-                out.epsilon_if_bad_gave_no_cover = float(no_cover.epsilon().value)
+                try:
+                    out.epsilon_if_bad_gave_no_cover = float(no_cover.epsilon().value)
+                except RefusedError as exc:  # e.g. fmt below its n: the budget check stops the run before the next
+                    log.warning("round %d: the family %r cannot bound the rounds with the reports that failed to "
+                                "open left out of n (%s); the run stops before the next round", round_id,
+                                cfg.accounting_family, exc)
                 if bad:
                     log.warning(
                         "round %d: %d of %d released reports failed to open or decode (an honest client's always "

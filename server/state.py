@@ -153,6 +153,15 @@ class CheckpointStore(ABC):
     def last_started(self) -> int:
         """The highest round id passed to :meth:`mark_started` (0 if none)."""
 
+    @abstractmethod
+    def record_bad_reports(self, round_id: int, n_bad: int) -> None:
+        """Durably record how many of a charged round's released reports failed to open or decode, as soon as
+        they are opened (before the model update), so that a round lost in a crash keeps its count on resume."""
+
+    @abstractmethod
+    def bad_reports(self) -> dict[int, int]:
+        """Every count passed to :meth:`record_bad_reports`, by round id."""
+
     def close(self) -> None:  # noqa: B027 - optional for stores without resources
         """Release resources (no-op by default)."""
 
@@ -163,6 +172,7 @@ class InMemoryCheckpointStore(CheckpointStore):
     def __init__(self) -> None:
         self._checkpoint: Checkpoint | None = None
         self._started = 0
+        self._bad: dict[int, int] = {}
 
     def save(self, checkpoint: Checkpoint) -> None:
         if checkpoint.round < 0:
@@ -180,6 +190,12 @@ class InMemoryCheckpointStore(CheckpointStore):
 
     def last_started(self) -> int:
         return self._started
+
+    def record_bad_reports(self, round_id: int, n_bad: int) -> None:
+        self._bad[int(round_id)] = int(n_bad)
+
+    def bad_reports(self) -> dict[int, int]:
+        return dict(self._bad)
 
 
 class SqliteCheckpointStore(CheckpointStore):
@@ -251,6 +267,14 @@ class SqliteCheckpointStore(CheckpointStore):
     def last_started(self) -> int:
         row = self._conn.execute("SELECT value FROM progress WHERE key = 'started'").fetchone()
         return 0 if row is None else int(row[0])
+
+    def record_bad_reports(self, round_id: int, n_bad: int) -> None:
+        self._conn.execute("INSERT OR REPLACE INTO progress(key, value) VALUES (?, ?)",
+                           (f"bad-reports:{int(round_id)}", int(n_bad)))
+
+    def bad_reports(self) -> dict[int, int]:
+        rows = self._conn.execute("SELECT key, value FROM progress WHERE key LIKE 'bad-reports:%'").fetchall()
+        return {int(key.split(":", 1)[1]): int(value) for key, value in rows}
 
     def close(self) -> None:
         self._conn.close()

@@ -38,6 +38,14 @@ def test_shapes_and_round_trip() -> None:
         set_arrays(build_model("logreg", 4, 3), [np.zeros((3, 5)), np.zeros(3)])
     with pytest.raises(ValueError, match="non-finite"):
         model_from_arrays([np.full((3, 4), np.nan), np.zeros(3)])
+    # review 48/51: the model itself refuses what is not a float, and what is not finite as float32
+    for odd in (np.zeros((3, 4), np.complex64), np.zeros((3, 4), np.int64), np.zeros((3, 4), bool),
+                np.zeros((3, 4), "U2"), np.zeros((3, 4), [("a", "<f4")])):
+        with pytest.raises(ValueError, match="a floating-point type \\(float32\\) is expected"):
+            model_from_arrays([odd, np.zeros(3, np.float32)])
+    with pytest.raises(ValueError, match="non-finite values \\(as float32\\)"):
+        model_from_arrays([np.full((3, 4), 1e300), np.zeros(3)])
+    assert np.array_equal(get_arrays(model_from_arrays([np.ones((3, 4)), np.zeros(3)]))[0], np.ones((3, 4)))
     with pytest.raises(ValueError, match="unknown model"):
         build_model("cnn", 4, 3)
 

@@ -16,6 +16,9 @@ import server
 REPORT_PATH = ["app.py", "core.py", "messages.py", "noise.py", "randomizer.py", "report.py", "worktime.py"]
 
 
+_TORCH_SAMPLERS = {"manual_seed", "seed", "bernoulli", "normal", "multinomial", "poisson", "Generator"}
+
+
 def _rng_uses(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -27,6 +30,9 @@ def _rng_uses(path: Path) -> list[str]:
         elif isinstance(node, ast.Attribute) and node.attr == "random" and isinstance(node.value, ast.Name) \
                 and node.value.id in ("np", "numpy", "torch"):
             found.append(f"{node.value.id}.random")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" \
+                and (node.attr.startswith("rand") or node.attr in _TORCH_SAMPLERS):
+            found.append(f"torch.{node.attr}")  # torch's global generator (review 51, N6)
     return found
 
 
@@ -39,8 +45,10 @@ def test_no_non_cryptographic_rng(path: Path) -> None:
 
 def test_the_check_finds_what_it_looks_for(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("import random\nfrom numpy import random as r\nimport numpy as np\nx = np.random.rand()\n")
-    assert _rng_uses(bad) == ["random", "numpy.random", "np.random"]
+    bad.write_text("import random\nfrom numpy import random as r\nimport numpy as np\nx = np.random.rand()\n"
+                   "import torch\ny = torch.randn(3)\nz = torch.bernoulli(y)\n")
+    assert sorted(_rng_uses(bad)) == sorted(["random", "numpy.random", "np.random", "torch.randn",
+                                             "torch.bernoulli"])
     assert _rng_uses(Path(clients.__file__).parent / "data.py") == ["np.random", "np.random"]  # seeded splits
 
 

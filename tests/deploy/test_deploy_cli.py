@@ -310,3 +310,26 @@ def test_every_deploy_command_in_the_readme_parses() -> None:
             parser.parse_args(argv)
         except SystemExit as exc:  # argparse reports the bad flag on stderr
             raise AssertionError(f"README command does not parse: {command}") from exc
+
+
+def test_a_failed_stats_call_is_a_deploy_error_not_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Review 51, L3: the spent-epoch check's Stats call let grpc.RpcError out of `shuffledp deploy`."""
+    import grpc
+
+    class Unavailable(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "connection reset"
+
+    class Silent:
+        def spent_epoch_batches(self, timeout: float = 10.0) -> tuple[int, int]:
+            raise Unavailable()
+
+    with pytest.raises(dc.DeployError, match="did not answer its Stats call \\(UNAVAILABLE: connection reset\\)"):
+        dc._refuse_a_spent_key_epoch(Silent(), 0)
+    monkeypatch.setattr(dc, "run_local", lambda cfg, out: dc._refuse_a_spent_key_epoch(Silent(), 0))
+    assert dc.main(["deploy", "local", "--workdir", str(tmp_path / "w")]) == 1
+    assert "did not answer its Stats call" in capsys.readouterr().err

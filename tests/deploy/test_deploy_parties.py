@@ -312,12 +312,12 @@ def test_what_travels_is_checked_by_content_not_by_name(tmp_path: Path, capsys: 
 def test_a_failed_or_misused_key_command_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _deploy(capsys, "keys", "--party", "shuffler", "--out", tmp_path / "s", "--k", 2,
                         "--san", "bad name!")
-    assert code == 1 and "bad name!" in out
+    assert code == 2 and "bad name!" in out  # a wrong parameter
     assert list(tmp_path.iterdir()) == []  # no half directory, no staging left behind
     assert _deploy(capsys, "keys", "--party", "shuffler", "--out", tmp_path / "s", "--k", 2)[0] == 0
     device = dk.create_device_keys(tmp_path / "d", 0)
     # a party's directory is not a one-directory layout: clear errors, no traceback
     code, out = _deploy(capsys, "local", "--keys", device, "--workdir", tmp_path / "w", "--nodes", 1)
-    assert code == 1 and "holds the keys of the 'device' party only" in out
+    assert code == 2 and "holds the keys of the 'device' party only" in out
     with pytest.raises(DeployError, match="holds the keys of the 'shuffler' party only"):
         DeployKeys(tmp_path / "s").load_layout()

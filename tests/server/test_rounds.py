@@ -8,6 +8,7 @@ the ledger append, each resumed with the ledger holding every charged round exac
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -176,6 +177,61 @@ def test_reports_that_fail_to_open_are_not_counted_as_cover(h: Any) -> None:
     assert RoundOutcome.from_dict(out.as_dict()) == out
     legacy = {k: v for k, v in out.as_dict().items() if k != "epsilon_if_bad_gave_no_cover"}
     assert RoundOutcome.from_dict(legacy).epsilon_if_bad_gave_no_cover is None
+
+
+def test_a_family_that_cannot_bound_the_no_cover_figure_stops_the_run_without_losing_the_round(
+        h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review 51, M1: fmt refuses small n (at eps0 = 1, delta = 1e-5 it bounds n = 1000, not n = 100), so with many
+    bad reports the no-cover figure can be refused after the charge: that raised, and the charged round was
+    recorded as lost. Now the round is applied and the budget check stops the run before the next one, saying
+    why. A stand-in with fmt's kind of refusal (below n = 11) keeps the test at 12 clients."""
+    import server.rounds as rounds_module
+    from accounting import RefusedError
+
+    fmt = ShuffleAccountant(target_delta=1e-5, family="fmt")
+    fmt.compose(ShuffleRound(n=100, eps0=1.0))
+    with pytest.raises(RefusedError):
+        fmt.epsilon()
+
+    class RefusesBelow11(ShuffleAccountant):
+        def _compute(self, family, rounds, delta):  # type: ignore[no-untyped-def]
+            if any(r.n < 11 for r in rounds):
+                raise RefusedError("holds only for n >= 11")
+            return super()._compute(family, rounds, delta)
+
+    engine = h.engine(h.config(**{"eps0": 1.0}), h.grid([h.honest()] * (h.N - 2) + [h.inner_garbage()] * 2))
+    engine.restore()
+    monkeypatch.setattr(rounds_module, "ShuffleAccountant", RefusesBelow11)  # only the no-cover accountant is new
+    out = engine.run_round(1)
+    assert (out.status, out.n_bad_reports, out.epsilon_if_bad_gave_no_cover) == ("applied", 2, None)
+    nxt = engine.run_round(2)
+    assert nxt.status == "stopped" and "left out of n: holds only for n >= 11" in nxt.reason
+    assert [(r["round"], r["n_reports"]) for r in engine.ledger.rows()] == [(1, 12)]
+
+
+def test_the_bad_count_of_a_round_lost_after_opening_survives_the_resume(h: Any) -> None:
+    """Review 51, L1: a round whose reports were opened (2 bad) but whose update was never checkpointed (here the
+    evaluation fails; a kill is the same) was rebuilt from the ledger with no bad reports, and the resumed run
+    lost its no-cover figure. The count is recorded as soon as the reports are opened."""
+    cfg = h.config(**{"eps0": 1.0})
+    grid = h.grid([h.honest()] * (h.N - 2) + [h.inner_garbage()] * 2)
+    engine = h.engine(cfg, grid)
+    engine.restore()
+
+    def failing(arrays: Any) -> Any:
+        raise OSError("evaluation data unavailable")
+
+    engine.evaluator = failing
+    with pytest.raises(OSError):
+        engine.run_round(1)
+    engine.ledger.close()
+    engine.store.close()
+    resumed = h.engine(cfg, grid)
+    assert resumed.restore() == 2
+    assert [(o.round, o.status, o.n_bad_reports) for o in resumed.history] == [(1, "lost", 2)]
+    no_cover = resumed._no_cover_accountant()
+    assert no_cover is not None and [r.n for r in no_cover.rounds] == [h.N - 2]
+    assert resumed.run_round(2).epsilon_if_bad_gave_no_cover is not None  # the figure goes on
 
 
 def test_without_bad_reports_there_is_no_second_figure(h: Any) -> None:
@@ -520,6 +576,48 @@ def test_crash_before_the_ledger_uses_a_fresh_round_id_and_charges_nothing(h: An
     resumed.store.close()
     again = h.engine(cfg, grid)
     assert again.restore() == 4 and [o.status for o in again.history] == ["applied", "abandoned", "applied"]
+
+
+def test_rounds_that_released_nothing_stay_in_report_json_after_a_resume(h: Any, tmp_path: Path) -> None:
+    """Review 51, L2 and N7: a round stopped at its attested n (its id used, its batch sealed, never charged) and
+    a round abandoned in a crash are listed with the skipped rounds of report.json after a resume; before, the
+    stopped one was in neither 'skipped' nor 'stopped' once another process wrote the report."""
+    from server.job import RunPaths, write_outputs
+
+    def bound(n: int) -> float:
+        acct = ShuffleAccountant(target_delta=h.config().target_delta, family=h.config().accounting_family)
+        acct.compose(ShuffleRound(n=n, eps0=1.0))
+        return float(acct.epsilon().value)
+
+    n_ok = h.N - 3
+    grid = h.grid([h.honest()] * n_ok + [h.silent] * 3)
+    engine = h.engine(h.config(**{"eps0": 1.0, "budget-epsilon": (bound(h.N) + bound(n_ok)) / 2}), grid)
+    engine.restore()
+    assert engine.run_round(1).status == "stopped"  # all 12 would fit the budget, the 9 attested do not
+    engine.store.mark_started(2)  # round 2 started, then the process died before its charge
+    engine.ledger.close()
+    engine.store.close()
+    resumed = h.engine(h.config(**{"eps0": 1.0, "budget-epsilon": 100.0}), grid)
+    assert resumed.restore() == 3
+    assert resumed.run_round(3).status == "applied"
+    doc = write_outputs(resumed, RunPaths(out_dir=tmp_path / "o", keys_dir=tmp_path), plot=False)
+    assert [(row["round"], row["reason"][:12]) for row in doc["skipped"]] == [(1, "round 1 with"), (2, "the process ")]
+    assert doc["stopped"] is None and [row["round"] for row in doc["rounds"]] == [3]
+
+
+def test_resume_counts_ledger_rows_without_a_batch_as_the_runs_own(h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review 51, N7: rows of a ledger written before batches were recorded have no key epoch; they count as this
+    run's charges, so such a run still resumes (the check can only miss another run's use, never refuse its own)."""
+    engine = h.engine(h.config(), h.grid([h.honest()] * h.N))
+    engine.restore()
+    assert engine.run_round(1).status == "applied"
+    real_rows = engine.ledger.rows
+    monkeypatch.setattr(type(engine.ledger), "rows",
+                        lambda self: [{**r, "key_epoch": None, "batch_id": None} for r in real_rows()])
+    engine._refuse_a_spent_key_epoch(engine.ledger.rows(), fresh=False)  # 1 released, 1 legacy row: accepted
+    monkeypatch.setattr(type(engine.ledger), "rows", lambda self: [])
+    with pytest.raises(ResumeError, match="charges only 0"):
+        engine._refuse_a_spent_key_epoch(engine.ledger.rows(), fresh=False)
 
 
 def test_resume_refuses_a_changed_privacy_setting(h: Any) -> None:
