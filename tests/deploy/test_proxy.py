@@ -212,12 +212,19 @@ _REFUSED_ON_CONTROL = [
 ]
 
 
+def _all_refused(p: "Proxied", port: int, requests: list[tuple[str, str]]) -> str:
+    """Send each request to ``port``, assert every answer is the proxy's 403, and return the SuperLink's log as it
+    was before them (what they add to it is checked by the caller)."""
+    before = p.superlink_log.read_text()
+    statuses = {(m, path): _request(p, port, m, path) for m, path in requests}
+    assert statuses == {key: 403 for key in statuses}
+    return before
+
+
 @pytest.mark.e2e
 def test_fleet_port_refuses_everything_but_the_fleet_api(proxied: Proxied) -> None:
     p = proxied
-    before = p.superlink_log.read_text()
-    statuses = {(m, path): _request(p, p.fleet, m, path) for m, path in _REFUSED_ON_FLEET}
-    assert statuses == {key: 403 for key in statuses}
+    before = _all_refused(p, p.fleet, _REFUSED_ON_FLEET)
     # a Fleet route does reach the SuperLink (refused there: no node-auth headers)
     assert _request(p, p.fleet, "POST", "/v1/fleet/get-run") not in (403, 404, 502)
     # requests are answered in order, so the refused ones would be logged before this one
@@ -229,9 +236,7 @@ def test_fleet_port_refuses_everything_but_the_fleet_api(proxied: Proxied) -> No
 @pytest.mark.e2e
 def test_control_port_refuses_everything_but_the_control_api(proxied: Proxied) -> None:
     p = proxied
-    before = p.superlink_log.read_text()
-    statuses = {(m, path): _request(p, p.control, m, path) for m, path in _REFUSED_ON_CONTROL}
-    assert statuses == {key: 403 for key in statuses}
+    before = _all_refused(p, p.control, _REFUSED_ON_CONTROL)
     # the Control API itself is reached, and a client-supplied address header is not passed on (uvicorn would
     # log 203.0.113.9 as the client: it trusts X-Forwarded-For from 127.0.0.1, where the proxy is)
     assert _request(p, p.control, "POST", "/v1/control/list-runs",
