@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from threadpoolctl import threadpool_limits
 
 from clients.core import (
     ClientSetupError,
@@ -56,6 +57,10 @@ __all__ = ["app", "train_shuffled", "STATE_ENVELOPE", "STATE_REQUEST"]
 
 STATE_ENVELOPE = "shuffledp.last-envelope"  # ArrayRecord {"ct": uint8}: the latest sealed reply
 STATE_REQUEST = "shuffledp.last-request"  # ConfigRecord: round, key-epoch, model-digest, config
+
+# One BLAS thread in the process that loads this app, as for the ServerApp (see server/app.py: OpenBLAS hangs
+# for good when a thread forks during a multi-threaded matrix product; these products are small anyway).
+threadpool_limits(limits=1, user_api="blas")
 
 app = ClientApp()
 _log = logging.getLogger("shuffledp.client")

@@ -28,11 +28,19 @@ import logging
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from threadpoolctl import threadpool_limits
 
 from server.config import parse_run_config
 from server.job import run_job
 
 __all__ = ["app"]
+
+# numpy's OpenBLAS with more than one thread hangs for good (exec_blas spinning for workers that a fork took away)
+# when one thread forks while another is inside a matrix product: seen in `flwr-simulation`, whose ServerApp
+# thread computed the PCA while Ray started its processes (16 min at 100% CPU, then the test's timeout). Every
+# product here is small, and faster on one thread; so the process that loads this app uses one BLAS thread.
+# (`shuffledp run` also sets OPENBLAS_NUM_THREADS=1 for everything it starts.)
+threadpool_limits(limits=1, user_api="blas")
 
 app = ServerApp()
 

@@ -107,6 +107,9 @@ def _flower_env(flwr_home: Path) -> dict[str, str]:
             "FLWR_TELEMETRY_ENABLED": "0",
             "FLWR_DISABLE_UPDATE_CHECK": "1",
             "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+            # one OpenBLAS thread in every process of the run (see server/app.py: a fork during a multi-threaded
+            # matrix product hangs OpenBLAS for good)
+            "OPENBLAS_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
     )
