@@ -109,7 +109,7 @@ class DeployWatchdog:
     named and exit. ``grace_seconds`` is the time between its SIGTERM and its SIGKILL.
     """
 
-    def __init__(self, grace_seconds: float = 10.0) -> None:
+    def __init__(self, grace_seconds: float = 10.0, *, owner: str = "deploy local") -> None:
         if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, (int, float)) or not (
                 math.isfinite(grace_seconds) and grace_seconds >= 0):
             raise ValueError(f"grace_seconds must be a finite number >= 0, got {grace_seconds!r}")
@@ -118,7 +118,8 @@ class DeployWatchdog:
         read_end, self._write_end = os.pipe()  # both close-on-exec: only the watchdog gets the read end
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-I", os.path.abspath(__file__), "--grace", repr(self.grace_seconds)],
+                [sys.executable, "-I", os.path.abspath(__file__), "--grace", repr(self.grace_seconds),
+                 "--owner", owner],
                 stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             os.close(self._write_end)
@@ -207,13 +208,14 @@ class _Targets:
 
 def _note(text: str) -> None:
     with contextlib.suppress(OSError):  # the terminal or pipe of deploy local may be gone
-        print(f"shuffledp deploy watchdog: {text}", file=sys.stderr, flush=True)
+        print(f"shuffledp watchdog: {text}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The watchdog process: apply the messages on stdin until end-of-file, then stop what is still named."""
     parser = argparse.ArgumentParser(prog="deploy_watchdog", description=__doc__.split("\n\n")[0])
     parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--owner", default="deploy local", help="what started it (`shuffledp run` too), for messages")
     args = parser.parse_args(argv)
     parent = os.getppid()
     forbidden = {0, 1, os.getpgrp()}
@@ -227,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             targets.apply(line.decode("ascii", errors="replace").strip())
     if not targets.named:
         return 0
-    _note(f"deploy local (pid {parent}) ended without stopping "
+    _note(f"{args.owner} (pid {parent}) ended without stopping "
           f"{targets.count(Kind.GROUP) + targets.count(Kind.LED_GROUP)} process group(s) and "
           f"{targets.count(Kind.PROCESS)} process(es); sending SIGTERM, then SIGKILL after {args.grace:g} s")
     targets.signal_all(signal.SIGTERM)

@@ -15,7 +15,10 @@
 the ServerApp continues from the run's checkpoint and ledger (see :meth:`server.rounds.RoundEngine.restore`).
 
 Ctrl-C or SIGTERM stops the SuperLink and everything it started (by pid) and prints the resume command; the
-run's state is whatever was checkpointed. ``SHUFFLEDP_FLWR_HOME`` overrides the ``FLWR_HOME`` used (tests use a
+run's state is whatever was checkpointed. Should the command itself be killed (SIGKILL, a crash), the watchdog
+of ``deploy local`` (:class:`server.deploy_watchdog.DeployWatchdog`, started first) stops them: the SuperLink's
+process group, ``flwr run``, and every process below the SuperLink, named to it as they appear (checked every
+0.5 s: ``flower-superexec``, ``flwr-simulation`` and Ray's processes, which leave the SuperLink's group). ``SHUFFLEDP_FLWR_HOME`` overrides the ``FLWR_HOME`` used (tests use a
 temporary one). Flower's streamed logs lag behind the ServerApp, so the per-round progress lines are printed
 from the run's ``report.json`` as soon as each round is recorded.
 """
@@ -29,6 +32,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from server.deploy_cli import free_port
+from server.deploy_watchdog import DeployWatchdog, Kind, WatchdogError
 from server.report import epsilon_label, format_epsilon
 
 __all__ = ["main", "find_project", "RUNNER_FILE"]
@@ -126,6 +131,29 @@ class _SuperLink:
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = flwr_home / "superlink.log"
+        self.watchdog: DeployWatchdog | None = None
+        self._named: set[int] = set()
+        self._adopter_stop = threading.Event()
+        self._adopter: threading.Thread | None = None
+
+    def watch_process(self, pid: int) -> None:
+        """Name one more process (``flwr run``) to the watchdog, so that it is stopped should this one die."""
+        if self.watchdog is not None and pid not in self._named:
+            self._named.add(pid)
+            self.watchdog.watch(pid, Kind.PROCESS)
+
+    def _adopt(self) -> None:
+        """Name every process below the SuperLink to the watchdog as it appears (each is held there through a
+        pidfd from then on). A process that ends within the half second before it is seen is never named."""
+        while not self._adopter_stop.wait(0.5):
+            if self.proc is None:
+                return
+            try:
+                for pid in _descendants(self.proc.pid):
+                    self.watch_process(pid)
+            except WatchdogError as exc:
+                print(f"shuffledp run: {exc}", file=sys.stderr)
+                return
 
     def __enter__(self) -> _SuperLink:
         self.flwr_home.mkdir(parents=True, exist_ok=True)
@@ -156,14 +184,25 @@ class _SuperLink:
             str(self.flwr_home / "state.db"),
             "--disable-runtime-dependency-installation",
         ]
+        try:
+            # first: nothing is started that it would not stop
+            self.watchdog = DeployWatchdog(grace_seconds=10.0, owner="shuffledp run")
+        except WatchdogError as exc:
+            raise RunnerError(str(exc)) from None
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
                 command, cwd=str(self.cwd), env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
+            self.watchdog.watch(self.proc.pid, Kind.GROUP)
+        except BaseException:
+            self.stop()
+            raise
         finally:
             log.close()
+        self._adopter = threading.Thread(target=self._adopt, name="shuffledp-adopt", daemon=True)
+        self._adopter.start()
         self._wait_ready(timeout=60.0)
         return self
 
@@ -192,7 +231,11 @@ class _SuperLink:
         process group; they are found by walking ``/proc`` from the SuperLink's pid before it is signalled,
         and each is ended by its own pid.
         """
+        self._adopter_stop.set()
+        if self._adopter is not None:
+            self._adopter.join(5.0)
         if self.proc is None:
+            self._close_watchdog()
             return
         descendants = _descendants(self.proc.pid)
         pgid = self.proc.pid  # start_new_session: the SuperLink leads its own process group
@@ -223,7 +266,20 @@ class _SuperLink:
             alive = [pid for pid in alive if _alive(pid)]
             if not alive:
                 break
+        if self.watchdog is not None:
+            self.watchdog.forget(pgid, Kind.GROUP)  # reaped: the number may be reused from now on
+            for pid in sorted(self._named):
+                if not _alive(pid):  # a named process still running (one that appeared late) is left to it
+                    self.watchdog.forget(pid, Kind.PROCESS)
         self.proc = None
+        self._close_watchdog()
+
+    def _close_watchdog(self) -> None:
+        """Close the watchdog's pipe: it stops whatever named process is still running (normally none) and
+        exits."""
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -367,12 +423,13 @@ def _launch(project: Path, out_dir: Path, spec: Mapping[str, Any], *, flwr_home:
         "--federation-config", federation,
         "--stream",
     ]
-    with _SuperLink(flwr_home, project, env):
+    with _SuperLink(flwr_home, project, env) as superlink:
         proc = subprocess.Popen(
             command, cwd=str(project), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             stdin=subprocess.DEVNULL,
         )
         try:
+            superlink.watch_process(proc.pid)
             with _ProgressWatcher(out_dir / "report.json"):
                 _relay(proc, out_dir / "flower.log")
                 return proc.wait()

@@ -52,6 +52,7 @@ def test_shuffledp_run_end_to_end(tmp_path: Path) -> None:
         result = _run(tmp_path, "e2e-retry")  # Ray sometimes fails to start under CPU contention: retry once
     out_dir = Path(result.stdout.strip().splitlines()[-1].split("outputs: ", 1)[-1]) if result.stdout else None
     assert result.returncode == 0, f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+    assert "watchdog" not in result.stdout + result.stderr  # the runner stopped everything itself
     assert out_dir is not None and out_dir.is_dir()
     report = json.loads((out_dir / "report.json").read_text())
     assert report["finished"] is True

@@ -1,0 +1,58 @@
+"""``shuffledp run`` killed with SIGKILL: its watchdog stops the SuperLink and everything below it (before, a
+killed runner left the SuperLink, flower-superexec, flwr-simulation and Ray running: one such simulation spun at
+100% CPU for 16 minutes after the end-to-end test's timeout)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from server.runner import _alive, _descendants
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_killed_runner_leaves_nothing_running(tmp_path: Path) -> None:
+    env = dict(os.environ, SHUFFLEDP_FLWR_HOME=str(tmp_path / "flwr-home"))
+    argv = [sys.executable, "-m", "server.cli", "run", "--clients", "4", "--rounds", "400", "--run-name", "k",
+            "--output-dir", str(tmp_path / "outputs"), "--run-config", "min-reports=3 budget-epsilon=100000"]
+    log = tmp_path / "runner.log"
+    with open(log, "w") as out:
+        runner = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "round 1:" not in log.read_text():  # the simulation, Ray and the ServerApp are all up
+            assert runner.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(1.0)  # the watchdog learns of new processes every 0.5 s
+        below = _descendants(runner.pid)
+        commands = " ".join(_command(pid) for pid in below)
+        assert "flower-superlink" in commands and "flwr-simulation" in commands and "ray" in commands, commands
+        runner.kill()
+        runner.wait(10)
+        deadline = time.monotonic() + 40  # the watchdog's SIGTERM, 10 s of grace, then SIGKILL
+        while [pid for pid in below if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = {pid: _command(pid) for pid in below if _alive(pid)}
+        assert left == {}, left
+        assert "shuffledp run (pid" in log.read_text()  # the watchdog said what it did
+    finally:  # whatever the outcome, leave nothing behind for the next test
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait()
+        for pid in below if "below" in locals() else []:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+    except OSError:
+        return ""
