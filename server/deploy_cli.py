@@ -1096,9 +1096,10 @@ class LocalDeployment:
             raise DeployUsageError(f"--app {app} has no pyproject.toml; point it at the shuffledp project directory")
         for flag, directory, holds in (("--workdir", self.workdir, "key paths, the enrolment file"),
                                        ("--keys", self.keys_dir, "the enrolment file, key configs")):
-            if directory is not None and (Path(directory).resolve() == app or app in Path(directory).resolve().parents):
+            where = None if directory is None else Path(directory).resolve()
+            if where is not None and (where == app or app in where.parents):
                 raise DeployUsageError(
-                    f"{flag} {Path(directory).resolve()} is inside the app directory {app}: `flwr run` would pack "
+                    f"{flag} {where} is inside the app directory {app}: `flwr run` would pack "
                     f"its TOML/JSON files ({holds}) into the app bundle; choose a directory outside it")
         if self.workdir is not None:
             work = Path(self.workdir).resolve()
@@ -1122,7 +1123,8 @@ class LocalDeployment:
         try:
             defaults = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
         except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
-            raise DeployUsageError(f"cannot read the run-config defaults of {app / 'pyproject.toml'}: {exc!r}") from None
+            raise DeployUsageError(
+                f"cannot read the run-config defaults of {app / 'pyproject.toml'}: {exc!r}") from None
         return device_data_settings({**defaults, **self.run_config})
 
 

@@ -31,6 +31,7 @@ from server.config import ConfigError, ServerConfig
 from server.report import (
     PLOT_FILE,
     REPORT_FILE,
+    bad_reports_note,
     epsilon_label,
     format_epsilon,
     report_document,
@@ -245,12 +246,7 @@ def format_progress(o: RoundOutcome) -> str:
             f"{format_epsilon(o.epsilon, o.epsilon_kind)} ({epsilon_label(o.epsilon_family, o.epsilon_kind)}, "
             f"delta {o.delta:g})"
         )
-        if o.n_bad_reports:
-            text += f", {o.n_bad_reports} bad reports skipped"
-        if o.epsilon_if_bad_gave_no_cover is not None:
-            text += (f", epsilon {format_epsilon(o.epsilon_if_bad_gave_no_cover, o.epsilon_kind)} if the bad reports "
-                     "gave no cover")
-        return text
+        return text + bad_reports_note(o.n_bad_reports, o.epsilon_if_bad_gave_no_cover, o.epsilon_kind)
     return f"[shuffledp] round {o.round}: {o.status} - {o.reason}"
 
 

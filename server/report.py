@@ -11,14 +11,14 @@
      "budget_changes": [{"after_round", "from", "to"}, ...]: each resume that changed budget-epsilon}
 
 ``skipped`` also lists the rounds ``abandoned`` in a crash or failure before their charge (their ids were used,
-nothing was released). ``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family (``family``), an
-upper bound (``kind``) at ``delta``. ``n_reports`` is the attested count the round was charged with; of those,
-``n_applied`` opened and decoded and ``n_bad_reports`` did not. ``epsilon`` counts every released report as cover
-(the shuffle bound assumes all ``n_reports`` came from the eps0-LDP randomizer). An honest client's report always
-opens, so once any round had a bad report ``epsilon_if_bad_gave_no_cover`` is the cumulative upper bound with them
-taken out of each round's n (null before that); the budget stop uses the larger of the two. A round charged but
-whose update was lost in a crash has ``accuracy = loss = null``, ``n_applied = 0`` and the ``n_bad_reports``
-recorded when its reports were opened (0 if the crash came before).
+nothing was released). ``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family
+(``family``), an upper bound (``kind``) at ``delta``. ``n_reports`` is the attested count the round was charged
+with; of those, ``n_applied`` opened and decoded and ``n_bad_reports`` did not. ``epsilon`` counts every released
+report as cover (the shuffle bound assumes all ``n_reports`` came from the eps0-LDP randomizer). An honest client's
+report always opens, so once any round had a bad report ``epsilon_if_bad_gave_no_cover`` is the cumulative upper
+bound with them taken out of each round's n (null before that); the budget stop uses the larger of the two. A round
+charged but whose update was lost in a crash has ``accuracy = loss = null``, ``n_applied = 0`` and the
+``n_bad_reports`` recorded when its reports were opened (0 if the crash came before).
 Both files are written with ``shuffler.journal.write_file_durably`` (temporary file, fsync, rename, directory
 fsync).
 """
@@ -37,7 +37,8 @@ from accounting import KIND_WORDS, format_bound
 from shuffler.journal import write_file_durably
 
 __all__ = [
-    "epsilon_label", "format_epsilon", "report_document", "write_report", "write_plot", "REPORT_FILE", "PLOT_FILE",
+    "bad_reports_note", "epsilon_label", "format_epsilon", "report_document", "write_report", "write_plot",
+    "REPORT_FILE", "PLOT_FILE",
 ]
 
 REPORT_FILE = "report.json"
@@ -58,6 +59,16 @@ def format_epsilon(value: float, kind: str, decimals: int = 4) -> str:
     """``value`` with ``decimals`` decimals, rounded *outward* for a bound (:func:`accounting.format_bound`): a
     printed upper bound is never below the bound (report.json and the ledger keep the exact value)."""
     return format_bound(value, kind, decimals=decimals)
+
+
+def bad_reports_note(n_bad: int, epsilon_no_cover: float | None, kind: str) -> str:
+    """The tail of a round's progress line: how many reports failed to open or decode, and the cumulative bound if
+    they gave no cover (``epsilon_if_bad_gave_no_cover``, rounded outward as every printed bound); empty for a run
+    without bad reports."""
+    text = f", {n_bad} bad reports skipped" if n_bad else ""
+    if epsilon_no_cover is not None:
+        text += f", epsilon {format_epsilon(epsilon_no_cover, kind)} if the bad reports gave no cover"
+    return text
 
 
 def epsilon_label(family: str, kind: str) -> str:

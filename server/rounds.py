@@ -353,20 +353,21 @@ class RoundEngine:
         if int(stats.get("key_epoch", -1)) != self.cfg.key_epoch:
             return
         charged = sum(1 for r in rows if r.get("key_epoch") in (self.cfg.key_epoch, None))
-        if released > charged and fresh:
+        if released <= charged:
+            return
+        if fresh:
             raise ResumeError(
                 f"the shuffler has already released {released} batch(es) of key epoch {self.cfg.key_epoch}, and this "
                 "run has no checkpoint or ledger rows: a fresh accountant would start at epsilon 0 although this "
                 "epoch's reports were already released to a server. Resume the run that spent them (its output "
                 "directory), or rotate the keys to a new key epoch for a new run"
             )
-        if released > charged:
-            raise ResumeError(
-                f"the shuffler has released {released} batch(es) of key epoch {self.cfg.key_epoch}, but this run's "
-                f"ledger charges only {charged}: another run has used this key epoch since, and its releases are "
-                "not in this run's accountant, so the epsilon it would report leaves them out. Find that run "
-                "(`shuffledp audit` with both ledgers names the batches); every run needs its own key epoch"
-            )
+        raise ResumeError(
+            f"the shuffler has released {released} batch(es) of key epoch {self.cfg.key_epoch}, but this run's "
+            f"ledger charges only {charged}: another run has used this key epoch since, and its releases are "
+            "not in this run's accountant, so the epsilon it would report leaves them out. Find that run "
+            "(`shuffledp audit` with both ledgers names the batches); every run needs its own key epoch"
+        )
 
     def restore(self) -> int:
         """Load the checkpoint (or start fresh), reconcile it with the ledger, and return the next round id.
@@ -633,27 +634,21 @@ class RoundEngine:
         budget, or the family refuses the prospective rounds (e.g. ``fmt`` outside its validity region), which
         no budget makes safe. Evaluated also for an infinite budget, so a refusal stops the run before anything
         is sent or fetched (the value is cached and reused once the round is charged)."""
+        family = self.cfg.accounting_family
+        budget = f"the privacy budget epsilon={self.cfg.budget_epsilon:g} at delta={self.cfg.target_delta:g} ({family})"
         try:
-            exceeded = self.accountant.would_exceed(event, self.cfg.budget_epsilon)
+            if self.accountant.would_exceed(event, self.cfg.budget_epsilon):
+                return f"it would exceed {budget}"
         except RefusedError as exc:
-            return f"the accounting family {self.cfg.accounting_family!r} cannot bound this round: {exc}"
-        no_cover = None if exceeded else self._no_cover_accountant()
+            return f"the accounting family {family!r} cannot bound this round: {exc}"
+        no_cover = self._no_cover_accountant()  # pessimistic: reports that failed to open are not counted as cover
         try:
-            exceeded_without_bad = no_cover is not None and no_cover.would_exceed(event, self.cfg.budget_epsilon)
+            if no_cover is not None and no_cover.would_exceed(event, self.cfg.budget_epsilon):
+                return f"it would exceed {budget} once the reports of earlier rounds that failed to open or decode " \
+                       "are not counted as cover"
         except RefusedError as exc:
-            return (f"the accounting family {self.cfg.accounting_family!r} cannot bound the rounds once the reports "
-                    f"that failed to open or decode are left out of n: {exc}")
-        if exceeded:
-            return (
-                f"it would exceed the privacy budget epsilon={self.cfg.budget_epsilon:g} at "
-                f"delta={self.cfg.target_delta:g} ({self.cfg.accounting_family})"
-            )
-        if exceeded_without_bad:  # pessimistic: reports that failed to open are not counted as cover
-            return (
-                f"it would exceed the privacy budget epsilon={self.cfg.budget_epsilon:g} at "
-                f"delta={self.cfg.target_delta:g} ({self.cfg.accounting_family}) once the reports of earlier rounds "
-                "that failed to open or decode are not counted as cover"
-            )
+            return (f"the accounting family {family!r} cannot bound the rounds once the reports that failed to open "
+                    f"or decode are left out of n: {exc}")
         return None
 
     def _no_cover_accountant(self, extra: RoundOutcome | None = None) -> ShuffleAccountant | None:

@@ -18,9 +18,10 @@ Ctrl-C or SIGTERM stops the SuperLink and everything it started (by pid) and pri
 run's state is whatever was checkpointed. Should the command itself be killed (SIGKILL, a crash), the watchdog
 of ``deploy local`` (:class:`server.deploy_watchdog.DeployWatchdog`, started first) stops them: the SuperLink's
 process group, ``flwr run``, and every process below the SuperLink, named to it as they appear (checked every
-0.5 s: ``flower-superexec``, ``flwr-simulation`` and Ray's processes, which leave the SuperLink's group). ``SHUFFLEDP_FLWR_HOME`` overrides the ``FLWR_HOME`` used (tests use a
-temporary one). Flower's streamed logs lag behind the ServerApp, so the per-round progress lines are printed
-from the run's ``report.json`` as soon as each round is recorded.
+0.5 s: ``flower-superexec``, ``flwr-simulation`` and Ray's processes, which leave the SuperLink's group).
+``SHUFFLEDP_FLWR_HOME`` overrides the ``FLWR_HOME`` used (tests use a temporary one). Flower's streamed logs lag
+behind the ServerApp, so the per-round progress lines are printed from the run's ``report.json`` as soon as each
+round is recorded.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any
 
 from server.deploy_cli import free_port
 from server.deploy_watchdog import DeployWatchdog, Kind, WatchdogError
-from server.report import epsilon_label, format_epsilon
+from server.report import bad_reports_note, epsilon_label, format_epsilon
 
 __all__ = ["main", "find_project", "RUNNER_FILE"]
 
@@ -333,25 +334,22 @@ def _alive(pid: int) -> bool:
 
 
 def _progress_line(row: Mapping[str, Any]) -> str:
-    line = (
+    return (
         f"[shuffledp] round {row['round']}: {row['n_reports']} reports (attested), accuracy "
         f"{_fmt(row.get('accuracy'))}, loss {_fmt(row.get('loss'))}, epsilon so far {_epsilon(row)} "
         f"({epsilon_label(row.get('family', ''), row.get('kind', ''))}, delta {_fmt(row.get('delta'))})"
+        + bad_reports_note(int(row.get("n_bad_reports") or 0), row.get("epsilon_if_bad_gave_no_cover"),
+                           str(row.get("kind", "")))
     )
-    if row.get("n_bad_reports"):
-        line += f", {row['n_bad_reports']} bad reports skipped"
-    if row.get("epsilon_if_bad_gave_no_cover") is not None:
-        line += (f", epsilon {_epsilon(row, 'epsilon_if_bad_gave_no_cover')} if the bad reports gave no cover")
-    return line
 
 
 def _fmt(value: Any) -> str:
     return "n/a" if value is None else f"{float(value):.4g}"
 
 
-def _epsilon(row: Mapping[str, Any], key: str = "epsilon") -> str:
+def _epsilon(row: Mapping[str, Any]) -> str:
     """The round's cumulative epsilon, rounded outward for a bound (an upper bound never prints below itself)."""
-    value = row.get(key)
+    value = row.get("epsilon")
     return "n/a" if value is None else format_epsilon(float(value), str(row.get("kind", "")))
 
 
