@@ -52,7 +52,7 @@ from pathlib import Path
 from shuffler import keys as keyfiles
 from shuffler.client import FETCH_METHOD, ShufflerClient
 from shuffler import wire
-from shuffler.envelope import ENVELOPE_OVERHEAD, INNER_OVERHEAD, model_digest, seal
+from shuffler.envelope import ENVELOPE_OVERHEAD, ENVELOPE_VERSION, INNER_OVERHEAD, model_digest, seal
 from shuffler.process import ShufflerProcess
 
 MB = 1_000_000
@@ -378,7 +378,7 @@ def core_breakdown(keys: Keys, cfg: Path, envs: EnvelopeFile, round_id: int, dig
 
     core = core_from_config(load_config(cfg))
     try:
-        b = core.begin(Header(protocol_version=1, key_epoch=0, round_id=round_id, model_digest=digest,
+        b = core.begin(Header(protocol_version=ENVELOPE_VERSION, key_epoch=0, round_id=round_id, model_digest=digest,
                               expected_count=envs.count))
         read = 0.0
         t_add = 0.0

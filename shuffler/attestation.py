@@ -2,7 +2,7 @@
 
 Statement: canonical JSON (sorted keys, no spaces), UTF-8::
 
-    {"format": "shuffledp-attestation/v2", "batch_id": hex16, "protocol_version": 1, "key_epoch": E,
+    {"format": "shuffledp-attestation/v3", "batch_id": hex16, "protocol_version": 2, "key_epoch": E,
      "round_id": R, "model_digest": hex32, "k": k, "n_received": N, "n_accepted": A, "inner_length": L,
      "output_digest": hex32, "dropped": {reason: count, ...}[, "envelope_length": B]}
 
@@ -11,17 +11,25 @@ Statement: canonical JSON (sorted keys, no spaces), UTF-8::
 Signature: Ed25519 (RFC 8032) by the shuffler's signing key over ``"shuffledp/attestation/v1" || statement``.
 A verifier checks the signature over the bytes it received and only then parses them.
 
-Output digest (format v2): SHA-256 over ``"shuffledp/batch-output/v2"`` followed by
-``len:u64 || SHA-256(inner)`` for each inner ciphertext in output order. It pins both the contents and the order
-of the batch, so a fetch that returns different bytes, a different order, or a different count is detected
-(collision resistance of SHA-256, applied twice). Hashing each item separately lets the shuffler reuse the
-SHA-256 of the inner ciphertext it already computed to check the report's signature (shuffler.envelope), so
-sealing a batch reads no report bytes a second time; a verifier does the same single pass as before.
+Output digest (format v3, for batches of envelope protocol version 2): SHA-256 over
+``"shuffledp/batch-output/v3"`` followed by ``len:u64 || BLAKE3(inner)`` for each inner ciphertext in output
+order. It pins both the contents and the order of the batch, so a fetch that returns different bytes, a
+different order, or a different count is detected (collision resistance of BLAKE3 per item and of SHA-256 over
+the list). Hashing each item separately lets the shuffler reuse the hash of the inner ciphertext it already
+computed to check the report's signature (``shuffler.envelope.inner_hash``), so sealing a batch reads no report
+bytes a second time; a verifier makes one pass over the bytes it fetched.
 
-Format v1 (``"shuffledp-attestation/v1"``, sealed by shuffledp before 2026-11-21) hashed the items themselves:
-``"shuffledp/batch-output/v1"`` followed by ``len:u64 || inner``. Such statements still verify, and
-:class:`OutputDigest` is built for the statement's format, so batches journaled before an upgrade can still be
-fetched and checked.
+Each envelope protocol version has one statement format, and a statement whose format and ``protocol_version``
+disagree does not verify:
+
+- format v3 (``"shuffledp-attestation/v3"``): protocol version 2, per-item BLAKE3, as above;
+- format v2 (``"shuffledp-attestation/v2"``): protocol version 1, per-item SHA-256, domain
+  ``"shuffledp/batch-output/v2"``. The shuffler still seals protocol-1 batches of older peers this way;
+- format v1 (``"shuffledp-attestation/v1"``, sealed by shuffledp before 2026-11-21): protocol version 1; it
+  hashed the items themselves: ``"shuffledp/batch-output/v1"`` followed by ``len:u64 || inner``.
+
+Statements of every format still verify, and :class:`OutputDigest` is built for the statement's format, so
+batches journaled before an upgrade can still be fetched and checked.
 
 The dropped counters are per reason and per batch, never per position or per client.
 """
@@ -37,7 +45,7 @@ from dataclasses import dataclass, field
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from shuffler.envelope import inner_length_for
+from shuffler.envelope import inner_hash, inner_length_for
 
 __all__ = [
     "ATTESTATION_FORMAT",
@@ -46,15 +54,22 @@ __all__ = [
     "Attestation",
     "AttestationError",
     "OutputDigest",
+    "format_for_protocol",
     "sign_statement",
 ]
 
-ATTESTATION_FORMAT = "shuffledp-attestation/v2"
+ATTESTATION_FORMAT = "shuffledp-attestation/v3"  # the format of batches of the current envelope version (2)
 #: Statement formats a verifier accepts, with the output-digest version each one commits to.
-_DIGEST_VERSION_OF_FORMAT = {"shuffledp-attestation/v1": 1, ATTESTATION_FORMAT: 2}
+_DIGEST_VERSION_OF_FORMAT = {"shuffledp-attestation/v1": 1, "shuffledp-attestation/v2": 2, ATTESTATION_FORMAT: 3}
+#: The envelope protocol version of the batches each format attests (checked when a statement is verified).
+_PROTOCOL_OF_FORMAT = {"shuffledp-attestation/v1": 1, "shuffledp-attestation/v2": 1, ATTESTATION_FORMAT: 2}
+#: The format the shuffler writes for a batch of each envelope protocol version.
+_FORMAT_OF_PROTOCOL = {1: "shuffledp-attestation/v2", 2: ATTESTATION_FORMAT}
 ATTESTATION_FORMATS = frozenset(_DIGEST_VERSION_OF_FORMAT)  # the statement formats a verifier accepts
 _SIG_DOMAIN = b"shuffledp/attestation/v1"  # the signature's domain tag; unchanged across statement formats
-_OUTPUT_DOMAIN = {1: b"shuffledp/batch-output/v1", 2: b"shuffledp/batch-output/v2"}
+_OUTPUT_DOMAIN = {1: b"shuffledp/batch-output/v1", 2: b"shuffledp/batch-output/v2", 3: b"shuffledp/batch-output/v3"}
+#: The envelope version whose inner hash (``shuffler.envelope.inner_hash``) a per-item digest version uses.
+_ITEM_HASH_OF_DIGEST = {2: 1, 3: 2}
 _LEN = struct.Struct(">Q")
 
 #: Why an envelope was dropped (counted, never attributed).
@@ -77,10 +92,21 @@ class AttestationError(ValueError):
     """An attestation or a fetched batch does not verify."""
 
 
-class OutputDigest:
-    """Incremental output digest (see module docstring); ``version`` 2 (the default) or 1 (legacy statements)."""
+def format_for_protocol(protocol_version: int) -> str:
+    """The statement format of a batch of envelope ``protocol_version`` (1: v2, 2: v3)."""
+    try:
+        return _FORMAT_OF_PROTOCOL[protocol_version]
+    except KeyError:
+        raise ValueError(
+            f"no attestation format for protocol version {protocol_version!r}; known: {sorted(_FORMAT_OF_PROTOCOL)}"
+        ) from None
 
-    def __init__(self, version: int = 2) -> None:
+
+class OutputDigest:
+    """Incremental output digest (see module docstring): ``version`` 3 (the default: per-item BLAKE3), 2
+    (per-item SHA-256) or 1 (the items themselves; legacy statements)."""
+
+    def __init__(self, version: int = 3) -> None:
         if version not in _OUTPUT_DOMAIN:
             raise ValueError(f"output digest version must be one of {sorted(_OUTPUT_DOMAIN)}, got {version!r}")
         self.version = version
@@ -92,24 +118,33 @@ class OutputDigest:
         """The digest the attestation's statement format commits to."""
         return cls(_DIGEST_VERSION_OF_FORMAT[attestation.format])
 
+    @classmethod
+    def for_protocol(cls, protocol_version: int) -> "OutputDigest":
+        """The digest the shuffler commits to for a batch of envelope ``protocol_version``."""
+        return cls(_DIGEST_VERSION_OF_FORMAT[format_for_protocol(protocol_version)])
+
     def update(self, inner: bytes | memoryview) -> None:
         """Add the next inner ciphertext in output order."""
-        if self.version == 2:
-            self.update_hashed(len(inner), hashlib.sha256(inner).digest())
+        if self.version in _ITEM_HASH_OF_DIGEST:
+            self.update_hashed(len(inner), inner_hash(inner, _ITEM_HASH_OF_DIGEST[self.version]))
             return
         self._h.update(_LEN.pack(len(inner)))
         self._h.update(inner)
         self.count += 1
 
-    def update_hashed(self, length: int, inner_sha256: bytes) -> None:
-        """Add the next item from its length and its SHA-256 (version 2 only): the same result as
-        ``update(inner)`` without reading the bytes again."""
-        if self.version != 2:
-            raise ValueError("update_hashed needs output digest version 2 (version 1 hashes the bytes themselves)")
-        if len(inner_sha256) != 32:
-            raise ValueError(f"inner_sha256 must be 32 bytes, got {len(inner_sha256)}")
+    def update_hashed(self, length: int, item_hash: bytes) -> None:
+        """Add the next item from its length and its hash (versions 2 and 3: SHA-256, resp. BLAKE3, of the item;
+        ``shuffler.envelope.inner_hash``): the same result as ``update(inner)`` without reading the bytes
+        again."""
+        if self.version not in _ITEM_HASH_OF_DIGEST:
+            raise ValueError(
+                f"update_hashed needs output digest version 2 or 3, not {self.version} (version 1 hashes the "
+                "bytes themselves)"
+            )
+        if len(item_hash) != 32:
+            raise ValueError(f"item_hash must be 32 bytes, got {len(item_hash)}")
         self._h.update(_LEN.pack(length))
-        self._h.update(inner_sha256)
+        self._h.update(item_hash)
         self.count += 1
 
     def digest(self) -> bytes:
@@ -153,7 +188,7 @@ class Attestation:
         envelope_length: int = 0,
     ) -> bytes:
         doc = {
-            "format": ATTESTATION_FORMAT,
+            "format": format_for_protocol(protocol_version),
             "batch_id": batch_id.hex(),
             "protocol_version": protocol_version,
             "key_epoch": key_epoch,
@@ -208,6 +243,11 @@ class Attestation:
             if isinstance(exc, AttestationError):
                 raise
             raise AttestationError(f"signed attestation statement is malformed: {exc}") from exc
+        if att.protocol_version != _PROTOCOL_OF_FORMAT[att.format]:
+            raise AttestationError(
+                f"attestation format {att.format} attests protocol version {_PROTOCOL_OF_FORMAT[att.format]}, "
+                f"but the statement says {att.protocol_version}"
+            )
         if not 0 <= att.n_accepted <= att.n_received or att.n_accepted < att.k:
             raise AttestationError("attestation counts are inconsistent (n_accepted vs n_received vs k)")
         unknown = sorted(set(att.dropped) - set(DROP_REASONS))

@@ -386,7 +386,9 @@ class SubmitStream:
                 f"attestation envelope_length {att.envelope_length}; {self._envelope_length or None} was sent"
             )
         if att.protocol_version != env.ENVELOPE_VERSION:
-            raise AttestationError(f"attestation protocol version {att.protocol_version}")
+            raise AttestationError(
+                f"attestation protocol version {att.protocol_version}; this submission used {env.ENVELOPE_VERSION}"
+            )
         return att
 
     def cancel(self) -> None:

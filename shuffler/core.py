@@ -132,7 +132,7 @@ class CoreConfig:
     #: ShufflerCore.take_buffer): idle memory up to staging_memory_limit, in exchange for not faulting in fresh
     #: pages for every batch (on this project's VM that is most of the memory path's cost)
     retain_staging_buffer: bool = True
-    #: worker threads that check report signatures (SHA-256 of the inner ciphertext, then Ed25519; both release
+    #: worker threads that check report signatures (the hash of the inner ciphertext, then Ed25519; both release
     #: the GIL) while the submitting thread receives and decrypts the next envelopes; 0 checks them inline
     verify_threads: int = 1
 
@@ -569,11 +569,12 @@ class ShufflerCore:
     def _check_header(self, header: Header) -> None:
         if not self.healthy:
             raise Refused("unavailable", "journal_failed", "the shuffler's journal failed; it accepts no batches")
-        if header.protocol_version != env.ENVELOPE_VERSION:
+        if header.protocol_version not in env.ENVELOPE_VERSIONS:
             raise Refused(
                 "invalid_argument",
                 "protocol_version",
-                f"protocol version {header.protocol_version}; this shuffler speaks {env.ENVELOPE_VERSION}",
+                f"protocol version {header.protocol_version}; this shuffler speaks "
+                f"{', '.join(map(str, sorted(env.ENVELOPE_VERSIONS)))}",
             )
         if header.key_epoch != self.config.key_epoch:
             raise Refused(
@@ -630,14 +631,15 @@ class ShufflerCore:
         inner_length = builder.inner_length
         out_name = f"{batch_id.hex()}.out"
         final = self.journal.batches_dir / out_name
-        digest = OutputDigest()
+        digest = OutputDigest.for_protocol(header.protocol_version)
         fd = builder.staging_fd
         source = builder.staging_path
         if source is None or fd < 0:
             raise RuntimeError("no staging file")
         occupied = sorted(builder.used_slots())  # output order = slot order
-        # The output digest comes from the SHA-256 of each inner ciphertext, computed when its signature was
-        # checked and kept at its slot (shuffler.attestation, format v2): no report byte is read again here.
+        # The output digest comes from the hash of each inner ciphertext (BLAKE3, or SHA-256 for a protocol-1
+        # batch), computed when its signature was checked and kept at its slot (shuffler.attestation, formats
+        # v3 and v2): no report byte is read again here.
         hashes = builder.slot_hashes
         for slot in occupied:
             digest.update_hashed(inner_length, hashes[slot * 32 : (slot + 1) * 32])
@@ -909,12 +911,12 @@ class BatchBuilder:
     written, so that any writeback lays the blocks out in offset order, never in arrival order (disk path; see
     ``_preallocate``). On both paths free space for the whole batch (plus the journal reserve) is checked and
     reserved with ``posix_fallocate`` when the first report is accepted; there is no sync during the batch,
-    only the one before the commit. Each accepted report's SHA-256 (computed for its signature check) is kept
+    only the one before the commit. Each accepted report's inner hash (computed for its signature check) is kept
     at its slot, 32 bytes per slot, so that the output digest needs no second pass over the reports.
 
     Signature checks are done per job: the envelopes of one received message (:meth:`add_many`; :meth:`add`
     is a job of one). Each envelope is decrypted on the calling thread. With ``verify_threads`` >= 1, a job of
-    at least ``PIPELINE_MIN_JOB_BYTES`` of plaintext has its signature checks (SHA-256 + Ed25519, GIL-free)
+    at least ``PIPELINE_MIN_JOB_BYTES`` of plaintext has its signature checks (inner hash + Ed25519, GIL-free)
     done on the core's verify pool; jobs are concluded oldest first, and everything after the check (enrolment,
     replay, one report per signer, the slot) happens on the calling thread in arrival order, exactly as with
     inline checks. A report is therefore staged in its own call if its job is already done, or a few messages
@@ -943,7 +945,8 @@ class BatchBuilder:
         #: True/False once staging began and the path was chosen; None before
         self.in_memory: bool | None = None
         self._perm: array | None = None
-        #: SHA-256 of the inner ciphertext at each slot (32 bytes per slot, slot order), for the output digest
+        #: the inner ciphertext's hash at each slot (shuffler.envelope.inner_hash; 32 bytes per slot, slot order),
+        #: for the output digest
         self._slot_hashes: bytearray | None = None
         #: signature-check jobs in flight on the core's verify pool, oldest first: (future, reports, bytes)
         self._pending: deque[tuple[Future[list[env.OpenedReport | str]], int, int]] = deque()
@@ -959,6 +962,7 @@ class BatchBuilder:
             key_epoch=header.key_epoch,
             round_id=header.round_id,
             model_digest=header.model_digest,
+            version=header.protocol_version,
         )
 
     @staticmethod
@@ -977,7 +981,7 @@ class BatchBuilder:
 
     @property
     def slot_hashes(self) -> bytearray:
-        """SHA-256 of the inner ciphertext in each slot, 32 bytes per slot, in slot order (unused slots zero)."""
+        """Hash of the inner ciphertext in each slot, 32 bytes per slot, in slot order (unused slots zero)."""
         if self._slot_hashes is None:
             raise RuntimeError("no slot hashes (replay-only builder, nothing accepted, or already sealed)")
         return self._slot_hashes
@@ -1257,7 +1261,7 @@ class BatchBuilder:
             else:
                 _pwrite_all(self.staging_fd, inner, off)
             # through a memoryview: a hash of another length raises instead of resizing the array
-            memoryview(self._slot_hashes)[slot * 32 : (slot + 1) * 32] = report.inner_sha256
+            memoryview(self._slot_hashes)[slot * 32 : (slot + 1) * 32] = report.inner_hash
         self.n_accepted += 1
 
     def finish(self) -> SealedBatch:

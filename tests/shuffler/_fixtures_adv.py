@@ -1,7 +1,7 @@
 """Helpers for the adversarial, crash and permutation tests of the shuffler (no fixtures with side effects here).
 
 * :func:`craft_envelope` is an independent implementation of the envelope format documented in
-  ``docs/shuffler.md`` (version 1), with knobs to build envelopes that ``shuffler.envelope.seal`` refuses to
+  ``docs/shuffler.md`` (versions 1 and 2), with knobs to build envelopes that ``shuffler.envelope.seal`` refuses to
   produce: a signature by another key under an enrolled signer's public key, a wrong version byte inside the
   outer layer, a signature over another binding, a short outer plaintext. Building honest envelopes with it and
   having the shuffler accept them is also a conformance check of the documented format.
@@ -18,12 +18,13 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import blake3
 import grpc
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
 from shuffler import shuffler_pb2 as pb
-from shuffler.envelope import open_inner
+from shuffler.envelope import ENVELOPE_VERSION, open_inner
 from shuffler.process import ShufflerProcess
 
 SUBMIT = "/shuffledp.shuffler.v1.Shuffler/Submit"
@@ -35,7 +36,7 @@ _SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
 
 
 # ----------------------------------------------------------------------------------------------- envelopes
-def doc_binding(key_epoch: int, round_id: int, digest: bytes, version: int = 1) -> bytes:
+def doc_binding(key_epoch: int, round_id: int, digest: bytes, version: int = 2) -> bytes:
     """``"SDPB" || version:u8 || key_epoch:u32 || round_id:u64 || model_digest:32B`` (docs/shuffler.md)."""
     return b"SDPB" + struct.pack(">BIQ", version, key_epoch, round_id) + digest
 
@@ -52,17 +53,21 @@ def craft_envelope(
     claimed_signer_pk: bytes | None = None,
     sign_binding: bytes | None = None,
     sign_report_id: bytes | None = None,
-    outer_version: int = 1,
-    prefix_version: int = 1,
+    outer_version: int | None = None,
+    prefix_version: int | None = None,
     report_id: bytes | None = None,
     truncate_outer_pt: int | None = None,
+    version: int = 2,
 ) -> bytes:
-    """Build a version-1 envelope from the documented format, with optional deviations (see module doc)."""
-    bind = doc_binding(key_epoch, round_id, digest)
+    """Build an envelope of format ``version`` from the documented format, with optional deviations (see module
+    doc). The inner hash is SHA-256 for version 1 and BLAKE3 for version 2."""
+    outer_version = version if outer_version is None else outer_version
+    prefix_version = version if prefix_version is None else prefix_version
+    bind = doc_binding(key_epoch, round_id, digest, version)
     inner = _SUITE.encrypt(
         payload,
         x25519.X25519PublicKey.from_public_bytes(server_pk),
-        info=b"shuffledp/inner" + struct.pack(">BIQ", 1, key_epoch, round_id),
+        info=b"shuffledp/inner" + struct.pack(">BIQ", version, key_epoch, round_id),
     )
     rid = secrets.token_bytes(16) if report_id is None else report_id
     sk = ed25519.Ed25519PrivateKey.from_private_bytes(signing_sk)
@@ -71,7 +76,7 @@ def craft_envelope(
         + (bind if sign_binding is None else sign_binding)
         + (rid if sign_report_id is None else sign_report_id)
         + struct.pack(">Q", len(inner))
-        + hashlib.sha256(inner).digest()
+        + (hashlib.sha256(inner).digest() if version == 1 else blake3.blake3(inner).digest())
     )
     signature = sk.sign(message)
     signer = sk.public_key().public_bytes_raw() if claimed_signer_pk is None else claimed_signer_pk
@@ -169,7 +174,8 @@ def raw_channel(
 
 def header_msg(kit: Any, count: int, *, round_id: int, **over: Any) -> bytes:
     kw: dict[str, Any] = dict(
-        protocol_version=1, key_epoch=kit.key_epoch, round_id=round_id, model_digest=kit.digest, expected_count=count
+        protocol_version=ENVELOPE_VERSION, key_epoch=kit.key_epoch, round_id=round_id, model_digest=kit.digest,
+        expected_count=count
     )
     kw.update(over)
     return pb.SubmitRequest(header=pb.SubmitHeader(**kw)).SerializeToString()

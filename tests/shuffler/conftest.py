@@ -14,7 +14,7 @@ from shuffler import keys as keyfiles
 from shuffler.client import ShufflerClient
 from shuffler.config import load_config
 from shuffler.core import CoreConfig, Header, ShufflerCore
-from shuffler.envelope import model_digest, seal
+from shuffler.envelope import ENVELOPE_VERSION, model_digest, seal
 from shuffler.service import build_server, core_from_config
 
 N_CLIENTS = 8
@@ -57,6 +57,7 @@ class Kit:
         key_epoch: int | None = None,
         digest: bytes | None = None,
         signing_key: bytes | None = None,
+        version: int = ENVELOPE_VERSION,
     ) -> bytes:
         return seal(
             self.payload(i, size) if payload is None else payload,
@@ -66,11 +67,12 @@ class Kit:
             key_epoch=self.key_epoch if key_epoch is None else key_epoch,
             round_id=round_id,
             model_digest=self.digest if digest is None else digest,
+            version=version,
         )
 
     def header(self, count: int, *, round_id: int = 1, **over: object) -> Header:
         kw: dict[str, object] = dict(
-            protocol_version=1, key_epoch=self.key_epoch, round_id=round_id, model_digest=self.digest,
+            protocol_version=ENVELOPE_VERSION, key_epoch=self.key_epoch, round_id=round_id, model_digest=self.digest,
             expected_count=count,
         )
         kw.update(over)

@@ -33,7 +33,7 @@ from shuffler import shuffler_pb2 as pb
 from shuffler import tls, wire
 from shuffler.attestation import DROP_REASONS
 from shuffler.client import ShufflerClient, ShufflerError
-from shuffler.envelope import ENVELOPE_OVERHEAD, model_digest, seal
+from shuffler.envelope import ENVELOPE_OVERHEAD, ENVELOPE_VERSION, model_digest, seal
 from shuffler.service import message_limit
 
 from ._fixtures_adv import (  # noqa: TID252
@@ -272,7 +272,7 @@ def sealed_to_another_shuffler_key(ctx: Ctx) -> Drop:
 @case
 def random_bytes_with_valid_prefix(ctx: Ctx) -> Drop:
     n = len(ctx.seal(4))
-    junk = bytes([1]) + ctx.kit.key_epoch.to_bytes(4, "big") + secrets.token_bytes(n - 5)
+    junk = bytes([ENVELOPE_VERSION]) + ctx.kit.key_epoch.to_bytes(4, "big") + secrets.token_bytes(n - 5)
     return _drop(ctx, [junk], {"undecryptable": 1})
 
 
@@ -340,7 +340,8 @@ def signature_over_another_report_id(ctx: Ctx) -> Drop:
 
 @case
 def wrong_version_inside_outer_layer(ctx: Ctx) -> Drop:
-    return _drop(ctx, [ctx.craft(4, outer_version=2)], {"wrong_version": 1})
+    # version 1 is a version the shuffler speaks, but not this envelope's (2): the two must agree
+    return _drop(ctx, [ctx.craft(4, outer_version=1)], {"wrong_version": 1})
 
 
 @case
@@ -612,7 +613,7 @@ def packed_flood_beyond_count(ctx: Ctx) -> Refusal:
 @case
 def wrong_protocol_version_header(ctx: Ctx) -> Refusal:
     envs, payloads = ctx.honest()
-    msgs = [header_msg(ctx.kit, 4, round_id=ctx.r, protocol_version=2)] + [envelope_msg(e) for e in envs]
+    msgs = [header_msg(ctx.kit, 4, round_id=ctx.r, protocol_version=3)] + [envelope_msg(e) for e in envs]
     return Refusal(lambda: ctx.raw_submit(msgs), grpc.StatusCode.INVALID_ARGUMENT, "protocol_version", envs, payloads)
 
 

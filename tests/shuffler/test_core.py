@@ -209,7 +209,8 @@ def test_an_unannounced_length_fixed_by_a_dropped_envelope_refuses_instead_of_se
 @pytest.mark.parametrize(
     "over,code,reason",
     [
-        (dict(protocol_version=2), "invalid_argument", "protocol_version"),
+        (dict(protocol_version=3), "invalid_argument", "protocol_version"),
+        (dict(protocol_version=0), "invalid_argument", "protocol_version"),
         (dict(key_epoch=5), "failed_precondition", "key_epoch"),
         (dict(model_digest=b"short"), "invalid_argument", "model_digest"),
         (dict(expected_count=0), "invalid_argument", "empty_batch"),
@@ -816,24 +817,38 @@ def test_memory_path_output_without_o_direct(core: ShufflerCore, kit, monkeypatc
 
 
 @pytest.mark.parametrize("path", ["memory", "disk"])
-def test_attested_output_digest_is_the_v2_formula_over_the_output_bytes(core: ShufflerCore, disk_core: ShufflerCore,
-                                                                        kit, path: str) -> None:
+def test_attested_output_digest_is_the_documented_formula_over_the_output_bytes(
+    core: ShufflerCore, disk_core: ShufflerCore, kit, path: str
+) -> None:
     """The digest sealed from the per-slot hashes kept at add() equals the documented formula recomputed from
-    the output file's bytes, with holes squeezed out (drops in the middle) and without."""
+    the output file's bytes, with holes squeezed out (drops in the middle) and without: format v3 (per-item
+    BLAKE3) for a batch of envelope version 2, format v2 (per-item SHA-256) for a batch of version 1."""
     import hashlib
     import struct
 
+    import blake3
+
     c = core if path == "memory" else disk_core
     envs = [kit.seal(i) for i in range(6)]
-    for round_id, batch in ((1, envs[:2] + [b"", b"junk"] + envs[2:]), (2, [kit.seal(i, round_id=2) for i in range(6)])):
-        sealed = _run(c, kit, batch, round_id=round_id)
+    v1 = [kit.seal(i, round_id=3, version=1) for i in range(6)]
+    for round_id, batch, version in ((1, envs[:2] + [b"", b"junk"] + envs[2:], 2),
+                                     (2, [kit.seal(i, round_id=2) for i in range(6)], 2),
+                                     (3, v1[:3] + [kit.seal(6, round_id=3)] + v1[3:], 1)):
+        sealed = _run(c, kit, batch, round_id=round_id, protocol_version=version)
         att = _verify(kit, sealed)
+        assert (att.protocol_version, att.format) == (version, f"shuffledp-attestation/v{version + 1}")
         out = list(c.read_batch(sealed.batch_id))
         assert len(out) == att.n_accepted == 6
-        h = hashlib.sha256(b"shuffledp/batch-output/v2")
+        if version == 1:  # the version-2 envelope in the version-1 batch is dropped, not opened as version 1
+            assert att.dropped["wrong_version"] == 1
+        h = hashlib.sha256(f"shuffledp/batch-output/v{version + 1}".encode())
         for x in out:
-            h.update(struct.pack(">Q", len(x)) + hashlib.sha256(x).digest())
+            item = hashlib.sha256(x).digest() if version == 1 else blake3.blake3(x).digest()
+            h.update(struct.pack(">Q", len(x)) + item)
         assert att.output_digest == h.digest()
+        opened = sorted(open_inner(x, server_private_key=kit.server_sk, key_epoch=kit.key_epoch, round_id=round_id,
+                                   version=version) for x in out)
+        assert opened == sorted(kit.payload(i, 64) for i in range(6))
 
 
 def test_a_sealed_batchs_staging_buffer_is_reused_and_leaks_nothing_into_the_next(kit, tmp_path: Path,

@@ -25,6 +25,7 @@ from shuffler import wire
 from shuffler.client import ShufflerError
 from shuffler.core import Header
 from shuffler.config import load_config
+from shuffler.envelope import ENVELOPE_VERSION
 from shuffler.process import ShufflerStartError
 from shuffler.service import core_from_config
 
@@ -327,8 +328,8 @@ def _sealed_offline(kit: Any, cfg: Path, rounds: tuple[int, ...]) -> list[Any]:
         out = []
         for r in rounds:
             envs, _ = _honest(kit, r)
-            b = core.begin(Header(protocol_version=1, key_epoch=kit.key_epoch, round_id=r, model_digest=kit.digest,
-                                  expected_count=len(envs)))
+            b = core.begin(Header(protocol_version=ENVELOPE_VERSION, key_epoch=kit.key_epoch, round_id=r,
+                                  model_digest=kit.digest, expected_count=len(envs)))
             for e in envs:
                 b.add(e)
             out.append(b.finish())
@@ -392,6 +393,7 @@ import json, os, resource, signal, sys
 from pathlib import Path
 from shuffler.config import load_config
 from shuffler.core import Header
+from shuffler.envelope import ENVELOPE_VERSION
 from shuffler.service import core_from_config
 
 cfg_path, env_dir = sys.argv[1], Path(sys.argv[2])
@@ -401,7 +403,7 @@ meta = json.loads((env_dir / "meta.json").read_text())
 
 def seal_round(r):
     envs = [p.read_bytes() for p in sorted(env_dir.glob(f"r{r}-*.env"))]
-    b = core.begin(Header(protocol_version=1, key_epoch=meta["key_epoch"], round_id=r,
+    b = core.begin(Header(protocol_version=ENVELOPE_VERSION, key_epoch=meta["key_epoch"], round_id=r,
                           model_digest=bytes.fromhex(meta["digest"]), expected_count=len(envs)))
     for e in envs:
         b.add(e)
@@ -460,7 +462,7 @@ def test_a_failed_journal_append_does_not_cost_a_later_acknowledged_batch(kit, t
         assert set(by_round) <= {13, 14, 15}
         for sb in by_round.values():
             assert len(list(recovered.read_batch(sb.batch_id))) == 6
-        b = recovered.begin(Header(protocol_version=1, key_epoch=kit.key_epoch, round_id=14,
+        b = recovered.begin(Header(protocol_version=ENVELOPE_VERSION, key_epoch=kit.key_epoch, round_id=14,
                                    model_digest=kit.digest, expected_count=len(b_envs)))
         for e in b_envs:
             b.add(e)

@@ -100,7 +100,10 @@ def test_wrong_epoch_and_version(keys: dict[str, bytes]) -> None:
         _open(keys, forged, key_epoch=4)
     assert info.value.reason == "undecryptable"
     with pytest.raises(EnvelopeError) as info:
-        _open(keys, b"\x02" + e[1:])
+        _open(keys, b"\x01" + e[1:])
+    assert info.value.reason == "wrong_version"
+    with pytest.raises(EnvelopeError) as info:  # a batch of version 1 does not take a version-2 envelope
+        _open(keys, e, version=1)
     assert info.value.reason == "wrong_version"
 
 
@@ -133,10 +136,10 @@ def test_bad_signature_detected_inside_valid_outer(keys: dict[str, bytes]) -> No
     bind = env.binding(3, 7, DIGEST)
     other = ed25519.Ed25519PrivateKey.generate()
     # claims to be the enrolled client but is signed by another key
-    sig = other.sign(env._signed_message(bind, good.report_id, good.inner))
-    pt = bytes([1]) + good.report_id + keys["client_pk"] + sig + good.inner
+    sig = other.sign(env._signed_message(bind, good.report_id, len(good.inner), env.inner_hash(good.inner)))
+    pt = bytes([2]) + good.report_id + keys["client_pk"] + sig + good.inner
     suite = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
-    forged = bytes([1]) + (3).to_bytes(4, "big") + suite.encrypt(
+    forged = bytes([2]) + (3).to_bytes(4, "big") + suite.encrypt(
         pt, x25519.X25519PublicKey.from_public_bytes(keys["shuffler_pk"]), info=b"shuffledp/outer" + bind
     )
     with pytest.raises(EnvelopeError) as info:
@@ -182,8 +185,67 @@ def test_model_digest_properties() -> None:
         model_digest([a.T])
 
 
-def test_opened_report_carries_the_sha256_of_its_inner_ciphertext(keys: dict[str, bytes]) -> None:
+def test_opened_report_carries_the_inner_hash_of_its_version(keys: dict[str, bytes]) -> None:
     import hashlib
 
+    import blake3
+
     r = _open(keys, _seal(keys, b"q" * 1000))
-    assert r.inner_sha256 == hashlib.sha256(r.inner).digest() and len(r.inner) == 1000 + INNER_OVERHEAD
+    assert r.inner_hash == blake3.blake3(r.inner).digest() and len(r.inner) == 1000 + INNER_OVERHEAD
+    r1 = _open(keys, _seal(keys, b"q" * 1000, version=1), version=1)
+    assert r1.inner_hash == hashlib.sha256(r1.inner).digest()
+    assert env.inner_hash(b"") == bytes.fromhex("af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262")
+
+
+def test_both_versions_round_trip_and_each_is_bound_to_its_version(keys: dict[str, bytes]) -> None:
+    """Version 1 (SHA-256 inner hash) is still sealed on request and opened by a version-1 opener; an envelope
+    of one version never opens as the other, even with its clear version byte rewritten (the version is bound in
+    the outer info), and its inner layer opens only with its own version."""
+    assert env.ENVELOPE_VERSION == 2 and env.ENVELOPE_VERSIONS == {1, 2}
+    for version in (1, 2):
+        e = _seal(keys, b"v" * 100, version=version)
+        assert e[0] == version and len(e) == 100 + ENVELOPE_OVERHEAD
+        r = _open(keys, e, version=version)
+        assert open_inner(r.inner, server_private_key=keys["server_sk"], key_epoch=3, round_id=7,
+                          version=version) == b"v" * 100
+        other = 3 - version
+        with pytest.raises(EnvelopeError) as info:
+            _open(keys, bytes([other]) + e[1:], version=other)
+        assert info.value.reason == "undecryptable"
+        with pytest.raises(EnvelopeError) as info:
+            open_inner(r.inner, server_private_key=keys["server_sk"], key_epoch=3, round_id=7, version=other)
+        assert info.value.reason == "undecryptable"
+    with pytest.raises(ValueError, match=r"envelope version must be one of \[1, 2\], got 3"):
+        _seal(keys, version=3)
+    with pytest.raises(ValueError, match=r"envelope version must be one of \[1, 2\], got 0"):
+        _open(keys, _seal(keys), version=0)
+
+
+def test_signatures_are_checked_by_libsodium_with_rfc8032_semantics(keys: dict[str, bytes]) -> None:
+    """The shuffler checks signatures with libsodium, the client signs with cryptography (OpenSSL): every honest
+    signature must verify, and a non-canonical S (S + L, which RFC 8032 section 5.1.7 requires verifiers to
+    reject, and which a malleating relay could otherwise produce) must not."""
+    from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
+
+    for i in range(50):  # honest signatures over many random messages all verify
+        payload = bytes([i]) * (i + 1)
+        assert open_inner(_open(keys, _seal(keys, payload)).inner, server_private_key=keys["server_sk"], key_epoch=3,
+                          round_id=7) == payload
+    good = _open(keys, _seal(keys))
+    bind = env.binding(3, 7, DIGEST)
+    sk = ed25519.Ed25519PrivateKey.from_private_bytes(keys["client_sk"])
+    sig = sk.sign(env._signed_message(bind, good.report_id, len(good.inner), env.inner_hash(good.inner)))
+    order = 2**252 + 27742317777372353535851937790883648493
+    s = int.from_bytes(sig[32:], "little")
+    malleated = sig[:32] + (s + order).to_bytes(32, "little")
+    suite = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
+    shuffler_pk = x25519.X25519PublicKey.from_public_bytes(keys["shuffler_pk"])
+
+    def wrapped(signature: bytes) -> bytes:
+        pt = bytes([2]) + good.report_id + keys["client_pk"] + signature + good.inner
+        return bytes([2]) + (3).to_bytes(4, "big") + suite.encrypt(pt, shuffler_pk, info=b"shuffledp/outer" + bind)
+
+    assert _open(keys, wrapped(sig)).report_id == good.report_id
+    with pytest.raises(EnvelopeError) as info:
+        _open(keys, wrapped(malleated))
+    assert info.value.reason == "bad_signature"

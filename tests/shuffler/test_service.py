@@ -11,7 +11,7 @@ from shuffler import shuffler_pb2 as pb
 from shuffler import keys, tls
 from shuffler.attestation import AttestationError
 from shuffler.client import ShufflerClient, ShufflerError
-from shuffler.envelope import model_digest, open_inner
+from shuffler.envelope import ENVELOPE_VERSION, model_digest, open_inner
 
 SUBMIT = "/shuffledp.shuffler.v1.Shuffler/Submit"
 FETCH = "/shuffledp.shuffler.v1.Shuffler/Fetch"
@@ -103,8 +103,8 @@ def test_refusals_map_to_status_codes(kit, running, case: str, code: grpc.Status
                 # bypass the client's own validation to reach the server with a 5-byte digest
                 ch = _channel(kit, running.address)
                 call = ch.stream_unary(SUBMIT, request_serializer=None, response_deserializer=None)
-                hdr = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=1, round_id=1, model_digest=b"short",
-                                                              expected_count=4))
+                hdr = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=ENVELOPE_VERSION, round_id=1,
+                                                              model_digest=b"short", expected_count=4))
                 try:
                     call(iter([hdr.SerializeToString()]))
                 except grpc.RpcError as exc:
@@ -134,8 +134,8 @@ def test_protocol_violations(kit, running) -> None:
     env0 = kit.seal(0)
     ch = _channel(kit, running.address)
     call = ch.stream_unary(SUBMIT, request_serializer=None, response_deserializer=None)
-    hdr = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=1, round_id=1, model_digest=kit.digest,
-                                                  expected_count=3)).SerializeToString()
+    hdr = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=ENVELOPE_VERSION, round_id=1,
+                                                  model_digest=kit.digest, expected_count=3)).SerializeToString()
     cases = {
         "empty stream": [],
         "envelope first": [pb.SubmitRequest(envelope=env0).SerializeToString()],
@@ -167,8 +167,8 @@ def test_oversized_message_is_refused_by_transport(kit, running) -> None:
         options=[("grpc.max_send_message_length", 8 << 20)],
     )
     call = ch.stream_unary(SUBMIT, request_serializer=None, response_deserializer=None)
-    msgs = [pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=1, round_id=1, model_digest=kit.digest,
-                                                    expected_count=4)).SerializeToString()]
+    msgs = [pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=ENVELOPE_VERSION, round_id=1,
+                                                    model_digest=kit.digest, expected_count=4)).SerializeToString()]
     msgs += [pb.SubmitRequest(envelope=e).SerializeToString() for e in envs]
     with pytest.raises(grpc.RpcError) as info:
         call(iter(msgs))
@@ -282,7 +282,7 @@ def test_stalled_submits_cannot_starve_health_fetch_or_the_workers(kit, tmp_path
 
     server, core, address = _service(kit, tmp_path, max_workers=6, idle=1.0)  # 2 Submit slots, 2 Fetch slots
     gate = threading.Event()
-    header = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=1, key_epoch=0, round_id=7,
+    header = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=ENVELOPE_VERSION, key_epoch=0, round_id=7,
                                                      model_digest=kit.digest, expected_count=5)).SerializeToString()
 
     def stalled():
@@ -336,7 +336,7 @@ def test_a_stream_of_keepalives_cannot_hold_a_submit_slot_forever(kit, tmp_path)
 
     server, core, address = _service(kit, tmp_path, max_workers=6, idle=1.0, max_duration=2.5)  # 2 Submit slots
     gate = threading.Event()
-    header = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=1, key_epoch=0, round_id=7,
+    header = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=ENVELOPE_VERSION, key_epoch=0, round_id=7,
                                                      model_digest=kit.digest, expected_count=5)).SerializeToString()
     keepalive = pb.SubmitRequest(keepalive=pb.Keepalive()).SerializeToString()
 
@@ -585,8 +585,8 @@ def test_small_envelopes_travel_packed_even_with_a_tight_envelope_limit(kit, tmp
             submit = ch.stream_unary("/shuffledp.shuffler.v1.Shuffler/Submit", request_serializer=None,
                                      response_deserializer=None)
             huge = wire.encode_bytes_field(2, bytes(message_limit(max_envelope) + 16))
-            head = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=1, key_epoch=kit.key_epoch, round_id=2,
-                                                           model_digest=kit.digest, expected_count=kit.k))
+            head = pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=ENVELOPE_VERSION, key_epoch=kit.key_epoch,
+                                                           round_id=2, model_digest=kit.digest, expected_count=kit.k))
             with pytest.raises(grpc.RpcError) as info:
                 submit(iter([head.SerializeToString(), huge]), timeout=10)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
