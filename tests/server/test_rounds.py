@@ -143,6 +143,29 @@ def test_garbage_replies_are_counted_and_dropped(h: Any) -> None:
     assert [(r["round"], r["n_reports"]) for r in engine.ledger.rows()] == [(1, h.N - 2)]
 
 
+def test_a_reply_that_repeats_an_earlier_envelope_is_not_relayed_twice(h: Any) -> None:
+    """Two replies carrying the same envelope bytes (a client or a relay replaying one): the ServerApp relays the
+    first and sends an empty placeholder for the second (counted with the malformed replies), so the shuffler's
+    count still matches the requests and the repeat is never a second report."""
+    import secrets as _secrets
+
+    from tests.server.conftest import envelope_reply
+
+    same = _secrets.token_bytes(400)
+
+    def replaying(msg: Any, pid: int) -> Any:
+        return envelope_reply(msg, same)
+
+    engine = h.engine(h.config(), h.grid([h.honest()] * (h.N - 2) + [replaying, replaying]))
+    engine.restore()
+    out = engine.run_round(1)
+    assert out.status == "applied", out.reason
+    assert out.n_malformed_replies == 1 and out.n_envelopes == h.N - 1
+    assert out.n_reports == h.N - 2
+    dropped = _stats(h)["dropped"]
+    assert dropped["empty"] == 1 and sum(dropped.values()) == 2  # the placeholder, and the random bytes
+
+
 def test_reports_that_fail_to_open_are_not_counted_as_cover(h: Any) -> None:
     """Review 49, M2: a released report that fails to open came from a broken or malicious enrolled client (an
     honest one always opens), so it hid nobody. The ledger is charged the attested n (all were released), and the
