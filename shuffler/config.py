@@ -112,7 +112,7 @@ class ServiceConfig:
     #: fix glibc's mmap/trim thresholds at startup so message buffers are reused (shuffler/heap.py); costs up
     #: to its trim threshold (256 MiB) of idle free heap
     heap_tuning: bool = True
-    #: threads that check report signatures (SHA-256 + Ed25519, GIL-free) while a submit stream receives and
+    #: threads that check report signatures (inner hash + Ed25519, GIL-free) while a submit stream receives and
     #: decrypts the next envelopes; 0 = check inline (shuffler.core.CoreConfig.verify_threads)
     verify_threads: int = 1
 

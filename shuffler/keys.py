@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import nacl.bindings
+import nacl.exceptions
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 
@@ -197,8 +199,15 @@ def _validate_enrolment(clients: Mapping[str, bytes], where: str) -> None:
             raise ValueError(f"{where}: client {cid!r} must map to a 32-byte Ed25519 public key")
         try:
             ed25519.Ed25519PublicKey.from_public_bytes(bytes(pk))
-        except ValueError as exc:
-            raise ValueError(f"{where}: client {cid!r} has an invalid Ed25519 public key") from exc
+            # libsodium (which checks report signatures, shuffler.envelope) refuses small-order keys, keys outside
+            # the prime-order subgroup and non-canonical encodings: such a client could never send a report that
+            # verifies. Refusing the key here says so at enrolment instead of dropping every report later.
+            nacl.bindings.crypto_sign_ed25519_pk_to_curve25519(bytes(pk))
+        except (ValueError, nacl.exceptions.RuntimeError) as exc:
+            raise ValueError(
+                f"{where}: client {cid!r} has an invalid Ed25519 public key (not a canonical point of prime "
+                "order; such a key can never sign a report the shuffler accepts)"
+            ) from exc
         if bytes(pk) in seen:
             raise ValueError(f"{where}: clients {seen[bytes(pk)]!r} and {cid!r} share a public key; one key per client")
         seen[bytes(pk)] = cid

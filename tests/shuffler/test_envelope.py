@@ -223,8 +223,9 @@ def test_both_versions_round_trip_and_each_is_bound_to_its_version(keys: dict[st
 
 def test_signatures_are_checked_by_libsodium_with_rfc8032_semantics(keys: dict[str, bytes]) -> None:
     """The shuffler checks signatures with libsodium, the client signs with cryptography (OpenSSL): every honest
-    signature must verify, and a non-canonical S (S + L, which RFC 8032 section 5.1.7 requires verifiers to
-    reject, and which a malleating relay could otherwise produce) must not."""
+    signature must verify; a non-canonical S (S + L, which RFC 8032 section 5.1.7 requires verifiers to reject)
+    must not, and neither must the identity-key forgery (public key = R = identity point, S = 0), which
+    OpenSSL's cofactorless check accepts for every message (so this fails if the check goes back to OpenSSL)."""
     from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
     for i in range(50):  # honest signatures over many random messages all verify
@@ -248,4 +249,14 @@ def test_signatures_are_checked_by_libsodium_with_rfc8032_semantics(keys: dict[s
     assert _open(keys, wrapped(sig)).report_id == good.report_id
     with pytest.raises(EnvelopeError) as info:
         _open(keys, wrapped(malleated))
+    assert info.value.reason == "bad_signature"
+
+    identity = (1).to_bytes(32, "little")  # the encoding of the neutral point (x = 0, y = 1)
+    forged_sig = identity + bytes(32)
+    message = env._signed_message(bind, good.report_id, len(good.inner), env.inner_hash(good.inner))
+    ed25519.Ed25519PublicKey.from_public_bytes(identity).verify(forged_sig, message)  # OpenSSL: accepted
+    pt = bytes([2]) + good.report_id + identity + forged_sig + good.inner
+    forged = bytes([2]) + (3).to_bytes(4, "big") + suite.encrypt(pt, shuffler_pk, info=b"shuffledp/outer" + bind)
+    with pytest.raises(EnvelopeError) as info:
+        _open(keys, forged)
     assert info.value.reason == "bad_signature"

@@ -110,6 +110,43 @@ def test_enrolment_validation(tmp_path: Path) -> None:
     (tmp_path / "i.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="not hex"):
         keys.load_enrolment(tmp_path / "i.json")
+    # keys libsodium refuses (shuffler.envelope checks signatures with it): the identity point, a point of order
+    # 8 and a point of mixed order (a + the order-8 point, outside the prime-order subgroup). OpenSSL parses all
+    # three, and its cofactorless check even accepts a forged signature under the identity key.
+    ident = (1).to_bytes(32, "little")
+    order8 = bytes.fromhex("c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a")
+    mixed = _point_add(a, order8)
+    for name, bad in (("identity", ident), ("order 8", order8), ("mixed order", mixed)):
+        with pytest.raises(ValueError, match="invalid Ed25519 public key .*never sign a report"):
+            keys.save_enrolment(tmp_path / "j.json", {"client-0": a, "client-1": bad})
+        doc["clients"] = {"client-0": a.hex(), "client-1": bad.hex()}
+        (tmp_path / "k.json").write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match="invalid Ed25519 public key"):
+            keys.load_enrolment(tmp_path / "k.json")
+        assert not (tmp_path / "j.json").exists(), name  # nothing written
+
+
+def _point_add(a: bytes, b: bytes) -> bytes:
+    """Edwards25519 point addition on encoded points (RFC 8032, section 5.1.3 decoding, 5.1.4 addition)."""
+    p = 2**255 - 19
+    d = -121665 * pow(121666, -1, p) % p
+
+    def decode(s: bytes) -> tuple[int, int]:
+        y = int.from_bytes(s, "little") & ((1 << 255) - 1)
+        sign = s[31] >> 7
+        x2 = (y * y - 1) * pow(d * y * y + 1, -1, p) % p
+        x = pow(x2, (p + 3) // 8, p)
+        if (x * x - x2) % p:
+            x = x * pow(2, (p - 1) // 4, p) % p
+        if x & 1 != sign:
+            x = p - x
+        return x, y
+
+    (x1, y1), (x2, y2) = decode(a), decode(b)
+    t = d * x1 * x2 * y1 * y2 % p
+    x3 = (x1 * y2 + x2 * y1) * pow(1 + t, -1, p) % p
+    y3 = (y1 * y2 + x1 * x2) * pow(1 - t, -1, p) % p
+    return (y3 | ((x3 & 1) << 255)).to_bytes(32, "little")
 
 
 def test_init_parameter_validation(tmp_path: Path) -> None:

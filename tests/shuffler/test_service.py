@@ -130,6 +130,45 @@ def test_binding_reuse_and_unknown_batch(kit, running) -> None:
         assert info.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_protocol_1_batch_is_sealed_fetched_and_checked_with_its_own_digest(kit, running) -> None:
+    """An older peer's batch (header protocol_version 1, SHA-256 envelopes) is accepted and attested as format
+    v2; ShufflerClient.fetch checks it with the format's own digest (per-item SHA-256), so such batches stay
+    fetchable after an upgrade."""
+    from shuffler.attestation import Attestation
+
+    envs = [kit.seal(i, round_id=4, version=1) for i in range(4)] + [kit.seal(4, round_id=4)]
+    ch = _channel(kit, running.address)
+    call = ch.stream_unary(SUBMIT, request_serializer=None, response_deserializer=None)
+    msgs = [pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=1, key_epoch=kit.key_epoch, round_id=4,
+                                                    model_digest=kit.digest, expected_count=5)).SerializeToString()]
+    msgs += [pb.SubmitRequest(envelope=e).SerializeToString() for e in envs]
+    resp = pb.SubmitResponse.FromString(call(iter(msgs)))
+    ch.close()
+    att = Attestation.verify(resp.statement, resp.signature, kit.verify_key)
+    assert (att.protocol_version, att.format, att.n_accepted) == (1, "shuffledp-attestation/v2", 4)
+    assert att.dropped["wrong_version"] == 1  # the version-2 envelope in a version-1 batch
+    with kit.client(running.address) as c:
+        got = sorted(open_inner(x, server_private_key=kit.server_sk, key_epoch=kit.key_epoch, round_id=4, version=1)
+                     for x in c.fetch_all(att))
+    assert got == sorted(kit.payload(i) for i in range(4))
+
+
+def test_the_client_refuses_an_attestation_of_another_protocol_version(kit, running, monkeypatch) -> None:
+    """A faulty shuffler that attests a version-2 submission as protocol 1 (a consistent, signed format-v2
+    statement) is refused by ShufflerClient.submit: the server would otherwise open the batch as the wrong
+    version."""
+    from shuffler.attestation import Attestation
+
+    real = Attestation.build_statement
+
+    def as_protocol_1(**kw: object) -> bytes:
+        return real(**{**kw, "protocol_version": 1})
+
+    monkeypatch.setattr(Attestation, "build_statement", staticmethod(as_protocol_1))
+    with pytest.raises(AttestationError, match="attestation protocol version 1; this submission used 2"):
+        _submit(kit, running, [kit.seal(i, round_id=5) for i in range(3)], round_id=5)
+
+
 def test_protocol_violations(kit, running) -> None:
     env0 = kit.seal(0)
     ch = _channel(kit, running.address)
@@ -141,7 +180,7 @@ def test_protocol_violations(kit, running) -> None:
         "envelope first": [pb.SubmitRequest(envelope=env0).SerializeToString()],
         "second header": [hdr, hdr],
         "unset oneof": [hdr, b""],
-        "wrong version": [pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=2, round_id=1,
+        "wrong version": [pb.SubmitRequest(header=pb.SubmitHeader(protocol_version=3, round_id=1,
                                                                   model_digest=kit.digest,
                                                                   expected_count=3)).SerializeToString()],
     }
