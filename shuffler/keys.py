@@ -198,10 +198,10 @@ def _validate_enrolment(clients: Mapping[str, bytes], where: str) -> None:
         if not isinstance(pk, (bytes, bytearray)) or len(pk) != 32:
             raise ValueError(f"{where}: client {cid!r} must map to a 32-byte Ed25519 public key")
         try:
-            ed25519.Ed25519PublicKey.from_public_bytes(bytes(pk))
             # libsodium (which checks report signatures, shuffler.envelope) refuses small-order keys, keys outside
             # the prime-order subgroup and non-canonical encodings: such a client could never send a report that
-            # verifies. Refusing the key here says so at enrolment instead of dropping every report later.
+            # verifies. Refusing the key here says so at enrolment instead of dropping every report later. (This
+            # decodes the point; cryptography's from_public_bytes checks only the length, done above.)
             nacl.bindings.crypto_sign_ed25519_pk_to_curve25519(bytes(pk))
         except (ValueError, nacl.exceptions.RuntimeError) as exc:
             raise ValueError(

@@ -242,8 +242,8 @@ def test_signatures_are_checked_by_libsodium_with_rfc8032_semantics(keys: dict[s
     suite = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
     shuffler_pk = x25519.X25519PublicKey.from_public_bytes(keys["shuffler_pk"])
 
-    def wrapped(signature: bytes) -> bytes:
-        pt = bytes([2]) + good.report_id + keys["client_pk"] + signature + good.inner
+    def wrapped(signature: bytes, signer: bytes = keys["client_pk"]) -> bytes:
+        pt = bytes([2]) + good.report_id + signer + signature + good.inner
         return bytes([2]) + (3).to_bytes(4, "big") + suite.encrypt(pt, shuffler_pk, info=b"shuffledp/outer" + bind)
 
     assert _open(keys, wrapped(sig)).report_id == good.report_id
@@ -255,8 +255,6 @@ def test_signatures_are_checked_by_libsodium_with_rfc8032_semantics(keys: dict[s
     forged_sig = identity + bytes(32)
     message = env._signed_message(bind, good.report_id, len(good.inner), env.inner_hash(good.inner))
     ed25519.Ed25519PublicKey.from_public_bytes(identity).verify(forged_sig, message)  # OpenSSL: accepted
-    pt = bytes([2]) + good.report_id + identity + forged_sig + good.inner
-    forged = bytes([2]) + (3).to_bytes(4, "big") + suite.encrypt(pt, shuffler_pk, info=b"shuffledp/outer" + bind)
     with pytest.raises(EnvelopeError) as info:
-        _open(keys, forged)
+        _open(keys, wrapped(forged_sig, identity))
     assert info.value.reason == "bad_signature"
