@@ -1251,13 +1251,24 @@ _ROUND_TAG = re.compile(r"\[RUN \d+, ROUND (\S+)\]")
 _PROGRESS = re.compile(r"\[shuffledp\] round (\d+): (?:(skipped|stopped|lost) - )?")
 
 
-def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) -> list[dict[str, float]]:
-    """Split each round's wall time from the stamped log lines of the SuperLink, SuperNodes and the run.
+def round_timings(events: Sequence[tuple[float, str, str]], run_start: float,
+                  round_ends: Mapping[int, float]) -> list[dict[str, float]]:
+    """Split each round's wall time from the stamped log lines of the SuperNodes and the ServerApp's own clock.
 
-    For round r (the ServerApp sends every message of a round at once, ``group_id = str(r)``):
+    Args:
+        events: ``(seconds since the deployment's start, log key, line)``, stamped on arrival.
+        run_start: the run's submission, on the same clock.
+        round_ends: the end of each round on the same clock, from the ServerApp's own clock
+            (``RoundOutcome.finished_at``). The ServerApp's progress lines are not used as round boundaries: they
+            reach the followed logs late (buffered, or relayed by Flower), often several rounds in one read.
+
+    Returns:
+        One row per round that has an end in ``round_ends`` or a progress line, in round order. For round r (the
+        ServerApp sends every message of a round at once, ``group_id = str(r)``):
 
     * ``wall``: from the end of round r-1 (the run's submission for r = 1, which therefore also holds the
-      ServerApp's start-up: data, model, waiting for the nodes) to the ServerApp's progress line of round r;
+      ServerApp's start-up: data, model, waiting for the nodes) to the end of round r; absent, like every figure
+      measured from a round's end, for a round that has no end in ``round_ends`` (a budget stop is not saved);
     * ``to-first-node``: until the first SuperNode logs ``Receiving`` (the ServerApp pushing the messages plus the
       SuperNode's pull interval, about 3 s in Flower 1.41);
     * ``client``: the slowest node's ``Receiving`` to ``Sent successfully``, split into ``client-download``
@@ -1270,20 +1281,21 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) ->
 
     A round that updated no model (its progress line says ``skipped``, ``stopped`` or ``lost``) has ``status``.
 
-    Times are arrival times of log lines sampled every few tens of ms, so each figure is good to about 0.1 s.
+    The SuperNodes' times are arrival times of log lines sampled every few tens of ms, so each figure is good to
+    about 0.1 s.
     """
     recv: dict[int, dict[str, float]] = {}
     sent: dict[int, dict[str, float]] = {}
     # intermediate marks of a node's message handling: downloaded, executor picked it up, reply ready
     marks: dict[str, dict[int, dict[str, float]]] = {"Received successfully": {}, "Start `flwr-clientapp`": {},
                                                      "Sending:": {}}
-    done: dict[int, float] = {}
     status: dict[int, str] = {}
+    listed: set[int] = set(round_ends)
     current: dict[str, int | None] = {}
     for t, key, line in sorted(events, key=lambda e: e[0]):
         m = _PROGRESS.search(line)
         if m:
-            done.setdefault(int(m.group(1)), t)
+            listed.add(int(m.group(1)))
             if m.group(2):
                 status.setdefault(int(m.group(1)), m.group(2))
             continue
@@ -1306,8 +1318,11 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) ->
                     table.setdefault(rnd, {}).setdefault(key, t)
     out: list[dict[str, float]] = []
     previous_end = run_start
-    for rnd in sorted(done):
-        row: dict[str, Any] = {"round": rnd, "wall": done[rnd] - previous_end}
+    for rnd in sorted(listed):
+        end = round_ends.get(rnd)
+        row: dict[str, Any] = {"round": rnd}
+        if end is not None:
+            row["wall"] = end - previous_end
         if rnd in status:
             row["status"] = status[rnd]  # no model update this round: nothing to open, apply or evaluate
         r_recv, r_sent = recv.get(rnd, {}), sent.get(rnd, {})
@@ -1318,39 +1333,53 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float) ->
         if both:
             slowest = max(both, key=lambda k: r_sent[k] - r_recv[k])
             row["client"] = r_sent[slowest] - r_recv[slowest]
-            row["server-side"] = done[rnd] - max(r_sent.values())
+            if end is not None:
+                row["server-side"] = end - max(r_sent.values())
             points = [r_recv[slowest]] + [marks[n].get(rnd, {}).get(slowest) for n in marks] + [r_sent[slowest]]
             if all(p is not None for p in points):
                 names = ("client-download", "client-pickup", "clientapp", "client-upload")
                 for name, a, b in zip(names, points, points[1:]):
                     row[name] = b - a  # type: ignore[operator]
         out.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
-        previous_end = done[rnd]
+        if end is not None:
+            previous_end = end
     return out
 
 
-def merge_server_seconds(rows: list[dict[str, float]], run_dir: Path) -> None:
+def server_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The ServerApp's per-round history (``RoundOutcome.as_dict()`` rows) kept in the run's checkpoint.
+
+    Returns:
+        The rows in round order, or ``[]`` if the run saved no checkpoint.
+
+    Raises:
+        Exception: whatever reading the checkpoint raised (a missing or corrupt state file).
+    """
+    from server.job import RunPaths
+    from server.state import SqliteCheckpointStore
+
+    store = SqliteCheckpointStore(RunPaths(out_dir=run_dir, keys_dir=run_dir).state)
+    try:
+        checkpoint = store.load()
+    finally:
+        store.close()
+    return [] if checkpoint is None else [dict(h) for h in checkpoint.history if "round" in h]
+
+
+def server_round_ends(history: Sequence[Mapping[str, Any]], wall_t0: float) -> dict[int, float]:
+    """Each round's end (``finished_at``, the ServerApp's Unix time) as seconds since ``wall_t0`` (the Unix time
+    of the deployment's start), for :func:`round_timings`. Both clocks are this machine's."""
+    return {int(h["round"]): float(h["finished_at"]) - wall_t0 for h in history
+            if isinstance(h.get("finished_at"), (int, float))}
+
+
+def merge_server_seconds(rows: list[dict[str, float]], history: Sequence[Mapping[str, Any]]) -> None:
     """Add the ServerApp's own per-phase times (``RoundOutcome.seconds``, kept in the run's checkpoint history)
     to the rows of :func:`round_timings` as ``server-<phase>``: ``collect`` (send and wait for every reply),
     ``shuffle`` (submit the batch, verify the attestation), ``account``, ``open_apply`` (fetch, decrypt, apply),
-    ``evaluate``. Rows are left as they are if the checkpoint cannot be read.
+    ``evaluate``.
     """
-    try:
-        from server.job import RunPaths
-        from server.state import SqliteCheckpointStore
-
-        store = SqliteCheckpointStore(RunPaths(out_dir=run_dir, keys_dir=run_dir).state)
-        try:
-            checkpoint = store.load()
-        finally:
-            store.close()
-    except Exception as exc:  # noqa: BLE001 - timing is informative only; say why it is missing
-        for row in rows:
-            row["server-seconds-unavailable"] = str(exc)[:200]  # type: ignore[assignment]
-        return
-    if checkpoint is None:
-        return
-    by_round = {int(h["round"]): h.get("seconds") or {} for h in checkpoint.history if "round" in h}
+    by_round = {int(h["round"]): h.get("seconds") or {} for h in history}
     for row in rows:
         for phase, value in by_round.get(int(row["round"]), {}).items():
             row[f"server-{phase}"] = round(float(value), 3)
@@ -1407,6 +1436,7 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
     output_dir = work / "outputs"
     run_name = "deploy-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{secrets.token_hex(3)}"
     t_start = time.monotonic()
+    wall_t0 = time.time()  # the same instant on the Unix clock, which the ServerApp stamps its rounds' ends with
     with _stop_on_signals() as signals, DeployWatchdog() as watchdog:
         group = ProcessGroup(watchdog=watchdog)
         try:
@@ -1537,12 +1567,17 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
         events = list(tailer.events)
         if follower is not None:
             events += [(t, "run", line) for t, line in follower.lines]
-        timings["rounds"] = round_timings(events, t_submit - t_start)
+        history: list[dict[str, Any]] = []
+        if report_path is not None:
+            try:
+                history = server_history(report_path.parent)
+            except Exception as exc:  # noqa: BLE001 - timing is informative only; say why it is missing
+                timings["server-clock-unavailable"] = str(exc)[:200]
+        timings["rounds"] = round_timings(events, t_submit - t_start, server_round_ends(history, wall_t0))
+        merge_server_seconds(timings["rounds"], history)
         with open(logs / "timeline.log", "w") as fh:  # every log line of the deployment, stamped on arrival
             for t, key, line in sorted(events, key=lambda e: e[0]):
                 fh.write(f"{t:9.3f} {key:<12} {line}\n")
-        if report_path is not None:
-            merge_server_seconds(timings["rounds"], report_path.parent)
     timings["total-s"] = time.monotonic() - t_start
     result = DeployResult(status, run_id, report, report_path, timings, work)
     (work / "deploy-result.json").write_text(json.dumps({

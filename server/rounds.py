@@ -177,6 +177,9 @@ class RoundOutcome:
     accuracy: float | None = None
     loss: float | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    #: Unix time (the ServerApp's own clock) at which the round ended: where ``deploy local`` takes each round's
+    #: boundaries from, since log lines relayed from the ServerApp can arrive late and several at once.
+    finished_at: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -617,6 +620,7 @@ class RoundEngine:
         return stream
 
     def _finish(self, outcome: RoundOutcome, *, save: bool = True) -> RoundOutcome:
+        outcome.finished_at = time.time()
         self.history.append(outcome)
         self.last_round = outcome.round
         if save:
@@ -840,6 +844,7 @@ class RoundEngine:
             # half-updated); a restart reconciles from the ledger, as after a crash.
             out.status = "applied" if applied else "lost"
             out.reason = f"charged, but the round failed after the charge: {type(exc).__name__}"
+            out.finished_at = time.time()
             self.history.append(out)
             self.last_round = round_id
             if self.on_round is not None:  # the progress line and report.json show the charge before the error

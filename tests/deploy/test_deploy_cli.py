@@ -226,19 +226,37 @@ def test_round_timings_splits_each_round() -> None:
         (26.0, "run", "[shuffledp] round 2: 1 reports (attested)"),
     ]
     ev.append((26.5, "run", "[shuffledp] round 3: stopped - round 3 is not run: the budget ..."))
-    rows = dc.round_timings(ev, run_start=5.0)
+    ends = {1: 20.0, 2: 26.0, 3: 26.5}  # the ServerApp's own clock
+    rows = dc.round_timings(ev, run_start=5.0, round_ends=ends)
     assert rows[0] == {"round": 1, "wall": 15.0, "to-first-node": 8.0, "node-spread": 1.0, "client": 3.1,
                        "server-side": 3.0}
     assert rows[1] == {"round": 2, "wall": 6.0, "to-first-node": 3.0, "node-spread": 0.0, "client": 2.0,
                        "server-side": 1.0, "client-download": 0.25, "client-pickup": 0.25, "clientapp": 1.0,
                        "client-upload": 0.5}
     assert rows[2] == {"round": 3, "wall": 0.5, "status": "stopped"}
+    # the round boundaries are the ServerApp's clock, not the progress lines' arrival: relayed late, every progress
+    # line arriving in one read at 40 s gives the same rows
+    late = [(40.0, key, line) if "[shuffledp]" in line else (t, key, line) for t, key, line in ev]
+    assert dc.round_timings(late, run_start=5.0, round_ends=ends) == rows
     # the report prints a stopped round as what it is, not as a row of unknown phases
     result = dc.DeployResult(status="finished:completed", run_id="5", report={"rounds": []}, report_path=None,
                              timings={"rounds": rows}, workdir=Path("."))
     text = dc.format_report(result)
     assert "  round 3: stopped (no model update), wall 0.50\n" in text
     assert "  round 2: wall 6.00 | ServerApp collect ? = slowest client 2.00" in text
+    # a round with a progress line but no end on the server's clock (a budget stop is not checkpointed) has no
+    # figure measured from its end, rather than one measured from a late log line
+    rows = dc.round_timings(late, run_start=5.0, round_ends={1: 20.0, 2: 26.0})
+    assert rows[2] == {"round": 3, "status": "stopped"}
+
+
+def test_round_ends_come_from_the_server_history() -> None:
+    history = [{"round": 1, "finished_at": 1000.25, "seconds": {"collect": 2.0}},
+               {"round": 2, "finished_at": None}, {"round": 3, "finished_at": 1003.0}]
+    assert dc.server_round_ends(history, wall_t0=990.0) == {1: 10.25, 3: 13.0}
+    rows = [{"round": 1, "client": 1.5}, {"round": 2}]
+    dc.merge_server_seconds(rows, history)
+    assert rows == [{"round": 1, "client": 1.5, "server-collect": 2.0, "messaging": 0.5}, {"round": 2}]
 
 
 def test_file_tailer_stamps_new_lines(tmp_path: Path) -> None:

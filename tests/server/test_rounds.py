@@ -8,6 +8,7 @@ the ledger append, each resumed with the ledger holding every charged round exac
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ def test_honest_round_is_applied_charged_and_checkpointed(h: Any) -> None:
     engine.on_attestation = lambda round_id, att, charged: attested.append((round_id, att, charged))
     assert engine.restore() == 1
     before = [a.copy() for a in engine.arrays]
+    t_before = time.time()
     out = engine.run_round(1)
     assert out.status == "applied", out.reason
     assert (out.n_sampled, out.n_replies, out.n_envelopes, out.n_reports, out.n_applied) == (h.N,) * 5
@@ -66,6 +68,9 @@ def test_honest_round_is_applied_charged_and_checkpointed(h: Any) -> None:
     ckpt = engine.store.load()
     assert ckpt.round == 1
     np.testing.assert_array_equal(ckpt.arrays[0], engine.arrays[0])
+    # the round's end on the ServerApp's own clock is checkpointed (deploy local's round boundaries)
+    assert [h["round"] for h in ckpt.history] == [1]
+    assert t_before <= ckpt.history[0]["finished_at"] == out.finished_at <= time.time()
     # what left the server: exactly the schema, nothing more
     msg = grid.sent[0]
     assert msg.metadata.message_type == M.MESSAGE_TYPE and msg.metadata.group_id == "1"
