@@ -2,9 +2,9 @@
 
 This module is deliberately light: it defines the three names of the contract (``Bound``, ``RefusedError``,
 ``FAMILIES``) and imports nothing beyond the standard library. The numerical work lives in
-:mod:`accounting.bounds` (the dispatcher), :mod:`accounting.literature` (the published bounds),
-:mod:`accounting.rdp` (Renyi accounting), :mod:`accounting.clones` and :mod:`accounting.pld` (the exact clone
-analysis and privacy-loss-distribution composition) and :mod:`accounting.mechanisms` (randomizer descriptions).
+:mod:`shuffledp.accounting.bounds` (the dispatcher), :mod:`shuffledp.accounting.literature` (the published bounds),
+:mod:`shuffledp.accounting.rdp` (Renyi accounting), :mod:`shuffledp.accounting.clones` and :mod:`shuffledp.accounting.pld` (the exact clone
+analysis and privacy-loss-distribution composition) and :mod:`shuffledp.accounting.mechanisms` (randomizer descriptions).
 
 Kinds of a :class:`Bound`:
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from decimal import ROUND_CEILING, ROUND_FLOOR, ROUND_HALF_EVEN, Context, Decimal
 from dataclasses import dataclass, field
+from decimal import ROUND_CEILING, ROUND_FLOOR, ROUND_HALF_EVEN, Context, Decimal
 from typing import Any
 
 __all__ = [
@@ -31,7 +31,7 @@ EPS0_MAX = 100.0
 #: Largest number of shuffled reports per round the exact clone analysis accepts.
 N_MAX = 10**9
 
-#: Bound families accepted by :mod:`accounting.bounds` (``"girgis-lower"`` is accepted as well where a
+#: Bound families accepted by :mod:`shuffledp.accounting.bounds` (``"girgis-lower"`` is accepted as well where a
 #: lower bound of Girgis et al. is meaningful, i.e. for Renyi divergences).
 FAMILIES: tuple[str, ...] = (
     "clones",

@@ -2,10 +2,10 @@
 
 :class:`ShuffleAccountant` mirrors the shape of Flower's ``PrivacyAccountant`` protocol (``compose``,
 ``would_exceed``, ``state_dict``/``load_state_dict``) and of Google ``dp_accounting`` (events kept apart from
-accountants: a :class:`~accounting.events.ShuffleRound` says what happened, the accountant says what it costs).
+accountants: a :class:`~shuffledp.accounting.events.ShuffleRound` says what happened, the accountant says what it costs).
 
 Every round is kept, so rounds may differ in ``n`` and ``eps0``; the cumulative privacy loss is recomputed from
-the whole history with :func:`accounting.bounds.epsilon_for_rounds`, which composes privacy loss distributions
+the whole history with :func:`shuffledp.accounting.bounds.epsilon_for_rounds`, which composes privacy loss distributions
 pessimistically for the exact families (Feldman, McMillan, Talwar, SODA'23 clone reduction; Wang et al.,
 NeurIPS'23), sums Renyi divergences for the RDP families, and adds ``mu^2`` for the GDP families.
 
@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError, bounds
-from accounting.events import ShuffleRound
+from shuffledp.accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError, bounds
+from shuffledp.accounting.events import ShuffleRound
 
 __all__ = ["ShuffleAccountant", "Refusal", "GUARANTEE_FAMILIES", "STATE_FORMAT", "STATE_VERSION"]
 

@@ -4,13 +4,13 @@ Families (kind in brackets; see :data:`accounting.FAMILY_KINDS`):
 
 * ``clones`` [upper]: the stronger clone pair, C ~ Bin(n-1, 2/(e^{eps0}+1)), w = 1/(e^{eps0}+1)
   (Feldman-McMillan-Talwar SODA'23; Wang et al. NeurIPS'23, seed 003). One round: the exact delta(eps)/eps(delta)
-  of the pair (:mod:`accounting.clones`). Several rounds: composition of its pessimistic privacy loss
-  distribution (PLD) (:mod:`accounting.pld`).
+  of the pair (:mod:`shuffledp.accounting.clones`). Several rounds: composition of its pessimistic privacy loss
+  distribution (PLD) (:mod:`shuffledp.accounting.pld`).
 * ``clones-focs`` [upper]: the FOCS'21 pair, C ~ Bin(n-1, e^{-eps0}), Delta ~ Bern(e^{eps0}/(e^{eps0}+1)); same
   machinery (seed 000, Thm 1 / Cor. 1).
 * ``ccg-gdp`` [approximate]: seed 000, Thm 2, mu = 2 e^{eps0/2}/sqrt(n-1); T rounds: sqrt(sum mu^2).
 * ``ccg-rdp`` [approximate]: seed 000, Cor. 2, (lambda, 2 e^{eps0} lambda/(n-1))-RDP, summed over rounds,
-  converted with the improved conversion (:mod:`accounting.rdp`).
+  converted with the improved conversion (:mod:`shuffledp.accounting.rdp`).
 * ``girgis`` [upper], ``girgis-lower`` [lower, Renyi only]: Girgis et al. CCS'21 as in seed 000 eqs. (5), (6).
 * ``fmt`` [upper]: FMT'21 Thm 3.1, only inside eps0 <= log(n/(16 log(2/delta))). Several rounds: each round is
   (eps_1, delta_1)-DP at delta_1 = f delta / T, composed exactly by Kairouz-Oh-Viswanath (Thm 3.3), best f of
@@ -43,12 +43,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from scipy import optimize
 
-from accounting import EPS0_MAX, FAMILIES, FAMILY_KINDS, N_MAX, Bound, RefusedError
-from accounting import literature as lit
-from accounting import rdp as rdp_mod
+from shuffledp.accounting import EPS0_MAX, FAMILIES, FAMILY_KINDS, N_MAX, Bound, RefusedError
+from shuffledp.accounting import literature as lit
+from shuffledp.accounting import rdp as rdp_mod
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from accounting.events import ShuffleRound
+    from shuffledp.accounting.events import ShuffleRound
 
 __all__ = [
     "Bound",
@@ -180,13 +180,13 @@ def _check_order(order: Any) -> float:
 
 
 def _clones() -> Any:
-    from accounting import clones
+    from shuffledp.accounting import clones
 
     return clones
 
 
 def _pld() -> Any:
-    from accounting import pld
+    from shuffledp.accounting import pld
 
     return pld
 
@@ -300,7 +300,7 @@ def _rr_mu(eps0: float, n: int) -> float:
 
 def _rr_interval_floor(eps0: float, n: int, rounds: int) -> float:
     """The composed Chernoff window over ``MAX_COMPOSED_GRID``, as for clones
-    (:func:`accounting.clones.suggested_interval`): ``T m1 + 18 sqrt(T) s1`` plus the loss span ``2 eps0``, with
+    (:func:`shuffledp.accounting.clones.suggested_interval`): ``T m1 + 18 sqrt(T) s1`` plus the loss span ``2 eps0``, with
     the per-round mean ``m1 <= min(mu^2, eps0)`` and standard deviation ``s1 <= min(mu, eps0)`` (the loss lies in
     [-eps0, eps0]). Without it, T = 20,000 rounds at n = 1e4, eps0 = 1 asked for 67 million grid points and
     raised, which stopped a run whose comparison families include rr-lower (the server's default)."""
@@ -805,7 +805,7 @@ def _heterogeneous_pair_interval(pairs: list[tuple[float, int]]) -> float:
     Rounding each loss up by less than ``h`` raises the composed epsilon by less than ``T h``. With ``m`` the
     summed mean (KL) and ``v`` the summed variance of the per-round losses (for loss +-eps: mean
     ``eps tanh(eps/2)``, variance ``eps^2 - mean^2``), the composed epsilon is at least ``m + 2 sqrt(v)`` for
-    delta <= 0.02 (as in :func:`accounting.clones.suggested_interval`), so
+    delta <= 0.02 (as in :func:`shuffledp.accounting.clones.suggested_interval`), so
     ``h = INTERVAL_RELATIVE_ERROR (m + 2 sqrt(v)) / T`` keeps the discretisation error below 0.4% relative.
     ``h`` is at most :data:`HETEROGENEOUS_INTERVAL` (finer costs little for the usual eps0 ~ 1) and at least the
     composed Chernoff window ``m + 18 sqrt(v)`` (plus the widest loss span) over ``MAX_COMPOSED_GRID``. A fixed
@@ -834,7 +834,7 @@ def _heterogeneous_pair_interval(pairs: list[tuple[float, int]]) -> float:
 def _heterogeneous_clone_interval(clones: Any, items: list[tuple[int, float, int]], total: int, variant: str) -> float:
     """Grid interval for composing clone PLDs of different (n, eps0) groups.
 
-    The finest of the groups' :func:`accounting.clones.suggested_interval` (each keeps its own discretisation
+    The finest of the groups' :func:`shuffledp.accounting.clones.suggested_interval` (each keeps its own discretisation
     error below ``INTERVAL_RELATIVE_ERROR``), but no finer than the composed Chernoff window, ``sum_g T_g m1_g +
     18 sqrt(sum_g T_g s1_g^2)`` as in ``suggested_interval``, divided by ``MAX_COMPOSED_GRID``, and than each
     group's loss span (at most ``2 eps0``) divided by the same. Without the floor, a round with large n (losses

@@ -1,6 +1,6 @@
 """``shuffledp account ...`` and ``shuffledp ledger ...``: privacy accounting from the command line.
 
-The ``shuffledp`` dispatcher (``server.cli``) calls :func:`main` with ``argv[0]`` equal to ``"account"`` or
+The ``shuffledp`` dispatcher (``shuffledp.deploy.cli``) calls :func:`main` with ``argv[0]`` equal to ``"account"`` or
 ``"ledger"``. This module imports only the standard library and :mod:`accounting`; the numerical modules (numpy, scipy,
 dp_accounting) are imported by the ``account`` commands when they run, matplotlib by ``plot`` only, so
 ``shuffledp ledger ...`` starts fast.
@@ -19,8 +19,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TextIO
 
-from accounting import FAMILIES, Bound, RefusedError, format_bound
-from accounting.ledger import Ledger, LedgerError
+from shuffledp.accounting import FAMILIES, Bound, RefusedError, format_bound
+from shuffledp.accounting.ledger import Ledger, LedgerError
 
 __all__ = ["main"]
 
@@ -152,7 +152,7 @@ def _single_result(obj: dict[str, Any], out: TextIO) -> None:
 
 
 def _cmd_epsilon(args: argparse.Namespace, out: TextIO) -> int:
-    from accounting import bounds
+    from shuffledp.accounting import bounds
 
     bound = bounds.epsilon(
         args.bound, args.eps0, args.n, args.delta, args.rounds, allow_approximate=args.allow_approximate
@@ -184,7 +184,7 @@ def _cap_fields(bound: Any) -> dict[str, Any]:
 
 
 def _cmd_delta(args: argparse.Namespace, out: TextIO) -> int:
-    from accounting import bounds
+    from shuffledp.accounting import bounds
 
     bound = bounds.delta(
         args.bound, args.eps0, args.n, args.epsilon, args.rounds, allow_approximate=args.allow_approximate
@@ -204,7 +204,7 @@ def _cmd_delta(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_renyi(args: argparse.Namespace, out: TextIO) -> int:
-    from accounting import bounds
+    from shuffledp.accounting import bounds
 
     bound = bounds.renyi(args.bound, args.eps0, args.n, args.order, args.rounds)
     obj = {
@@ -221,7 +221,7 @@ def _cmd_renyi(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
-    from accounting import bounds
+    from shuffledp.accounting import bounds
 
     bound = bounds.calibrate(
         args.bound, args.target_epsilon, args.delta, args.n, args.rounds, allow_approximate=args.allow_approximate
@@ -254,7 +254,7 @@ def _calibration_fields(bound: Any) -> dict[str, Any]:
 
 
 def _compare_results(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from accounting import bounds
+    from shuffledp.accounting import bounds
 
     results: list[dict[str, Any]] = []
     for family in args.bound or _family_names():
@@ -312,7 +312,7 @@ def _cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace, out: TextIO) -> int:
-    from accounting import plot  # numpy only at import; matplotlib is imported inside render_png
+    from shuffledp.accounting import plot  # numpy only at import; matplotlib is imported inside render_png
 
     families = args.bound or list(plot.DEFAULT_FAMILIES)
     if args.x == "rounds":
@@ -519,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     out, err = sys.stdout, sys.stderr
     if not args_list or args_list[0] not in {"account", "ledger"}:
-        err.write("shuffledp: accounting.cli handles the commands 'account' and 'ledger'\n")
+        err.write("shuffledp: shuffledp.accounting.cli handles the commands 'account' and 'ledger'\n")
         return EXIT_USAGE
     parser = _account_parser() if args_list[0] == "account" else _ledger_parser()
     try:

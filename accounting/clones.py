@@ -38,7 +38,7 @@ truncated mass sent to infinity (pessimistic) and blocks of ``c`` replaced by th
 loss's mean and standard deviation and the number of rounds. The optimistic PLD mirrors every step (a
 dominated pair, rounded down, truncated mass dropped) and gives a lower bound *on the clone pair's epsilon*, which
 brackets the discretisation error; it is not a lower bound on the shuffled mechanism's epsilon (the clone pair
-only bounds that from above; family ``"rr-lower"`` of ``accounting.bounds`` is a lower bound on the mechanism).
+only bounds that from above; family ``"rr-lower"`` of ``shuffledp.accounting.bounds`` is a lower bound on the mechanism).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from typing import Literal
 import numpy as np
 from scipy import optimize, special, stats
 
-from accounting import EPS0_MAX, N_MAX, RefusedError
-from accounting import pld as _pld
-from accounting.pld import PrivacyLossDistribution
+from shuffledp.accounting import EPS0_MAX, N_MAX, RefusedError
+from shuffledp.accounting import pld as _pld
+from shuffledp.accounting.pld import PrivacyLossDistribution
 
 __all__ = [
     "Variant",

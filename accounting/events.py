@@ -3,7 +3,7 @@
 Following the design of Google's ``dp_accounting`` (events are kept apart from the accountants that interpret
 them), a :class:`ShuffleRound` only says *what was released*: ``n`` shuffled reports, each produced by an
 ``eps0``-LDP randomizer. How much privacy that costs is decided by an accountant and a bound family
-(:mod:`accounting.bounds`, :mod:`accounting.accountant`), never by the event.
+(:mod:`shuffledp.accounting.bounds`, :mod:`shuffledp.accounting.accountant`), never by the event.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from accounting import EPS0_MAX, N_MAX
+from shuffledp.accounting import EPS0_MAX, N_MAX
 
 __all__ = ["ShuffleRound"]
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from accounting.accountant import ShuffleAccountant
+    from shuffledp.accounting.accountant import ShuffleAccountant
 
 __all__ = ["Ledger", "LedgerError", "LEDGER_FORMAT", "LEDGER_SCHEMA_VERSION", "KINDS", "BATCH_ID_BYTES"]
 
@@ -88,7 +88,7 @@ CREATE TABLE IF NOT EXISTS batches (
     batch_id  TEXT    NOT NULL CHECK (length(batch_id) = 32 AND batch_id NOT GLOB '*[^0-9a-f]*')
 )
 """
-BATCH_ID_BYTES = 16  # the shuffler's batch ids (shuffler.core) are 16 random bytes
+BATCH_ID_BYTES = 16  # the shuffler's batch ids (shuffledp.shuffler.core) are 16 random bytes
 
 _TRIGGERS = """
 CREATE TRIGGER IF NOT EXISTS {table}_no_update BEFORE UPDATE ON {table}

@@ -1,7 +1,7 @@
 """The published shuffle-model bounds, each as a plain function with its source, equation and kind.
 
 Every function here works on ONE round unless its name says otherwise; composition over rounds is done by
-:mod:`accounting.bounds`. Kinds: ``upper`` (a guarantee), ``approximate`` (a CLT value, may fall below the
+:mod:`shuffledp.accounting.bounds`. Kinds: ``upper`` (a guarantee), ``approximate`` (a CLT value, may fall below the
 truth), ``lower`` (the loss of a concrete instance; any valid general bound is at least this).
 
 Sources (see ``seeds/README.md`` of the project for the copies and their known errors):
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize, special
 
-from accounting import RefusedError
-from accounting.clones import _binom_logpmf
+from shuffledp.accounting import RefusedError
+from shuffledp.accounting.clones import _binom_logpmf
 
 __all__ = [
     "ROOT_XTOL",
@@ -409,8 +409,8 @@ def canonical_mu(chi2: float, n: int) -> float:
 def canonical_gdp_epsilon(randomizer: object, n: int, delta: float, rounds: int = 1) -> float:
     """eps(delta) of ``sqrt(rounds) * mu_n``-GDP for a finite randomizer with a ``chi2`` attribute. APPROXIMATE.
 
-    ``randomizer`` is e.g. :class:`accounting.mechanisms.KaryRandomizedResponse` (seed 002 eq. (15)) or
-    :class:`accounting.mechanisms.BinaryRandomizedResponse` (the default of the ``canonical-gdp`` family);
+    ``randomizer`` is e.g. :class:`shuffledp.accounting.mechanisms.KaryRandomizedResponse` (seed 002 eq. (15)) or
+    :class:`shuffledp.accounting.mechanisms.BinaryRandomizedResponse` (the default of the ``canonical-gdp`` family);
     ``mu_n = sqrt(chi^2/n)`` (seed 002 Thm 17), T rounds compose to ``sqrt(T) mu_n`` (Dong-Roth-Su Cor. 3.3),
     and the (eps, delta) conversion is the exact GDP curve, seed 002 eq. (31).
     """

@@ -1,8 +1,8 @@
 """Immutable descriptions of local randomizers and their local privacy parameter ``eps0``.
 
-Shuffle amplification (every family in :mod:`accounting.bounds`) needs only that each report is ``eps0``-LDP:
+Shuffle amplification (every family in :mod:`shuffledp.accounting.bounds`) needs only that each report is ``eps0``-LDP:
 for ANY two inputs of its sender the output distributions are within a factor ``e^{eps0}``. These classes say
-what ``eps0`` a randomizer has; they draw no randomness (sampling lives in ``clients.randomizer``).
+what ``eps0`` a randomizer has; they draw no randomness (sampling lives in ``shuffledp.clients.randomizer``).
 
 * :class:`LocalRandomizer`: a general ``eps0``-LDP randomizer (eps0 given).
 * :class:`LaplaceRandomizer`: d-dimensional Laplace noise of scale ``b`` added to a report clipped to L1 norm
@@ -22,7 +22,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from accounting import EPS0_MAX
+from shuffledp.accounting import EPS0_MAX
 
 __all__ = [
     "LocalRandomizer",

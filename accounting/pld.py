@@ -41,9 +41,9 @@ from typing import Sequence
 
 import numpy as np
 from dp_accounting.pld import pld_pmf
+from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 from scipy import fft as sfft
 from scipy import special
-from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
 __all__ = [
     "PrivacyLossDistribution",

@@ -1,6 +1,6 @@
 """Curves of cumulative epsilon against rounds or against n, for several bound families, and their PNG.
 
-Computing the curves needs only :mod:`accounting.bounds`; drawing them imports matplotlib, lazily, inside
+Computing the curves needs only :mod:`shuffledp.accounting.bounds`; drawing them imports matplotlib, lazily, inside
 :func:`render_png`, so that importing this module (or running any other ``shuffledp account`` command) never
 loads a plotting library.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from accounting import FAMILIES, RefusedError, bounds
+from shuffledp.accounting import FAMILIES, RefusedError, bounds
 
 __all__ = ["Curve", "DEFAULT_FAMILIES", "epsilon_curves", "integer_grid", "render_png"]
 
@@ -61,7 +61,7 @@ def epsilon_curves(
     rounds: int | None = None,
     allow_approximate: bool = False,
 ) -> list[Curve]:
-    """Evaluate :func:`accounting.bounds.epsilon` for each family at every point of ``xs``.
+    """Evaluate :func:`shuffledp.accounting.bounds.epsilon` for each family at every point of ``xs``.
 
     ``x = "rounds"``: ``xs`` are numbers of rounds T, each of ``n`` reports. ``x = "n"``: ``xs`` are numbers of
     reports n, composed over ``rounds`` rounds. Refused points are kept as None with their reason, never as a

@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Callable
 
-from accounting import clones
+from shuffledp.accounting import clones
 
 
 def _timed(fn: Callable[[], float], repeats: int, cold: bool = True) -> tuple[float, float]:

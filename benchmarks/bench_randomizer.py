@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from clients.noise import ChaCha20Rng, DiscreteLaplaceSampler
-from clients.randomizer import DiscreteLaplaceRandomizer
-from clients.report import encode_report
+from shuffledp.clients.noise import ChaCha20Rng, DiscreteLaplaceSampler
+from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
+from shuffledp.clients.report import encode_report
 
 
 def _time(fn, repeats: int) -> tuple[float, float, float]:

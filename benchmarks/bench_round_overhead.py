@@ -4,11 +4,11 @@ Issue 4's benchmark point: "round wall time at 100 and 1,000 clients with the sh
 no-shuffle baseline (plain noisy reports averaged, not private against the server) — overhead goal <= 10% at
 1,000".
 
-* shuffled: the product exactly as ``shuffledp run --clients N --rounds R`` runs it (``server.runner.main``:
+* shuffled: the product exactly as ``shuffledp run --clients N --rounds R`` runs it (``shuffledp.deploy.runner.main``:
   fresh keys, private SuperLink, ``flwr run`` of this repository, local shuffler process), with
   ``budget-epsilon=inf`` so that a small N is not stopped by the budget (accounting still runs every round).
 * baseline: ``benchmarks/noshuffle_app`` (NOT PRIVATE AGAINST THE SERVER), launched with the same helpers
-  (``server.runner._launch``: same SuperLink, env vars, ``flwr run`` command and federation config
+  (``shuffledp.deploy.runner._launch``: same SuperLink, env vars, ``flwr run`` command and federation config
   ``num-supernodes=N client-resources-num-cpus=1``) and the same run config. Its clients do the same work
   (partition, model, clip, exact discrete Laplace, encoding) and reply with the plain encoded report.
 
@@ -17,7 +17,7 @@ Round wall time = the sum of the server's own per-round phase timings (``RoundOu
 of node selection to the end of central evaluation, same boundaries in both. Not included in either: the
 product's per-round checkpoint / report writes after evaluation. Round 1 is excluded (Ray actor start-up and
 the first-round 3 s node settle dominate it; its times are printed). The product streams each poll's envelopes
-to the shuffler while it collects (``server.rounds``), so the shuffler's verification is inside ``collect`` and
+to the shuffler while it collects (``shuffledp.server.rounds``), so the shuffler's verification is inside ``collect`` and
 ``submit`` is only the end of the stream (seal, fsync, attestation). Seal runs inside the clients (part of
 ``collect``); its cost is estimated by a microbenchmark: N x t_seal / 2 actors.
 
@@ -25,7 +25,7 @@ Configurations are interleaved A B A B ... (``--repeats``) so that background lo
 
 ``--paired`` (recommended): whole launches of Flower's simulation land on different speed levels (one baseline
 launch ran 7.2-7.7 s rounds, the next 9.2-9.9 s), which swamps a 10% effect when whole launches are alternated.
-With ``--paired`` each launch runs the benchmark app in paired mode: every product round (``server.job.run_job``:
+With ``--paired`` each launch runs the benchmark app in paired mode: every product round (``shuffledp.server.job.run_job``:
 shuffler, accountant, ledger, checkpoint) is followed by one plain round on the same nodes, and the overhead is
 computed over these pairs (mean ratio with a bootstrap 90% interval, and the median of per-pair ratios).
 ``--plain-seal`` (with ``--paired``) makes the plain clients also seal and discard their report, which isolates
@@ -56,14 +56,14 @@ BASELINE_APP = Path(__file__).resolve().parent / "noshuffle_app"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from server import runner  # noqa: E402
+from shuffledp.deploy import runner as runner
 
 COMMON = {"budget-epsilon": float("inf")}  # both systems; a small N must not be stopped by the budget
 
 
 def run_shuffled(n: int, rounds: int, out: Path, name: str, log: Path) -> list[dict[str, Any]]:
     """``shuffledp run --clients n --rounds rounds`` in-process; per-round outcomes from its checkpoint."""
-    from server.state import SqliteCheckpointStore
+    from shuffledp.server.state import SqliteCheckpointStore
 
     os.environ["SHUFFLEDP_FLWR_HOME"] = str(out / f".flwr-{name}")
     argv = ["run", "--clients", str(n), "--rounds", str(rounds), "--run-name", name, "--output-dir", str(out)]
@@ -85,7 +85,7 @@ def run_shuffled(n: int, rounds: int, out: Path, name: str, log: Path) -> list[d
 
 def run_baseline(n: int, rounds: int, out: Path, name: str, log: Path) -> list[dict[str, Any]]:
     """The no-shuffle baseline app (NOT PRIVATE AGAINST THE SERVER) through the runner's launch helpers."""
-    from server.config import DEFAULTS
+    from shuffledp.server.config import DEFAULTS
 
     out_dir = out / name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,12 +105,12 @@ def run_baseline(n: int, rounds: int, out: Path, name: str, log: Path) -> list[d
 
 def run_paired(n: int, rounds: int, out: Path, name: str, log: Path, *,
                plain_seal: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """One launch of the benchmark app in paired mode: the product's rounds (``server.job.run_job``, with the
+    """One launch of the benchmark app in paired mode: the product's rounds (``shuffledp.server.job.run_job``, with the
     shuffler and the accountant), each followed by one plain round (NOT PRIVATE) on the same nodes. Returns
     (product rounds, plain rounds) as per-round dicts with ``seconds``."""
-    from server.config import DEFAULTS
-    from server.state import SqliteCheckpointStore
-    from shuffler import cli as shuffler_cli
+    from shuffledp.server.config import DEFAULTS
+    from shuffledp.server.state import SqliteCheckpointStore
+    from shuffledp.shuffler import cli as shuffler_cli
 
     out_dir = out / name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -169,15 +169,15 @@ def paired_main(args: argparse.Namespace, out: Path) -> int:
 
 
 def seal_seconds(repeat: int = 300) -> float:
-    """Seconds per ``shuffler.envelope.seal`` of one d=650 report (two HPKE layers + Ed25519), this process."""
+    """Seconds per ``shuffledp.shuffler.envelope.seal`` of one d=650 report (two HPKE layers + Ed25519), this process."""
     import numpy as np
 
-    from clients.core import PinnedSettings, make_payload
-    from clients.data import load_partition
-    from clients.messages import TrainConfig, arrays_digest
-    from clients.models import initial_arrays
-    from shuffler import keys as kf
-    from shuffler.envelope import seal
+    from shuffledp.clients.core import PinnedSettings, make_payload
+    from shuffledp.clients.data import load_partition
+    from shuffledp.clients.messages import TrainConfig, arrays_digest
+    from shuffledp.clients.models import initial_arrays
+    from shuffledp.shuffler import keys as kf
+    from shuffledp.shuffler.envelope import seal
 
     with tempfile.TemporaryDirectory() as tmp:
         keys = kf.init_key_directory(Path(tmp) / "k", 2, k=2)

@@ -3,11 +3,11 @@
 What is measured (no Ray, so that actor scheduling noise does not dominate):
 
 * client side, per round: each client computes its report at the round's model (average gradient on its
-  digits partition, L1 clip, exact discrete Laplace noise, encoding: ``clients.core.make_payload``) and, in the
-  shuffled system only, seals it (``shuffler.envelope.seal``: two HPKE layers and an Ed25519 signature). The
+  digits partition, L1 clip, exact discrete Laplace noise, encoding: ``shuffledp.clients.core.make_payload``) and, in the
+  shuffled system only, seals it (``shuffledp.shuffler.envelope.seal``: two HPKE layers and an Ed25519 signature). The
   clients run one after another in this process; the figure is the sum over clients (a serial upper bound; real
   clients run in parallel).
-* server side, per round, from pre-made client replies: the shuffled path is ``server.rounds.RoundEngine.
+* server side, per round, from pre-made client replies: the shuffled path is ``shuffledp.server.rounds.RoundEngine.
   run_round`` (build the messages, collect replies from a fake Grid, keep the envelope bytes, submit them over
   mTLS to a REAL shuffler process, verify its attestation, charge the accountant and append the ledger row,
   stream the permuted batch back, open each inner layer, decode, accumulate, one optimizer step); the baseline
@@ -37,20 +37,20 @@ if str(ROOT) not in sys.path:
 from flwr.app import Array, ArrayRecord, Message, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from accounting.ledger import Ledger  # noqa: E402
-from clients import messages as M  # noqa: E402
-from clients.core import PinnedSettings, make_payload  # noqa: E402
-from clients.data import load_partition  # noqa: E402
-from clients.models import initial_arrays  # noqa: E402
-from clients.report import decode_report  # noqa: E402
-from server.config import parse_run_config  # noqa: E402
-from server.optim import ReportAccumulator, ServerOptimizer  # noqa: E402
-from server.rounds import RoundEngine, envelope_of  # noqa: E402
-from server.state import InMemoryCheckpointStore  # noqa: E402
-from shuffler import keys as keyfiles  # noqa: E402
-from shuffler.client import ShufflerClient  # noqa: E402
-from shuffler.envelope import open_inner, seal  # noqa: E402
-from shuffler.process import ShufflerProcess  # noqa: E402
+from shuffledp.accounting.ledger import Ledger  # noqa: E402
+from shuffledp.clients import messages as M  # noqa: E402
+from shuffledp.clients.core import PinnedSettings, make_payload  # noqa: E402
+from shuffledp.clients.data import load_partition  # noqa: E402
+from shuffledp.clients.models import initial_arrays  # noqa: E402
+from shuffledp.clients.report import decode_report  # noqa: E402
+from shuffledp.server.config import parse_run_config  # noqa: E402
+from shuffledp.server.optim import ReportAccumulator, ServerOptimizer  # noqa: E402
+from shuffledp.server.rounds import RoundEngine, envelope_of  # noqa: E402
+from shuffledp.server.state import InMemoryCheckpointStore  # noqa: E402
+from shuffledp.shuffler import keys as keyfiles  # noqa: E402
+from shuffledp.shuffler.client import ShufflerClient  # noqa: E402
+from shuffledp.shuffler.envelope import open_inner, seal  # noqa: E402
+from shuffledp.shuffler.process import ShufflerProcess  # noqa: E402
 
 EPS0 = 4.0
 CLIP = 1.0

@@ -3,7 +3,7 @@
 For each report size (default 100 KiB and 1 MiB payloads) and each repetition this script
 
 1. seals ``--reports`` envelopes (one per enrolled client) for a fresh round, into a file (not timed);
-2. submits them to a real ``shuffler.process.ShufflerProcess`` (one per size, serving all repetitions of that
+2. submits them to a real ``shuffledp.shuffler.process.ShufflerProcess`` (one per size, serving all repetitions of that
    size; mTLS, 127.0.0.1, port 0, journal in a temporary directory under ``--workdir``);
 3. times ``ShufflerClient.submit`` (client-streaming, envelopes read from the file one at a time) and
    ``ShufflerClient.fetch`` (server-streaming; the client checks lengths, count and the attested output
@@ -49,11 +49,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from shuffler import keys as keyfiles
-from shuffler.client import FETCH_METHOD, ShufflerClient
-from shuffler import wire
-from shuffler.envelope import ENVELOPE_OVERHEAD, ENVELOPE_VERSION, INNER_OVERHEAD, model_digest, seal
-from shuffler.process import ShufflerProcess
+from shuffledp.shuffler import keys as keyfiles
+from shuffledp.shuffler import wire
+from shuffledp.shuffler.client import FETCH_METHOD, ShufflerClient
+from shuffledp.shuffler.envelope import ENVELOPE_OVERHEAD, ENVELOPE_VERSION, INNER_OVERHEAD, model_digest, seal
+from shuffledp.shuffler.process import ShufflerProcess
 
 MB = 1_000_000
 
@@ -241,11 +241,11 @@ _BASELINE_SERVER = textwrap.dedent(
     import sys, time
     from concurrent import futures
     import grpc
-    from shuffler import shuffler_pb2 as pb, shuffler_pb2_grpc as pb_grpc
-    from shuffler import wire
+    from shuffledp.shuffler import shuffler_pb2 as pb, shuffler_pb2_grpc as pb_grpc
+    from shuffledp.shuffler import wire
     ca, cert, key, limit, port_file, heap = sys.argv[1:7]
     if heap == "tuned":  # as the shuffler service does (config heap_tuning)
-        from shuffler.heap import tune_heap
+        from shuffledp.shuffler.heap import tune_heap
         tune_heap(int(limit))
     class Sink(pb_grpc.ShufflerServicer):
         def Submit(self, it, ctx):
@@ -281,8 +281,8 @@ def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path, *,
     them and decoded as ``ShufflerClient.fetch`` decodes them: the transport's own cost in each direction."""
     import grpc
 
-    from shuffler import shuffler_pb2 as pb
-    from shuffler import shuffler_pb2_grpc as pb_grpc
+    from shuffledp.shuffler import shuffler_pb2 as pb
+    from shuffledp.shuffler import shuffler_pb2_grpc as pb_grpc
 
     port_file = workdir / "baseline.port"
     port_file.unlink(missing_ok=True)
@@ -372,9 +372,9 @@ def perf_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: in
 def core_breakdown(keys: Keys, cfg: Path, envs: EnvelopeFile, round_id: int, digest: bytes) -> str:
     """The same batch through the transport-free core in this process: time of add() (open, verify, stage)
     versus finish() (output digest over the whole batch, fsync, rename, sign, journal append)."""
-    from shuffler.config import load_config
-    from shuffler.core import Header
-    from shuffler.service import core_from_config
+    from shuffledp.shuffler.config import load_config
+    from shuffledp.shuffler.core import Header
+    from shuffledp.shuffler.service import core_from_config
 
     core = core_from_config(load_config(cfg))
     try:
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also push one batch per size through the in-process core (no gRPC): add() vs finish()")
     ap.add_argument("--perf", action="store_true", help="perf record the shuffler during one extra run per size")
     ap.add_argument("--no-heap-tuning", action="store_true",
-                    help="heap_tuning = false for the shuffler, and no shuffler.heap.tune_heap in this client process "
+                    help="heap_tuning = false for the shuffler, and no shuffledp.shuffler.heap.tune_heap in this client process "
                          "(which stands in for the ServerApp, where the run config's heap-tuning applies) or in the "
                          "baseline's server: glibc's default thresholds, under which the heap's top is trimmed after "
                          "a megabyte message and faulted back in for the next")
@@ -501,8 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     max_env = max(sizes) + ENVELOPE_OVERHEAD
     max_msg = max_env + 1024
     if not ns.no_heap_tuning:  # this process plays the ServerApp, which tunes its heap (run config heap-tuning)
-        from server.config import DEFAULTS
-        from shuffler.heap import tune_heap
+        from shuffledp.server.config import DEFAULTS
+        from shuffledp.shuffler.heap import tune_heap
         print(f"# client: {tune_heap(DEFAULTS['max-message-bytes']).describe()} (the ServerApp's default)",
               flush=True)
     extra: list[str] = []
@@ -573,8 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp.cleanup()
 
     print()
-    header = (f"| payload | reports | submit s | submit rep/s | submit MB/s | fetch s | fetch MB/s | together s | "
-              f"together MB/s | shuffler peak (submit/fetch) | client peak (submit/fetch) |")
+    header = ("| payload | reports | submit s | submit rep/s | submit MB/s | fetch s | fetch MB/s | together s | "
+              "together MB/s | shuffler peak (submit/fetch) | client peak (submit/fetch) |")
     print(header)
     print("|" + "|".join(["---"] * (header.count("|") - 1)) + "|")
     for size in sizes:

@@ -6,7 +6,7 @@ Fig. 3: Renyi DP of one shuffled round against lambda, at eps0 = 2 and n = 1e4.
 Curves: ccg-rdp (seed 000 Cor. 2, approximate), girgis (seed 000 eq. (5), upper), girgis-lower (eq. (6), lower),
 clones-focs (FOCS'21 clone pair, exact divergence of the pair: upper), clones (stronger clone pair: upper),
 rr-lower (exact divergence of shuffled binary randomized response: lower). Values come from
-:func:`accounting.bounds.renyi`. The script prints the table behind each figure, then writes
+:func:`shuffledp.accounting.bounds.renyi`. The script prints the table behind each figure, then writes
 ``fig2_rdp_vs_eps0.png`` and ``fig3_rdp_vs_order.png`` into the output directory.
 
 Usage: python benchmarks/fig_rdp.py [OUT_DIR]   (default: benchmarks/out/ next to this script)
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from accounting import RefusedError, bounds
+from shuffledp.accounting import RefusedError, bounds
 
 N = 10_000
 FIG2_ORDER = 4

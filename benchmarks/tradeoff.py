@@ -3,12 +3,12 @@
 Each setting runs the main job's arithmetic in-process, without Ray and without the cryptographic layers (which
 change neither the numbers nor their distribution: the shuffler only permutes, the sum is order-free):
 every round, each of the N clients (one digits partition each) computes its report with
-``clients.core.make_payload`` (average gradient at the round's model, L1 clip C, exact discrete Laplace
-noise of scale 2C/eps0, fixed-length encoding); the server decodes each with ``clients.report.decode_report``
-into the O(model) running sum (``server.optim.ReportAccumulator``) and takes one ``server.optim.ServerOptimizer``
+``shuffledp.clients.core.make_payload`` (average gradient at the round's model, L1 clip C, exact discrete Laplace
+noise of scale 2C/eps0, fixed-length encoding); the server decodes each with ``shuffledp.clients.report.decode_report``
+into the O(model) running sum (``shuffledp.server.optim.ReportAccumulator``) and takes one ``shuffledp.server.optim.ServerOptimizer``
 step with the mean; the test accuracy is the central evaluation the ServerApp does. epsilon is the cumulative
 upper bound of the default family (``clones``) at delta = 1e-6 for n = N reports per round
-(``accounting.accountant.ShuffleAccountant``). "no noise" clips but adds no noise: it is not private at all.
+(``shuffledp.accounting.accountant.ShuffleAccountant``). "no noise" clips but adds no noise: it is not private at all.
 
 Run: ``python benchmarks/tradeoff.py [--rounds R] [--clients 1437] [--eps0 1 2 4 8] [--repeats 3]``; prints
 one table. It takes a few minutes (N x rounds x settings x repeats client reports, 1-3 ms each here).
@@ -22,21 +22,20 @@ import sys
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from accounting.accountant import ShuffleAccountant  # noqa: E402
-from accounting.events import ShuffleRound  # noqa: E402
-from clients.core import compute_update  # noqa: E402
-from clients.data import load_data, load_partition  # noqa: E402
-from clients.messages import TrainConfig  # noqa: E402
-from clients.models import evaluate, initial_arrays  # noqa: E402
-from clients.randomizer import DiscreteLaplaceRandomizer, clip_l1  # noqa: E402
-from clients.report import decode_report  # noqa: E402
-from server.config import DEFAULTS  # noqa: E402
-from server.optim import ReportAccumulator, ServerOptimizer  # noqa: E402
+from shuffledp.accounting.accountant import ShuffleAccountant  # noqa: E402
+from shuffledp.accounting.events import ShuffleRound  # noqa: E402
+from shuffledp.clients.core import compute_update  # noqa: E402
+from shuffledp.clients.data import load_data, load_partition  # noqa: E402
+from shuffledp.clients.messages import TrainConfig  # noqa: E402
+from shuffledp.clients.models import evaluate, initial_arrays  # noqa: E402
+from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer, clip_l1  # noqa: E402
+from shuffledp.clients.report import decode_report  # noqa: E402
+from shuffledp.server.config import DEFAULTS  # noqa: E402
+from shuffledp.server.optim import ReportAccumulator, ServerOptimizer  # noqa: E402
 
 
 def run_setting(

@@ -1,12 +1,12 @@
 """shuffledp: clients package — the LDP side of the system.
 
-* :mod:`clients.noise` — ChaCha20 CSPRNG (keyed from ``os.urandom``) and the exact, integer-only discrete
+* :mod:`shuffledp.clients.noise` — ChaCha20 CSPRNG (keyed from ``os.urandom``) and the exact, integer-only discrete
   Laplace sampler.
-* :mod:`clients.randomizer` — ``clip_l1`` and ``DiscreteLaplaceRandomizer``: eps0-LDP for ANY two inputs of a
+* :mod:`shuffledp.clients.randomizer` — ``clip_l1`` and ``DiscreteLaplaceRandomizer``: eps0-LDP for ANY two inputs of a
   client (noise calibrated to the L1 diameter 2C of the clipped report, never to one record's 2C/m).
-* :mod:`clients.report` — the fixed-length report payload (``encode_report`` / ``decode_report``).
-* :mod:`clients.messages` — the Flower message schema (names, ``TrainConfig``, ``arrays_digest``).
-* :mod:`clients.data`, :mod:`clients.models` — digits / MNIST (IDX), partitions, PyTorch models.
-* :mod:`clients.core` — ``make_envelope``: request -> sealed envelope, without Flower.
-* :mod:`clients.app` — the Flower ``ClientApp`` (``train.shuffled``).
+* :mod:`shuffledp.clients.report` — the fixed-length report payload (``encode_report`` / ``decode_report``).
+* :mod:`shuffledp.clients.messages` — the Flower message schema (names, ``TrainConfig``, ``arrays_digest``).
+* :mod:`shuffledp.clients.data`, :mod:`shuffledp.clients.models` — digits / MNIST (IDX), partitions, PyTorch models.
+* :mod:`shuffledp.clients.core` — ``make_envelope``: request -> sealed envelope, without Flower.
+* :mod:`shuffledp.clients.app` — the Flower ``ClientApp`` (``train.shuffled``).
 """

@@ -1,14 +1,14 @@
 """The Flower ClientApp: ``train.shuffled`` -> one sealed envelope, nothing else.
 
-Flower glue only; the work is :func:`clients.core.make_envelope` (signature documented in clients/core.py)::
+Flower glue only; the work is :func:`shuffledp.clients.core.make_envelope` (signature documented in clients/core.py)::
 
     make_envelope(arrays, config, pinned, data, *, rng=None) -> bytes
 
 Per request: resolve the pinned settings (node_config in deployment, run_config in simulation, see
-:func:`clients.core.pinned_from_configs`), load this node's partition, parse the request, refuse (error reply)
+:func:`shuffledp.clients.core.pinned_from_configs`), load this node's partition, parse the request, refuse (error reply)
 if its eps0 / clip-l1 differ from the pinned ones or it asks for more local work than the pinned limits
-(:func:`clients.core.check_pinned`) or, in a deployment, for another dataset or PCA than the device's
-(:func:`clients.core.data_settings_from_configs`: the device's node config says which data it reads), and
+(:func:`shuffledp.clients.core.check_pinned`) or, in a deployment, for another dataset or PCA than the device's
+(:func:`shuffledp.clients.core.data_settings_from_configs`: the device's node config says which data it reads), and
 reply ``content["envelope"] = ArrayRecord({"ct": uint8})``,
 no earlier than the pinned ``reply-floor`` after the request arrived (see :func:`train_shuffled`).
 
@@ -29,7 +29,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordD
 from flwr.clientapp import ClientApp
 from threadpoolctl import threadpool_limits
 
-from clients.core import (
+from shuffledp.clients.core import (
     ClientSetupError,
     PinnedMismatchError,
     PinnedSettings,
@@ -38,7 +38,7 @@ from clients.core import (
     make_envelope,
     pinned_from_configs,
 )
-from clients.messages import (
+from shuffledp.clients.messages import (
     ARRAYS_KEY,
     CONFIG_KEY,
     ENVELOPE_ARRAY,
@@ -170,7 +170,7 @@ def _answer(
 
     # 4. compute, clip, randomize, encode, seal
     try:
-        from clients.data import load_partition
+        from shuffledp.clients.data import load_partition
 
         data = load_partition(pinned.partition_id, pinned.num_partitions, **settings)
     except (ValueError, TypeError, OSError) as exc:

@@ -6,20 +6,20 @@ Signature (what the ClientApp and the server's tests with a fake Grid call)::
                   pinned: PinnedSettings, data: tuple[np.ndarray, np.ndarray], *,
                   rng: ChaCha20Rng | None = None) -> bytes
 
-* ``arrays``: the model as received (numpy arrays in parameter order; logreg or mlp, see clients.models);
+* ``arrays``: the model as received (numpy arrays in parameter order; logreg or mlp, see shuffledp.clients.models);
 * ``config``: the request's ``content["config"]`` (parsed with :meth:`TrainConfig.from_mapping`);
 * ``pinned``: the client's own settings (:class:`PinnedSettings`; build it with :func:`pinned_from_configs`
   from ``context.node_config`` / ``context.run_config``, or directly in tests);
 * ``data``: the client's partition ``(x, y)``.
 
-It raises :class:`clients.messages.RequestError` for a malformed request and :class:`PinnedMismatchError` when
+It raises :class:`shuffledp.clients.messages.RequestError` for a malformed request and :class:`PinnedMismatchError` when
 the request's eps0 or clip-l1 differ from the pinned values (the server is the adversary: the client never lets
 it choose its privacy parameters) or it asks for more local work than the pinned work limits allow
 (:func:`check_pinned`). Those decisions never depend on the data (see :func:`make_payload`: a local
 computation that fails is reported as the zero update). Otherwise it returns the envelope: the report computed
 at ``arrays`` (average gradient, or model delta after E local epochs), clipped to L1 ``clip_l1``, randomized
-with the exact discrete Laplace mechanism (eps0-LDP for any two inputs), encoded (clients.report), and sealed
-with ``shuffler.envelope.seal`` (inner to the server key, outer to the pinned shuffler key, binding round id,
+with the exact discrete Laplace mechanism (eps0-LDP for any two inputs), encoded (shuffledp.clients.report), and sealed
+with ``shuffledp.shuffler.envelope.seal`` (inner to the server key, outer to the pinned shuffler key, binding round id,
 key epoch and ``arrays_digest(arrays)``, signed with the client key).
 """
 
@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from clients.data import DATASETS
-from clients.messages import RequestError, TrainConfig, arrays_digest
-from clients.noise import ChaCha20Rng
-from clients.randomizer import DiscreteLaplaceRandomizer, flatten_arrays
+from shuffledp.clients.data import DATASETS
+from shuffledp.clients.messages import RequestError, TrainConfig, arrays_digest
+from shuffledp.clients.noise import ChaCha20Rng
+from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer, flatten_arrays
 
 __all__ = [
     "PinnedSettings",
@@ -77,10 +77,10 @@ DEFAULT_MIN_BATCH_SIZE = 1
 #: The model's size scales the work per sample, and the server chooses the model: a model with more parameters
 #: is refused. The default admits the bundled models on MNIST without PCA (an mlp of 64 hidden units has 50,890).
 DEFAULT_MAX_MODEL_PARAMETERS = 1_000_000
-#: The parser's own bounds on a request (clients.messages.TrainConfig), which the pinned limits must lie in.
+#: The parser's own bounds on a request (shuffledp.clients.messages.TrainConfig), which the pinned limits must lie in.
 _LOCAL_EPOCHS_CAP = 10_000
 _BATCH_SIZE_CAP = 2**31 - 1
-_MODEL_PARAMETERS_CAP = 2**28  # clients.report.MAX_DIM: no larger report can be encoded
+_MODEL_PARAMETERS_CAP = 2**28  # shuffledp.clients.report.MAX_DIM: no larger report can be encoded
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class PinnedSettings:
         except (TypeError, ValueError) as exc:
             raise ClientSetupError(f"pinned eps0={self.eps0!r}, clip-l1={self.clip_l1!r}: {exc}") from None
         if self.log2_grid is not None and self.log2_grid != grid:
-            # The server decodes every report on the grid that (eps0, clip-l1) give (server.rounds). A report on
+            # The server decodes every report on the grid that (eps0, clip-l1) give (shuffledp.server.rounds). A report on
             # another grid carries it in its header and its values' scale, so it stands out of the shuffled batch
             # (this client gets no amplification), and the server, which drops it only after charging the round
             # with it, would credit the others with more amplification than they got.
@@ -180,7 +180,7 @@ def _int(cfg: Mapping[str, Any], key: str, where: str) -> int:
 def _load_key_file(path: str, kind: str, private: bool, identity: tuple[int, int, int, int]) -> bytes:
     """One key file, cached by its identity (inode, size, mtime, mode): a rotated key or loosened permissions
     change the identity, so the file is read (and its permissions checked) again."""
-    from shuffler.keys import load_private_key, load_public_key
+    from shuffledp.shuffler.keys import load_private_key, load_public_key
 
     del identity  # part of the cache key only
     return load_private_key(path, kind) if private else load_public_key(path, kind)
@@ -204,7 +204,7 @@ def _load_keys(client_key: Path, server_pub: Path, shuffler_pub: Path) -> tuple[
 @functools.lru_cache(maxsize=4096)
 def _simulation_key_paths(keys_dir: str, partition_id: int) -> tuple[Path, Path, Path]:
     """Client ``partition_id``'s key and the pinned public keys in a simulation key directory (paths only)."""
-    from shuffler.keys import KeyDirectory
+    from shuffledp.shuffler.keys import KeyDirectory
 
     kd = KeyDirectory(Path(keys_dir))
     return kd.client_key(partition_id), kd.server_hpke_pub, kd.shuffler_hpke_pub
@@ -273,7 +273,7 @@ _PARTITION_SCHEMES = ("iid", "dirichlet")
 
 
 def parse_data_settings(src: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The keyword arguments of :func:`clients.data.load_partition` from the data settings in ``src`` (keys of
+    """The keyword arguments of :func:`shuffledp.clients.data.load_partition` from the data settings in ``src`` (keys of
     :data:`DATA_SETTINGS_DEFAULTS`; defaults for missing keys, other keys ignored), each checked for its type
     and range; ``where`` names ``src`` in the error message. Raises :class:`ClientSetupError`."""
     v = {key: src.get(key, default) for key, default in DATA_SETTINGS_DEFAULTS.items()}
@@ -303,7 +303,7 @@ def parse_data_settings(src: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def data_settings_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for :func:`clients.data.load_partition`: ``dataset`` ("digits" | "mnist"),
+    """Keyword arguments for :func:`shuffledp.clients.data.load_partition`: ``dataset`` ("digits" | "mnist"),
     ``data-dir`` (a folder; "" = none), ``pca-components`` (10; 0 = none), ``partition`` ("iid" | "dirichlet"),
     ``dirichlet-alpha`` (0.5), ``partition-seed`` (0), each optional.
 
@@ -331,7 +331,7 @@ def data_settings_from_configs(node_config: Mapping[str, Any], run_config: Mappi
 def compute_update(arrays: Sequence[np.ndarray], cfg: TrainConfig, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """The unclipped report as one flat float64 vector: the average gradient of the local loss at ``arrays``
     (``cfg.report == "gradient"``) or the model delta after ``cfg.local_epochs`` epochs (``"delta"``)."""
-    from clients.models import average_gradient, local_delta
+    from shuffledp.clients.models import average_gradient, local_delta
 
     if cfg.report == "gradient":
         parts = average_gradient(arrays, x, y)
@@ -342,9 +342,9 @@ def compute_update(arrays: Sequence[np.ndarray], cfg: TrainConfig, x: np.ndarray
 
 def _check_model_fits_data(arrays: Sequence[np.ndarray], x: np.ndarray) -> None:
     """The request checks that need the model: it is a logreg or mlp with finite parameters
-    (:func:`clients.models.model_from_arrays`), and its input width is the data's feature count (a property of
+    (:func:`shuffledp.clients.models.model_from_arrays`), and its input width is the data's feature count (a property of
     the dataset, not of any record). Raises :class:`RequestError`."""
-    from clients.models import model_from_arrays
+    from shuffledp.clients.models import model_from_arrays
 
     try:
         model_from_arrays(arrays)
@@ -443,7 +443,7 @@ def make_envelope(
     rng: ChaCha20Rng | None = None,
 ) -> bytes:
     """The sealed envelope for this request (see the module docstring)."""
-    from shuffler.envelope import seal
+    from shuffledp.shuffler.envelope import seal
 
     cfg = _parse(config, pinned, arrays)
     arrays = [np.asarray(a) for a in arrays]

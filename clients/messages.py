@@ -195,11 +195,11 @@ def array_chunks(arrays: Sequence[np.ndarray]) -> Iterator[bytes]:
 def arrays_digest(arrays: Sequence[np.ndarray] | Any) -> bytes:
     """Digest that binds a report to the model it was computed at.
 
-    ``shuffler.envelope.model_digest`` (SHA-256 over length-prefixed chunks) over :func:`array_chunks`.
+    ``shuffledp.shuffler.envelope.model_digest`` (SHA-256 over length-prefixed chunks) over :func:`array_chunks`.
     Accepts a list of numpy arrays or a ``flwr.app.ArrayRecord`` (digested in its stored order). The client
     computes it on what it received, the server on what it sent.
     """
-    from shuffler.envelope import model_digest
+    from shuffledp.shuffler.envelope import model_digest
 
     if hasattr(arrays, "to_numpy_ndarrays"):
         arrays = arrays.to_numpy_ndarrays()

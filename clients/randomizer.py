@@ -27,8 +27,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from clients.noise import ChaCha20Rng, DiscreteLaplaceSampler
-from clients.report import INT_MAX, LOG2_GRID_MAX, LOG2_GRID_MIN, encode_report
+from shuffledp.clients.noise import ChaCha20Rng, DiscreteLaplaceSampler
+from shuffledp.clients.report import INT_MAX, LOG2_GRID_MAX, LOG2_GRID_MIN, encode_report
 
 __all__ = ["clip_l1", "flatten_arrays", "unflatten_vector", "DiscreteLaplaceRandomizer", "NOISE_LOG2_DEN"]
 
@@ -121,7 +121,7 @@ class DiscreteLaplaceRandomizer:
         int32 saturation probability <= 2**-30. Default ``None``: ``floor(log2 C) - 20`` (K in [2**20, 2**21)),
         made coarser one step at a time while the saturation bound fails (small eps0).
     rng:
-        The CSPRNG. Default: a fresh :class:`clients.noise.ChaCha20Rng` keyed from ``os.urandom``.
+        The CSPRNG. Default: a fresh :class:`shuffledp.clients.noise.ChaCha20Rng` keyed from ``os.urandom``.
     """
 
     def __init__(
@@ -244,7 +244,7 @@ class DiscreteLaplaceRandomizer:
         return q
 
     def encode(self, x: np.ndarray) -> bytes:
-        """clip -> grid -> projection -> exact noise -> fixed-length report (see :mod:`clients.report`)."""
+        """clip -> grid -> projection -> exact noise -> fixed-length report (see :mod:`shuffledp.clients.report`)."""
         return encode_report(self.privatize(x), log2_grid=self.log2_grid, eps_used=self.eps_used)
 
     def __repr__(self) -> str:

@@ -16,7 +16,7 @@ Why int32, saturating: ``y = q + z`` with ``|q| <= K <= 2**30`` (the L1 radius i
 Laplace noise of scale ``2K/eps0``. Clamping ``y`` to the int32 range is a deterministic function of the
 already-private output, i.e. post-processing, so it never weakens the eps0-LDP guarantee; it only biases the
 rare saturated coordinate. The randomizer refuses settings whose per-coordinate saturation probability is not
-negligible (see :class:`clients.randomizer.DiscreteLaplaceRandomizer`). int32 halves the bytes of int64 and the
+negligible (see :class:`shuffledp.clients.randomizer.DiscreteLaplaceRandomizer`). int32 halves the bytes of int64 and the
 envelope size is dominated by this vector. The value ``-2**31`` is never produced, so the decoder treats it as
 out of range (it is what a naive int32 overflow would produce).
 

@@ -10,7 +10,7 @@ size times the parameter count (a forward and a backward pass through a logreg o
 one pass over the data: less.
 
 :func:`time_worst_case` measures that on this device, with its own data and settings, end to end as the
-ClientApp does it (:func:`clients.core.make_envelope`: train, clip, randomize, encode, seal), for the two
+ClientApp does it (:func:`shuffledp.clients.core.make_envelope`: train, clip, randomize, encode, seal), for the two
 extreme shapes of a model at the parameter limit: an mlp with as many hidden units as fit, and a logreg with as
 many output classes as fit. The first repetition in a fresh process also pays one-time costs (importing torch
 and its optimizer machinery: about 4 s of a 6 s first run here, against 1.9 s warm, for the default limits on
@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from clients.core import data_settings_from_configs, make_envelope, pinned_from_configs
-from clients.messages import TrainConfig
+from shuffledp.clients.core import data_settings_from_configs, make_envelope, pinned_from_configs
+from shuffledp.clients.messages import TrainConfig
 
 __all__ = ["worst_case_models", "time_worst_case"]
 
@@ -69,11 +69,11 @@ def time_worst_case(node_config: Mapping[str, Any], *, repeat: int = 3) -> dict[
     cold data load time, per model its parameter count, SGD steps and the seconds of each repetition, and
     ``worst_s`` (the slowest repetition plus the cold load: the first request of a SuperNode loads the data),
     ``reply_floor_s`` (pinned) and ``covered`` (``reply_floor_s >= worst_s``). Every number is a measurement
-    on this machine, not a bound. Raises :class:`clients.core.ClientSetupError` for a bad node config.
+    on this machine, not a bound. Raises :class:`shuffledp.clients.core.ClientSetupError` for a bad node config.
     """
     if isinstance(repeat, bool) or not isinstance(repeat, int) or not 1 <= repeat <= 100:
         raise ValueError(f"repeat must be an int in [1, 100], got {repeat!r}")
-    from clients.data import load_partition
+    from shuffledp.clients.data import load_partition
 
     pinned = pinned_from_configs(node_config, {})
     settings = data_settings_from_configs(node_config, {})

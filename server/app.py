@@ -1,7 +1,7 @@
-"""The Flower ServerApp of shuffledp (``[tool.flwr.app.components] serverapp = "server.app:app"``).
+"""The Flower ServerApp of shuffledp (``[tool.flwr.app.components] serverapp = "shuffledp.server.app:app"``).
 
 ``@app.main()`` drives the rounds itself with the Grid (no ``Strategy.start``: FedAvg would need per-client
-metrics and plaintext arrays). Everything it does is in :func:`server.job.run_job`; see :mod:`server.rounds`
+metrics and plaintext arrays). Everything it does is in :func:`shuffledp.server.job.run_job`; see :mod:`shuffledp.server.rounds`
 for one round.
 
 Keys: the simulated ClientApps read ``keys-dir`` from the same run config, so the server and the clients must
@@ -30,8 +30,8 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
-from server.config import parse_run_config
-from server.job import run_job
+from shuffledp.server.config import parse_run_config
+from shuffledp.server.job import run_job
 
 __all__ = ["app"]
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clients.core import DATA_SETTINGS_DEFAULTS
+from shuffledp.clients.core import DATA_SETTINGS_DEFAULTS
 
 __all__ = [
     "ConfigError",
@@ -107,7 +107,7 @@ class ServerConfig:
     local_epochs: int
     local_lr: float
     batch_size: int
-    #: simulation only: the clients' pinned work limits (clients.core.PinnedSettings; deployed clients pin theirs)
+    #: simulation only: the clients' pinned work limits (shuffledp.clients.core.PinnedSettings; deployed clients pin theirs)
     max_local_epochs: int
     min_batch_size: int
     max_model_parameters: int
@@ -237,9 +237,9 @@ def _families(raw: Mapping[str, Any], key: str, known: tuple[str, ...]) -> tuple
 def _accounting_families() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(known, guarantees)``: every family a run may name (those the accountant composes over rounds;
     ``girgis-lower`` is a Renyi curve only), and those that may enforce a budget (every number they give is an
-    upper bound). Imported here, not at module level, to keep ``import server.config`` light."""
-    from accounting import FAMILIES
-    from accounting.accountant import GUARANTEE_FAMILIES
+    upper bound). Imported here, not at module level, to keep ``import shuffledp.server.config`` light."""
+    from shuffledp.accounting import FAMILIES
+    from shuffledp.accounting.accountant import GUARANTEE_FAMILIES
 
     return tuple(FAMILIES), tuple(GUARANTEE_FAMILIES)
 
@@ -289,7 +289,7 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
     if dataset == "mnist" and not data_dir.strip():
         raise ConfigError("run config 'data-dir' must name the folder with the MNIST IDX files when dataset='mnist'")
 
-    from clients.core import MAX_REPLY_FLOOR
+    from shuffledp.clients.core import MAX_REPLY_FLOOR
 
     config = ServerConfig(
         num_server_rounds=_int(raw, "num-server-rounds", minimum=1),
@@ -348,7 +348,7 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         )
     if not config.output_dir.strip():
         raise ConfigError("run config 'output-dir' must be a non-empty path")
-    from clients.randomizer import DiscreteLaplaceRandomizer
+    from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
 
     try:  # the clients' mechanism must exist for these values, or every report of the run would fail
         DiscreteLaplaceRandomizer(config.eps0, config.clip_l1)

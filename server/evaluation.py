@@ -2,7 +2,7 @@
 
 Evaluation happens on the server only: federated evaluation would send per-node metrics back next to the
 node's id, outside the shuffle. The test split never reaches a client (the clients hold partitions of the
-training split, :func:`clients.data.load_partition`).
+training split, :func:`shuffledp.clients.data.load_partition`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from server.config import ServerConfig
+from shuffledp.server.config import ServerConfig
 
 __all__ = ["CentralEvaluator"]
 
@@ -22,7 +22,7 @@ class CentralEvaluator:
     def __init__(self, cfg: ServerConfig) -> None:
         import torch
 
-        from clients.data import load_data
+        from shuffledp.clients.data import load_data
 
         # The evaluation is tiny; torch's default intra-op thread pool only spins against the simulated clients
         # on a small machine (measured: a 650-parameter model's backward pass went from ~3 ms to ~55 ms).
@@ -32,14 +32,14 @@ class CentralEvaluator:
         self.dataset = load_data(cfg.dataset, data_dir=cfg.data_dir or None, pca_components=pca)
 
     def initial_arrays(self) -> list[np.ndarray]:
-        """The round-1 model: ``clients.models.initial_arrays`` for the configured model and data shape."""
-        from clients.models import initial_arrays
+        """The round-1 model: ``shuffledp.clients.models.initial_arrays`` for the configured model and data shape."""
+        from shuffledp.clients.models import initial_arrays
 
         ds = self.dataset
         return initial_arrays(self.cfg.model, ds.n_features, ds.n_classes, hidden=self.cfg.hidden_units)
 
     def evaluate(self, arrays: Sequence[np.ndarray]) -> tuple[float, float]:
         """Mean cross-entropy and accuracy on the test split."""
-        from clients.models import evaluate
+        from shuffledp.clients.models import evaluate
 
         return evaluate(arrays, self.dataset.x_test, self.dataset.y_test)

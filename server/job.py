@@ -1,6 +1,6 @@
 """One run of the main job on a Grid: paths, keys, the shuffler connection, the round engine and the outputs.
 
-:func:`run_job` is what ``server.app``'s ``@app.main()`` calls; tests call it directly with a fake Grid.
+:func:`run_job` is what ``shuffledp.server.app``'s ``@app.main()`` calls; tests call it directly with a fake Grid.
 
 Outputs in ``<output-dir>/<run-name>/``: ``ledger.sqlite`` (the privacy ledger), ``state.sqlite`` (the
 checkpoint), ``report.json``, ``accuracy_epsilon.png``, ``attestations.jsonl`` (one line per batch the shuffler
@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from server.config import ConfigError, ServerConfig
-from server.report import (
+from shuffledp.server.config import ConfigError, ServerConfig
+from shuffledp.server.report import (
     PLOT_FILE,
     REPORT_FILE,
     bad_reports_note,
@@ -38,8 +38,8 @@ from server.report import (
     write_plot,
     write_report,
 )
-from server.rounds import Evaluator, GridLike, RoundEngine, RoundOutcome
-from server.state import SqliteCheckpointStore
+from shuffledp.server.rounds import Evaluator, GridLike, RoundEngine, RoundOutcome
+from shuffledp.server.state import SqliteCheckpointStore
 
 __all__ = ["RunPaths", "resolve_paths", "ShufflerConnection", "run_job", "JobResult", "format_progress",
            "RunInUseError", "hold_run_lock"]
@@ -153,14 +153,14 @@ class ShufflerConnection:
     """
 
     def __init__(self, cfg: ServerConfig, paths: RunPaths) -> None:
-        from shuffler.keys import KeyDirectory
+        from shuffledp.shuffler.keys import KeyDirectory
 
         self.cfg = cfg
         self.paths = paths
         self.keys = KeyDirectory(paths.keys_dir)
         self.process: Any = None
         self.client: Any = None
-        #: what shuffler.heap.tune_heap did in this process (None: run config heap-tuning = false)
+        #: what shuffledp.shuffler.heap.tune_heap did in this process (None: run config heap-tuning = false)
         self.heap: Any = None
 
     def _tls_files(self) -> tuple[bytes, bytes, bytes]:
@@ -176,11 +176,11 @@ class ShufflerConnection:
         return files[0].read_bytes(), files[1].read_bytes(), files[2].read_bytes()
 
     def __enter__(self) -> Any:
-        from shuffler.client import ShufflerClient
-        from shuffler.heap import tune_heap
-        from shuffler.keys import load_public_key
-        from shuffler.process import ShufflerProcess
-        from shuffler.service import message_limit
+        from shuffledp.shuffler.client import ShufflerClient
+        from shuffledp.shuffler.heap import tune_heap
+        from shuffledp.shuffler.keys import load_public_key
+        from shuffledp.shuffler.process import ShufflerProcess
+        from shuffledp.shuffler.service import message_limit
 
         root, cert, key = self._tls_files()
         verify_key = load_public_key(self.keys.shuffler_signing_pub, "ed25519")
@@ -310,20 +310,20 @@ def run_job(
         grid: the Flower Grid (or a fake).
         run_id: Flower's run id (names the output folder when ``run-name`` is empty).
         evaluator, initial_arrays: central evaluation and the initial model; by default built from the
-            dataset and model named in ``cfg`` (see :mod:`server.evaluation`).
+            dataset and model named in ``cfg`` (see :mod:`shuffledp.server.evaluation`).
         node_wait: seconds to wait for at least ``min-reports`` nodes to connect before each round.
         base: directory relative paths are resolved against (default: the current directory).
         progress: where per-round progress lines go (default: stdout, flushed).
         plot: also write the PNG.
     """
-    from accounting.ledger import Ledger
-    from shuffler.envelope import open_inner
-    from shuffler.keys import load_private_key
+    from shuffledp.accounting.ledger import Ledger
+    from shuffledp.shuffler.envelope import open_inner
+    from shuffledp.shuffler.keys import load_private_key
 
     paths = resolve_paths(cfg, run_id=run_id, base=base)
     paths.out_dir.mkdir(parents=True, exist_ok=True)
     if evaluator is None or initial_arrays is None:
-        from server.evaluation import CentralEvaluator
+        from shuffledp.server.evaluation import CentralEvaluator
 
         central = CentralEvaluator(cfg)
         evaluator = evaluator or central.evaluate

@@ -19,7 +19,7 @@ report always opens, so once any round had a bad report ``epsilon_if_bad_gave_no
 bound with them taken out of each round's n (null before that); the budget stop uses the larger of the two. A round
 charged but whose update was lost in a crash has ``accuracy = loss = null``, ``n_applied = 0`` and the
 ``n_bad_reports`` recorded when its reports were opened (0 if the crash came before).
-Both files are written with ``shuffler.journal.write_file_durably`` (temporary file, fsync, rename, directory
+Both files are written with ``shuffledp.shuffler.journal.write_file_durably`` (temporary file, fsync, rename, directory
 fsync).
 """
 
@@ -33,8 +33,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from accounting import KIND_WORDS, format_bound
-from shuffler.journal import write_file_durably
+from shuffledp.accounting import KIND_WORDS, format_bound
+from shuffledp.shuffler.journal import write_file_durably
 
 __all__ = [
     "bad_reports_note", "epsilon_label", "format_epsilon", "report_document", "write_report", "write_plot",

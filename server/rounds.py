@@ -5,7 +5,7 @@ One round ``r`` (:meth:`RoundEngine.run_round`):
 1. sample the nodes (all, or ``fraction`` of them drawn with ``secrets.SystemRandom``);
 2. check the budget *before sending*: stop if even the best case (every sampled node reports) would take the
    default family above ``budget-epsilon``;
-3. durably mark ``r`` as started (a round id is never reused, see :mod:`server.state`);
+3. durably mark ``r`` as started (a round id is never reused, see :mod:`shuffledp.server.state`);
 4. send ``train.shuffled`` (model + round config) and open a Submit stream to the shuffler, bound to (key epoch,
    round id, digest of the model the server sent) and announcing one slot per message sent; collect replies
    until ``reply-timeout``, keeping only each reply's envelope bytes and dropping the reply (with its metadata:
@@ -45,16 +45,16 @@ from typing import Any, Protocol
 import blake3
 import numpy as np
 
-from accounting import RefusedError, format_bound
-from accounting.accountant import ShuffleAccountant
-from accounting.events import ShuffleRound
-from accounting.ledger import Ledger
-from clients import messages as M
-from clients.report import decode_report
-from server.config import ConfigError, ServerConfig
-from server.optim import ReportAccumulator, ServerOptimizer, num_parameters
-from server.report import epsilon_label
-from server.state import Checkpoint, CheckpointError, CheckpointStore
+from shuffledp.accounting import RefusedError, format_bound
+from shuffledp.accounting.accountant import ShuffleAccountant
+from shuffledp.accounting.events import ShuffleRound
+from shuffledp.accounting.ledger import Ledger
+from shuffledp.clients import messages as M
+from shuffledp.clients.report import decode_report
+from shuffledp.server.config import ConfigError, ServerConfig
+from shuffledp.server.optim import ReportAccumulator, ServerOptimizer, num_parameters
+from shuffledp.server.report import epsilon_label
+from shuffledp.server.state import Checkpoint, CheckpointError, CheckpointStore
 
 __all__ = [
     "GridLike",
@@ -114,8 +114,8 @@ class GridLike(Protocol):
 
 
 class ShufflerLike(Protocol):
-    """The part of ``shuffler.client.ShufflerClient`` the round logic uses (``open_submit`` returns a
-    ``shuffler.client.SubmitStream``: ``send_many``, ``keepalive``, ``close`` -> attestation, ``cancel``)."""
+    """The part of ``shuffledp.shuffler.client.ShufflerClient`` the round logic uses (``open_submit`` returns a
+    ``shuffledp.shuffler.client.SubmitStream``: ``send_many``, ``keepalive``, ``close`` -> attestation, ``cancel``)."""
 
     def open_submit(
         self, *, round_id: int, key_epoch: int, model_digest: bytes, count: int, envelope_length: int,
@@ -298,8 +298,8 @@ class RoundEngine:
         self.mechanism = _mechanism_label(config, self.dim)
         # Every honest envelope of a round has this length (fixed-length reports); announcing it lets the shuffler
         # drop an envelope of any other length as a counted `wrong_length` instead of refusing the whole batch.
-        from clients.report import report_length
-        from shuffler.envelope import ENVELOPE_OVERHEAD
+        from shuffledp.clients.report import report_length
+        from shuffledp.shuffler.envelope import ENVELOPE_OVERHEAD
 
         self.envelope_length = report_length(self.dim) + ENVELOPE_OVERHEAD
         if config.max_message_bytes < self.envelope_length:
@@ -309,7 +309,7 @@ class RoundEngine:
             )
         # Honest clients randomize on the default grid for the pinned (eps0, C); a report on any other grid is
         # rejected (a rescaled report would be an outsized contribution).
-        from clients.randomizer import DiscreteLaplaceRandomizer
+        from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
 
         self.expected_log2_grid = DiscreteLaplaceRandomizer(config.eps0, config.clip_l1).log2_grid
         self.optimizer = ServerOptimizer(config.server_optimizer, config.server_lr, momentum=config.server_momentum)
@@ -545,7 +545,7 @@ class RoundEngine:
         The shuffler receives the envelopes in arrival order; it verifies each signer anyway, so the order tells it
         nothing it does not know. The server keeps only a SHA-256 of each envelope (for de-duplication).
         """
-        from shuffler.wire import FIELD_OVERHEAD
+        from shuffledp.shuffler.wire import FIELD_OVERHEAD
 
         cfg = self.cfg
         # A SuperLink returns "" for a message it could not store (e.g. its node left after get_node_ids): that
@@ -891,7 +891,7 @@ class RoundEngine:
 def _is_refusal(exc: BaseException) -> bool:
     """A shuffler refusal of the batch skips the round; transport failures and bad attestations are fatal.
 
-    ``shuffler.client.ShufflerError`` carries the gRPC status code: FAILED_PRECONDITION (e.g. fewer than the
+    ``shuffledp.shuffler.client.ShufflerError`` carries the gRPC status code: FAILED_PRECONDITION (e.g. fewer than the
     shuffler's threshold of valid distinct signers), INVALID_ARGUMENT, ALREADY_EXISTS (binding already used) and
     RESOURCE_EXHAUSTED are refusals of this batch; UNAVAILABLE, DEADLINE_EXCEEDED, ... are not.
     """

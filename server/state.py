@@ -11,7 +11,7 @@ One interface, :class:`CheckpointStore`, with two implementations in the style o
   or, worse, release the same reports twice.
 
 How a resumed run reconciles the checkpoint with the privacy ledger is
-:meth:`server.rounds.RoundEngine.restore`'s job; this module only stores bytes reliably.
+:meth:`shuffledp.server.rounds.RoundEngine.restore`'s job; this module only stores bytes reliably.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Checkpoint:
         round: the last round id the run has used (applied, skipped, charged but lost, or started and abandoned,
             as reconciled by ``RoundEngine.restore``); 0 before the first round.
         arrays: the model's parameters, in the model's order.
-        optimizer: the server optimizer's scalars (:meth:`server.optim.ServerOptimizer.state_dict`).
+        optimizer: the server optimizer's scalars (:meth:`shuffledp.server.optim.ServerOptimizer.state_dict`).
         optimizer_buffers: the optimizer's arrays (momentum / Adam moments).
         accountant: ``ShuffleAccountant.state_dict()``, JSON-safe.
         history: one JSON-safe dict per round (the rows of report.json, and skipped rounds).

@@ -16,7 +16,7 @@ Output digest (format v3, for batches of envelope protocol version 2): SHA-256 o
 order. It pins both the contents and the order of the batch, so a fetch that returns different bytes, a
 different order, or a different count is detected (collision resistance of BLAKE3 per item and of SHA-256 over
 the list). Hashing each item separately lets the shuffler reuse the hash of the inner ciphertext it already
-computed to check the report's signature (``shuffler.envelope.inner_hash``), so sealing a batch reads no report
+computed to check the report's signature (``shuffledp.shuffler.envelope.inner_hash``), so sealing a batch reads no report
 bytes a second time; a verifier makes one pass over the bytes it fetched.
 
 Each envelope protocol version has one statement format, and a statement whose format and ``protocol_version``
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from shuffler.envelope import inner_hash, inner_length_for
+from shuffledp.shuffler.envelope import inner_hash, inner_length_for
 
 __all__ = [
     "ATTESTATION_FORMAT",
@@ -68,7 +68,7 @@ _FORMAT_OF_PROTOCOL = {1: "shuffledp-attestation/v2", 2: ATTESTATION_FORMAT}
 ATTESTATION_FORMATS = frozenset(_DIGEST_VERSION_OF_FORMAT)  # the statement formats a verifier accepts
 _SIG_DOMAIN = b"shuffledp/attestation/v1"  # the signature's domain tag; unchanged across statement formats
 _OUTPUT_DOMAIN = {1: b"shuffledp/batch-output/v1", 2: b"shuffledp/batch-output/v2", 3: b"shuffledp/batch-output/v3"}
-#: The envelope version whose inner hash (``shuffler.envelope.inner_hash``) a per-item digest version uses.
+#: The envelope version whose inner hash (``shuffledp.shuffler.envelope.inner_hash``) a per-item digest version uses.
 _ITEM_HASH_OF_DIGEST = {2: 1, 3: 2}
 _LEN = struct.Struct(">Q")
 
@@ -134,7 +134,7 @@ class OutputDigest:
 
     def update_hashed(self, length: int, item_hash: bytes) -> None:
         """Add the next item from its length and its hash (versions 2 and 3: SHA-256, resp. BLAKE3, of the item;
-        ``shuffler.envelope.inner_hash``): the same result as ``update(inner)`` without reading the bytes
+        ``shuffledp.shuffler.envelope.inner_hash``): the same result as ``update(inner)`` without reading the bytes
         again."""
         if self.version not in _ITEM_HASH_OF_DIGEST:
             raise ValueError(

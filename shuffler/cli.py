@@ -6,7 +6,7 @@
     shuffledp keys client --out DIR --client-id ID            (on a device: its own signing key pair)
     shuffledp keys enrol --enrolment FILE --client-id ID --public-key PATH   (operator: add a client's key)
 
-``python -m shuffler.cli shuffler serve ...`` is the same as ``shuffledp shuffler serve ...``.
+``python -m shuffledp.shuffler.cli shuffler serve ...`` is the same as ``shuffledp shuffler serve ...``.
 """
 
 from __future__ import annotations
@@ -38,16 +38,16 @@ def _shuffler_parser() -> argparse.ArgumentParser:
 def journal_listing(journal_dir: str) -> tuple[list[dict[str, object]], int | None]:
     """One dict per sealed batch of the journal in ``journal_dir``, in commit order, and the offset of a torn
     tail (None if none). Each dict: ``batch_id``, ``key_epoch``, ``round_id``, ``n`` (the attested count),
-    ``statement`` and ``signature`` (the attestation, as :meth:`shuffler.attestation.Attestation.to_dict`
+    ``statement`` and ``signature`` (the attestation, as :meth:`shuffledp.shuffler.attestation.Attestation.to_dict`
     writes it), ``released`` (a Fetch began: its release record is in the journal) and ``released_at``
-    (Unix seconds, or None). Reads only (:func:`shuffler.journal.read_records`).
+    (Unix seconds, or None). Reads only (:func:`shuffledp.shuffler.journal.read_records`).
 
-    Raises FileNotFoundError if there is no ``journal.log``, :class:`shuffler.journal.JournalCorrupt` if it
+    Raises FileNotFoundError if there is no ``journal.log``, :class:`shuffledp.shuffler.journal.JournalCorrupt` if it
     is damaged other than by a torn tail.
     """
     from pathlib import Path
 
-    from shuffler.journal import read_records
+    from shuffledp.shuffler.journal import read_records
 
     path = Path(journal_dir) / "journal.log"
     if not path.is_file():
@@ -100,8 +100,8 @@ def _run_shuffler(args: list[str]) -> int:
     logging.basicConfig(
         level=getattr(logging, ns.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from shuffler.config import ConfigError
-    from shuffler.service import serve
+    from shuffledp.shuffler.config import ConfigError
+    from shuffledp.shuffler.service import serve
 
     try:
         return serve(ns.config, port_file=ns.port_file)
@@ -113,7 +113,7 @@ def _run_shuffler(args: list[str]) -> int:
 def _list_journal(journal_dir: str) -> int:
     import json
 
-    from shuffler.journal import JournalCorrupt
+    from shuffledp.shuffler.journal import JournalCorrupt
 
     try:
         rows, torn_at = journal_listing(journal_dir)
@@ -134,7 +134,7 @@ def _list_journal(journal_dir: str) -> int:
 
 def _run_keys(args: list[str]) -> int:
     ns = _keys_parser().parse_args(args)
-    from shuffler.keys import DEFAULT_MAX_ENVELOPE_BYTES, create_client_key, enrol_client, init_key_directory
+    from shuffledp.shuffler.keys import DEFAULT_MAX_ENVELOPE_BYTES, create_client_key, enrol_client, init_key_directory
 
     if ns.verb == "client":
         try:

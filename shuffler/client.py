@@ -1,10 +1,10 @@
 """``ShufflerClient``: what the ServerApp uses to submit a round's envelopes and fetch the shuffled batch.
 
 ``submit`` streams the header and the envelopes (client-streaming, one envelope per message) and returns an
-:class:`~shuffler.attestation.Attestation` verified with the pinned shuffler verify key and checked against
+:class:`~shuffledp.shuffler.attestation.Attestation` verified with the pinned shuffler verify key and checked against
 what was sent (round, key epoch, model digest, count). ``fetch`` streams the sealed batch and checks each
 length, the count and the output digest against the attestation; a mismatch raises
-:class:`~shuffler.attestation.AttestationError` at the end of the stream, so apply nothing until the iterator
+:class:`~shuffledp.shuffler.attestation.AttestationError` at the end of the stream, so apply nothing until the iterator
 has finished (or use :meth:`ShufflerClient.fetch_all`).
 """
 
@@ -16,13 +16,13 @@ from typing import Any
 
 import grpc
 
-from shuffler import envelope as env
-from shuffler import shuffler_pb2 as pb
-from shuffler import shuffler_pb2_grpc as pb_grpc
-from shuffler import wire
-from shuffler.attestation import Attestation, AttestationError, OutputDigest
-from shuffler.config import is_loopback
-from shuffler.service import FRAMING_SLACK, grpc_options, message_limit, packing_for
+from shuffledp.shuffler import envelope as env
+from shuffledp.shuffler import shuffler_pb2 as pb
+from shuffledp.shuffler import shuffler_pb2_grpc as pb_grpc
+from shuffledp.shuffler import wire
+from shuffledp.shuffler.attestation import Attestation, AttestationError, OutputDigest
+from shuffledp.shuffler.config import is_loopback
+from shuffledp.shuffler.service import FRAMING_SLACK, grpc_options, message_limit, packing_for
 
 __all__ = ["ShufflerClient", "SubmitStream", "ShufflerError", "Attestation", "AttestationError"]
 
@@ -92,7 +92,7 @@ class ShufflerClient:
             )
             self._channel = grpc.secure_channel(address, creds, options=options)
         self._stub = pb_grpc.ShufflerStub(self._channel)
-        # Hot paths with pre-encoded messages (byte-identical to the generated serialisers, see shuffler.wire).
+        # Hot paths with pre-encoded messages (byte-identical to the generated serialisers, see shuffledp.shuffler.wire).
         self._submit_raw = self._channel.stream_unary(
             SUBMIT_METHOD, request_serializer=None, response_deserializer=pb.SubmitResponse.FromString
         )

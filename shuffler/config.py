@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: Mirrors shuffler.core.DEFAULT_STAGING_MEMORY_LIMIT / MAX_STAGING_MEMORY_LIMIT (not imported: config must
+#: Mirrors shuffledp.shuffler.core.DEFAULT_STAGING_MEMORY_LIMIT / MAX_STAGING_MEMORY_LIMIT (not imported: config must
 #: load without the crypto dependencies of the core).
 DEFAULT_STAGING_MEMORY_LIMIT = 1024**3
 MAX_STAGING_MEMORY_LIMIT = 1 << 40
-#: Mirrors shuffler.core.MAX_VERIFY_THREADS.
+#: Mirrors shuffledp.shuffler.core.MAX_VERIFY_THREADS.
 MAX_VERIFY_THREADS = 64
 
 __all__ = ["ServiceConfig", "TLSConfig", "load_config", "ConfigError"]
@@ -113,7 +113,7 @@ class ServiceConfig:
     #: to its trim threshold (256 MiB) of idle free heap
     heap_tuning: bool = True
     #: threads that check report signatures (inner hash + Ed25519, GIL-free) while a submit stream receives and
-    #: decrypts the next envelopes; 0 = check inline (shuffler.core.CoreConfig.verify_threads)
+    #: decrypts the next envelopes; 0 = check inline (shuffledp.shuffler.core.CoreConfig.verify_threads)
     verify_threads: int = 1
 
 

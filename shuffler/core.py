@@ -41,15 +41,15 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import x25519
 
-from shuffler import envelope as env
-from shuffler.attestation import DROP_REASONS, Attestation, OutputDigest, sign_statement
-from shuffler.journal import Journal, JournalFailed, JournalWriteError, fsync_dir
+from shuffledp.shuffler import envelope as env
+from shuffledp.shuffler.attestation import DROP_REASONS, Attestation, OutputDigest, sign_statement
+from shuffledp.shuffler.journal import Journal, JournalFailed, JournalWriteError, fsync_dir
 
 __all__ = ["CoreConfig", "Header", "Refused", "SealedBatch", "ShufflerCore", "BatchBuilder", "stages_in_memory"]
 
-log = logging.getLogger("shuffler.core")
+log = logging.getLogger("shuffledp.shuffler.core")
 
-#: Refusal codes (mapped to gRPC status codes in shuffler.service).
+#: Refusal codes (mapped to gRPC status codes in shuffledp.shuffler.service).
 REFUSAL_CODES = (
     "invalid_argument",
     "failed_precondition",
@@ -638,7 +638,7 @@ class ShufflerCore:
             raise RuntimeError("no staging file")
         occupied = sorted(builder.used_slots())  # output order = slot order
         # The output digest comes from the hash of each inner ciphertext (BLAKE3, or SHA-256 for a protocol-1
-        # batch), computed when its signature was checked and kept at its slot (shuffler.attestation, formats
+        # batch), computed when its signature was checked and kept at its slot (shuffledp.shuffler.attestation, formats
         # v3 and v2): no report byte is read again here.
         hashes = builder.slot_hashes
         for slot in occupied:
@@ -945,7 +945,7 @@ class BatchBuilder:
         #: True/False once staging began and the path was chosen; None before
         self.in_memory: bool | None = None
         self._perm: array | None = None
-        #: the inner ciphertext's hash at each slot (shuffler.envelope.inner_hash; 32 bytes per slot, slot order),
+        #: the inner ciphertext's hash at each slot (shuffledp.shuffler.envelope.inner_hash; 32 bytes per slot, slot order),
         #: for the output digest
         self._slot_hashes: bytearray | None = None
         #: signature-check jobs in flight on the core's verify pool, oldest first: (future, reports, bytes)
@@ -1179,7 +1179,7 @@ class BatchBuilder:
         """The signature checks of one job, in order: the verified report, or the drop reason of a failed check
         (a string, not the exception, whose traceback would keep this frame and the job's plaintexts alive until
         the cyclic garbage collector runs). Anything other than an
-        :class:`~shuffler.envelope.EnvelopeError` is a bug and propagates."""
+        :class:`~shuffledp.shuffler.envelope.EnvelopeError` is a bug and propagates."""
         results: list[env.OpenedReport | str] = []
         for decrypted in job:
             try:

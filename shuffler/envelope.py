@@ -50,7 +50,7 @@ against 60-65 us for ``cryptography``'s (OpenSSL); both release the GIL. Both im
 accept every signature an honest signer makes; libsodium is the stricter of the two on crafted inputs: it rejects
 small-order public keys and non-canonical encodings, where OpenSSL's cofactorless check accepts, for instance,
 the identity point as public key with R = identity and S = 0 for every message. The enrolment refuses such keys
-(``shuffler.keys``). BLAKE3 gains from about 16 KiB of inner ciphertext on; below that the ``blake3`` package's
+(``shuffledp.shuffler.keys``). BLAKE3 gains from about 16 KiB of inner ciphertext on; below that the ``blake3`` package's
 per-call overhead makes it slightly slower than SHA-256 (about 3 us against 1.6 us at 2.7 KB), which is
 immaterial next to the signature check.
 """
@@ -144,7 +144,7 @@ class OpenedReport:
     enc: bytes  # outer HPKE encapsulated key (32 bytes), the replay tag
     inner: bytes | memoryview  # the inner ciphertext (a view, not a copy), forwarded after shuffling
     inner_hash: bytes = b""  # H(inner) of the envelope's version, computed for the signature check; reused by
-    # the output digest (shuffler.attestation)
+    # the output digest (shuffledp.shuffler.attestation)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ __all__ = [
 _MAGIC = b"SJR1"
 _HEAD = struct.Struct(">4sI32s")
 _MAX_RECORD = 256 * 1024 * 1024
-log = logging.getLogger("shuffler.journal")
+log = logging.getLogger("shuffledp.shuffler.journal")
 
 
 class JournalCorrupt(RuntimeError):
@@ -243,7 +243,7 @@ class Journal:
         self._clean_orphans()
 
     def _recover(self) -> list[dict[str, Any]]:
-        # sealed outputs are named <batch id>.out (shuffler.core); other names are leftovers, quarantined too
+        # sealed outputs are named <batch id>.out (shuffledp.shuffler.core); other names are leftovers, quarantined too
         outputs = {p.name for p in self.batches_dir.iterdir()
                    if p.name.endswith(".out") and not p.name.startswith(".")}
         if not self.path.exists():

@@ -2,7 +2,7 @@
 
 Key files are PEM: private keys PKCS#8 (mode 0600), public keys SubjectPublicKeyInfo, so each file says which
 algorithm it holds (X25519 for HPKE, Ed25519 for signatures) and OpenSSL can read them. The API works with raw
-32-byte keys, as :mod:`shuffler.envelope` does.
+32-byte keys, as :mod:`shuffledp.shuffler.envelope` does.
 
 Key directory layout (binding, see docs/interfaces.md)::
 
@@ -39,8 +39,8 @@ import nacl.exceptions
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 
-from shuffler import tls
-from shuffler.journal import write_file_durably
+from shuffledp.shuffler import tls
+from shuffledp.shuffler.journal import write_file_durably
 
 __all__ = [
     "KeyKind",
@@ -198,7 +198,7 @@ def _validate_enrolment(clients: Mapping[str, bytes], where: str) -> None:
         if not isinstance(pk, (bytes, bytearray)) or len(pk) != 32:
             raise ValueError(f"{where}: client {cid!r} must map to a 32-byte Ed25519 public key")
         try:
-            # libsodium (which checks report signatures, shuffler.envelope) refuses small-order keys, keys outside
+            # libsodium (which checks report signatures, shuffledp.shuffler.envelope) refuses small-order keys, keys outside
             # the prime-order subgroup and non-canonical encodings: such a client could never send a report that
             # verifies. Refusing the key here says so at enrolment instead of dropping every report later. (This
             # decodes the point; cryptography's from_public_bytes checks only the length, done above.)
@@ -427,7 +427,7 @@ def init_shuffler_keys(
     signing keys, their public halves (``public/``, to publish), the mTLS CA (``tls/ca.crt``, ``tls/ca.key``),
     its server certificate and ``shuffler.toml``. Nothing of the server's or of any client's: the ServerApp's
     client certificate is issued from the server operator's signing request
-    (:func:`shuffler.tls.issue_certificate_for_csr`), and ``enrolment.json`` is filled by :func:`enrol_client`
+    (:func:`shuffledp.shuffler.tls.issue_certificate_for_csr`), and ``enrolment.json`` is filled by :func:`enrol_client`
     from the keys the devices (or the enrolment authority) hand over. The service refuses to start until at least
     ``k`` clients are enrolled.
     """

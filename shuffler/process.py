@@ -1,6 +1,6 @@
 """``ShufflerProcess``: run the shuffler service as a child process (for the runner, deployments and tests).
 
-Starts ``python -m shuffler.cli shuffler serve --config F --port-file P``, waits until the service has written
+Starts ``python -m shuffledp.shuffler.cli shuffler serve --config F --port-file P``, waits until the service has written
 its bound port (it does so only after recovery and ``server.start()``), then, when it has credentials (or the
 config is insecure), until the gRPC health service answers SERVING. ``stop()`` sends SIGTERM (graceful: the
 service drains in-flight RPCs); ``kill()`` sends SIGKILL (crash tests). ``on_spawn`` is called with the child's
@@ -21,9 +21,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shuffler import shuffler_pb2 as pb
-from shuffler import shuffler_pb2_grpc as pb_grpc
-from shuffler.config import load_config
+from shuffledp.shuffler import shuffler_pb2 as pb
+from shuffledp.shuffler import shuffler_pb2_grpc as pb_grpc
+from shuffledp.shuffler.config import load_config
 
 __all__ = ["ShufflerProcess", "ShufflerStartError"]
 
@@ -82,7 +82,7 @@ class ShufflerProcess:
                 [
                     sys.executable,
                     "-m",
-                    "shuffler.cli",
+                    "shuffledp.shuffler.cli",
                     "shuffler",
                     "serve",
                     "--config",

@@ -1,4 +1,4 @@
-"""Thin gRPC layer over :mod:`shuffler.core`: translate requests, map refusals to status codes, serve.
+"""Thin gRPC layer over :mod:`shuffledp.shuffler.core`: translate requests, map refusals to status codes, serve.
 
 Status codes (the reason tag is the first word of the details string, ``"<reason>: <message>"``):
 
@@ -47,18 +47,18 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shuffler import keys as keyfiles
-from shuffler import shuffler_pb2 as pb
-from shuffler import shuffler_pb2_grpc as pb_grpc
-from shuffler import wire
-from shuffler.config import ServiceConfig, load_config
-from shuffler.core import DISK_FULL_ERRNOS, CoreConfig, Header, Refused, ShufflerCore
-from shuffler.heap import tune_heap
-from shuffler.journal import JournalWriteError, write_file_durably
+from shuffledp.shuffler import keys as keyfiles
+from shuffledp.shuffler import shuffler_pb2 as pb
+from shuffledp.shuffler import shuffler_pb2_grpc as pb_grpc
+from shuffledp.shuffler import wire
+from shuffledp.shuffler.config import ServiceConfig, load_config
+from shuffledp.shuffler.core import DISK_FULL_ERRNOS, CoreConfig, Header, Refused, ShufflerCore
+from shuffledp.shuffler.heap import tune_heap
+from shuffledp.shuffler.journal import JournalWriteError, write_file_durably
 
 __all__ = ["SERVICE_NAME", "STATUS_FOR", "ShufflerServicer", "build_server", "serve", "grpc_options"]
 
-log = logging.getLogger("shuffler.service")
+log = logging.getLogger("shuffledp.shuffler.service")
 SERVICE_NAME = "shuffledp.shuffler.v1.Shuffler"
 #: Slack above message_limit's base (the larger of max_envelope_bytes and a packed message) for protobuf framing.
 FRAMING_SLACK = 1024
@@ -118,7 +118,7 @@ class _NonCanonical:
 
 #: Submit messages (and batch payloads) above this many bytes must be in canonical form: one ``envelope`` field,
 #: or one ``batch`` of ``envelopes`` fields, as every protobuf serialiser writes them. Smaller ones may go through
-#: the generated parser. :class:`shuffler.client.ShufflerClient` always writes the canonical form (packed batches of
+#: the generated parser. :class:`shuffledp.shuffler.client.ShufflerClient` always writes the canonical form (packed batches of
 #: up to ``wire.PACKED_MESSAGE_BYTES``); the bound stays at the legacy packing size, which keeps what the generated
 #: parser may be made to build small.
 CANONICAL_ABOVE = wire.LEGACY_PACKED_MESSAGE_BYTES + 1024

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from shuffler import shuffler_pb2 as shuffler_dot_shuffler__pb2
+from shuffledp.shuffler import shuffler_pb2 as shuffledp_dot_shuffler_dot_shuffler__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in shuffler/shuffler_pb2_grpc.py depends on'
+        + ' but the generated code in shuffledp/shuffler/shuffler_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class ShufflerStub:
         """
         self.Submit = channel.stream_unary(
                 '/shuffledp.shuffler.v1.Shuffler/Submit',
-                request_serializer=shuffler_dot_shuffler__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=shuffler_dot_shuffler__pb2.SubmitResponse.FromString,
+                request_serializer=shuffledp_dot_shuffler_dot_shuffler__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=shuffledp_dot_shuffler_dot_shuffler__pb2.SubmitResponse.FromString,
                 _registered_method=True)
         self.Fetch = channel.unary_stream(
                 '/shuffledp.shuffler.v1.Shuffler/Fetch',
-                request_serializer=shuffler_dot_shuffler__pb2.FetchRequest.SerializeToString,
-                response_deserializer=shuffler_dot_shuffler__pb2.FetchResponse.FromString,
+                request_serializer=shuffledp_dot_shuffler_dot_shuffler__pb2.FetchRequest.SerializeToString,
+                response_deserializer=shuffledp_dot_shuffler_dot_shuffler__pb2.FetchResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/shuffledp.shuffler.v1.Shuffler/Stats',
-                request_serializer=shuffler_dot_shuffler__pb2.StatsRequest.SerializeToString,
-                response_deserializer=shuffler_dot_shuffler__pb2.StatsResponse.FromString,
+                request_serializer=shuffledp_dot_shuffler_dot_shuffler__pb2.StatsRequest.SerializeToString,
+                response_deserializer=shuffledp_dot_shuffler_dot_shuffler__pb2.StatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -77,18 +77,18 @@ def add_ShufflerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Submit': grpc.stream_unary_rpc_method_handler(
                     servicer.Submit,
-                    request_deserializer=shuffler_dot_shuffler__pb2.SubmitRequest.FromString,
-                    response_serializer=shuffler_dot_shuffler__pb2.SubmitResponse.SerializeToString,
+                    request_deserializer=shuffledp_dot_shuffler_dot_shuffler__pb2.SubmitRequest.FromString,
+                    response_serializer=shuffledp_dot_shuffler_dot_shuffler__pb2.SubmitResponse.SerializeToString,
             ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
-                    request_deserializer=shuffler_dot_shuffler__pb2.FetchRequest.FromString,
-                    response_serializer=shuffler_dot_shuffler__pb2.FetchResponse.SerializeToString,
+                    request_deserializer=shuffledp_dot_shuffler_dot_shuffler__pb2.FetchRequest.FromString,
+                    response_serializer=shuffledp_dot_shuffler_dot_shuffler__pb2.FetchResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=shuffler_dot_shuffler__pb2.StatsRequest.FromString,
-                    response_serializer=shuffler_dot_shuffler__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=shuffledp_dot_shuffler_dot_shuffler__pb2.StatsRequest.FromString,
+                    response_serializer=shuffledp_dot_shuffler_dot_shuffler__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -116,8 +116,8 @@ class Shuffler:
             request_iterator,
             target,
             '/shuffledp.shuffler.v1.Shuffler/Submit',
-            shuffler_dot_shuffler__pb2.SubmitRequest.SerializeToString,
-            shuffler_dot_shuffler__pb2.SubmitResponse.FromString,
+            shuffledp_dot_shuffler_dot_shuffler__pb2.SubmitRequest.SerializeToString,
+            shuffledp_dot_shuffler_dot_shuffler__pb2.SubmitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -143,8 +143,8 @@ class Shuffler:
             request,
             target,
             '/shuffledp.shuffler.v1.Shuffler/Fetch',
-            shuffler_dot_shuffler__pb2.FetchRequest.SerializeToString,
-            shuffler_dot_shuffler__pb2.FetchResponse.FromString,
+            shuffledp_dot_shuffler_dot_shuffler__pb2.FetchRequest.SerializeToString,
+            shuffledp_dot_shuffler_dot_shuffler__pb2.FetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -170,8 +170,8 @@ class Shuffler:
             request,
             target,
             '/shuffledp.shuffler.v1.Shuffler/Stats',
-            shuffler_dot_shuffler__pb2.StatsRequest.SerializeToString,
-            shuffler_dot_shuffler__pb2.StatsResponse.FromString,
+            shuffledp_dot_shuffler_dot_shuffler__pb2.StatsRequest.SerializeToString,
+            shuffledp_dot_shuffler_dot_shuffler__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

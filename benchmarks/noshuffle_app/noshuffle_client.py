@@ -3,8 +3,8 @@
 Used by ``benchmarks/bench_round_overhead.py`` to measure what the shuffler costs per round. It does the SAME
 client work as the product's ClientApp (``clients/app.py``): parse and validate the request, refuse a request
 whose eps0 / clip-l1 differ from the pinned ones, load this node's partition, compute the report (average
-gradient or local delta, ``clients.core.compute_update``), clip to L1 C, randomize with the exact discrete
-Laplace randomizer of ``clients/`` and encode it (``clients.core.make_payload``), and keep the same per-round
+gradient or local delta, ``shuffledp.clients.core.compute_update``), clip to L1 C, randomize with the exact discrete
+Laplace randomizer of ``clients/`` and encode it (``shuffledp.clients.core.make_payload``), and keep the same per-round
 retry cache. It then replies with the PLAIN encoded report in ``content["report"]`` (uint8 array ``"ct"``):
 no HPKE, no signature, no shuffler. The server therefore learns which node sent which noisy report (local DP
 only, no amplification): this is not the product and must never be used as a private system.
@@ -18,9 +18,9 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.app import train_shuffled
-from clients.core import PinnedSettings, data_settings_from_configs, make_payload
-from clients.messages import (
+from shuffledp.clients.app import train_shuffled
+from shuffledp.clients.core import PinnedSettings, data_settings_from_configs, make_payload
+from shuffledp.clients.messages import (
     ARRAYS_KEY,
     CONFIG_KEY,
     ENVELOPE_ARRAY,
@@ -63,7 +63,7 @@ def _dummy_seal(report: bytes, round_id: int, digest: bytes) -> None:
     """The CPU cost of sealing (two HPKE layers and a signature) with throw-away keys; nothing is sent."""
     from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 
-    from shuffler.envelope import seal
+    from shuffledp.shuffler.envelope import seal
 
     if not _DUMMY_KEYS:
         _DUMMY_KEYS.extend([x25519.X25519PrivateKey.generate().public_key().public_bytes_raw(),
@@ -112,7 +112,7 @@ def train_plain(msg: Message, context: Context) -> Message:
             return _error(msg, ERR_BAD_REQUEST, f"round {cfg.round} already answered or stale")
 
     try:
-        from clients.data import load_partition
+        from shuffledp.clients.data import load_partition
 
         data = load_partition(pinned.partition_id, pinned.num_partitions, **data_settings_from_configs(nc, rc))
         report = make_payload(arrays, cfg, pinned, data)

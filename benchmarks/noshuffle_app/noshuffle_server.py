@@ -5,7 +5,7 @@ Used by ``benchmarks/bench_round_overhead.py``. Per round it does what the produ
 nodes (same ``min-reports`` wait and first-round settle), send the same model + round config to all of them,
 collect the replies with the same timeout, read the PLAIN encoded noisy reports (it sees which node sent
 which: local DP only, no amplification, nothing hidden from the server), decode and average them
-(``clients.report.decode_report`` + ``server.optim.ReportAccumulator``), one step of the same server optimizer
+(``shuffledp.clients.report.decode_report`` + ``shuffledp.server.optim.ReportAccumulator``), one step of the same server optimizer
 and the same central evaluation. No shuffler, no HPKE, no attestation, no accountant/ledger, no checkpoint.
 
 Per-round ``seconds`` use the same boundaries as ``RoundOutcome.seconds`` of the product, so that the sum
@@ -20,20 +20,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from clients import messages as M
-from clients.randomizer import DiscreteLaplaceRandomizer
-from clients.report import decode_report
-from server.config import parse_run_config
-from server.evaluation import CentralEvaluator
-from server.optim import ReportAccumulator, ServerOptimizer, num_parameters
-from server.rounds import sample_nodes, wait_for_nodes
+from shuffledp.clients import messages as M
+from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
+from shuffledp.clients.report import decode_report
+from shuffledp.server.config import parse_run_config
+from shuffledp.server.evaluation import CentralEvaluator
+from shuffledp.server.optim import ReportAccumulator, ServerOptimizer, num_parameters
+from shuffledp.server.rounds import sample_nodes, wait_for_nodes
 
 __all__ = ["app", "ROUNDS_FILE"]
 
@@ -41,7 +40,7 @@ ROUNDS_FILE = "baseline_rounds.json"
 PAIRED_FILE = "paired_rounds.json"
 MESSAGE_TYPE = "train.plain"
 REPORT_KEY = "report"
-NODE_WAIT = 120.0  # as server.job.run_job's default node_wait
+NODE_WAIT = 120.0  # as shuffledp.server.job.run_job's default node_wait
 
 log = logging.getLogger("shuffledp.noshuffle")
 app = ServerApp()
@@ -114,7 +113,7 @@ class PlainRounds:
 def main(grid: Grid, context: Context) -> None:
     """NOT PRIVATE AGAINST THE SERVER: plain noisy reports averaged; per-round timings to baseline_rounds.json.
 
-    With ``paired-benchmark = true`` in the run config, the product's job (``server.job.run_job``: shuffler,
+    With ``paired-benchmark = true`` in the run config, the product's job (``shuffledp.server.job.run_job``: shuffler,
     accountant, ledger) runs instead, and after each of its rounds one plain round runs in the same launch on
     the same nodes (timings to ``paired_rounds.json``): alternating rounds remove the launch-to-launch noise of
     the simulation engine from the comparison.
@@ -124,7 +123,7 @@ def main(grid: Grid, context: Context) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     if context.run_config.get("paired-benchmark"):
-        from server.job import run_job
+        from shuffledp.server.job import run_job
 
         plain = PlainRounds(grid, cfg)
         doc: dict[str, Any] = {"system": "paired: product rounds, each followed by a plain round (NOT PRIVATE)",

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accounting import Bound, RefusedError, bounds
-from accounting.accountant import GUARANTEE_FAMILIES, Refusal, ShuffleAccountant
-from accounting.events import ShuffleRound
-from accounting.ledger import Ledger, LedgerError
+from shuffledp.accounting import Bound, RefusedError, bounds
+from shuffledp.accounting.accountant import GUARANTEE_FAMILIES, Refusal, ShuffleAccountant
+from shuffledp.accounting.events import ShuffleRound
+from shuffledp.accounting.ledger import Ledger, LedgerError
 
 # Reference values: ../shared/reference/accounting_values.md (exact sums over the clone-pair support).
 REF_CLONES_1E4_2_1E6 = 0.1143996153
@@ -298,7 +298,7 @@ def test_the_ledger_refuses_an_accountant_that_misses_a_recorded_round(tmp_path:
 
 
 def test_shuffle_round_rejects_eps0_above_the_limit_of_every_bound() -> None:
-    from accounting import EPS0_MAX
+    from shuffledp.accounting import EPS0_MAX
 
     assert ShuffleRound(100, EPS0_MAX).eps0 == EPS0_MAX
     with pytest.raises(ValueError, match=r"<= 100 \(EPS0_MAX"):

@@ -1,4 +1,4 @@
-"""Tests of the dispatcher accounting.bounds: reference values, kinds, refusals, validation, calibration,
+"""Tests of the dispatcher shuffledp.accounting.bounds: reference values, kinds, refusals, validation, calibration,
 heterogeneous rounds, the no-shuffle cap, and stability at n = 1e6."""
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError
-from accounting import bounds
-from accounting import literature as lit
-from accounting.events import ShuffleRound
+from shuffledp.accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError, bounds
+from shuffledp.accounting import literature as lit
+from shuffledp.accounting.events import ShuffleRound
 
 #: Exact single-round values must match the reference to this relative tolerance (issue 2).
 REFERENCE_RTOL = 1e-6
@@ -369,7 +368,7 @@ def test_heterogeneous_rr_lower_against_exact_product() -> None:
 def test_a_failing_pld_query_is_refused_not_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     # If the PLD epsilon query ever returns a number whose delta exceeds the target (e.g. an underflow that
     # yields 0), bounds re-checks it and raises instead of quoting it as a guarantee.
-    from accounting import pld
+    from shuffledp.accounting import pld
 
     good = bounds.epsilon("clones", 1.0, 10_000, 1e-6, rounds=5).value
     monkeypatch.setattr(pld, "epsilon_for_delta", lambda composed, delta: 0.0)
@@ -413,7 +412,7 @@ def test_eps0_above_the_supported_maximum_is_rejected_with_the_limit() -> None:
 
 def test_pld_epsilon_at_huge_composed_losses_is_stepped_up_to_an_exact_certificate() -> None:
     # eps0 = 20, T = 1000: composed losses ~2e4; the closed-form query lands ~1e-6 relative below the crossing.
-    from accounting import clones, pld
+    from shuffledp.accounting import clones, pld
 
     eps0, n, delta, rounds = 20.0, 100, 1e-6, 1000
     interval = clones.suggested_interval(eps0, n, rounds, "stronger")
@@ -477,7 +476,7 @@ def test_calibrate_counts_a_numerical_failure_as_failing_the_target(monkeypatch:
 
 
 def test_dominating_round_never_rounds_eps0_past_the_cap() -> None:
-    from accounting import EPS0_MAX
+    from shuffledp.accounting import EPS0_MAX
 
     for eps0 in (EPS0_MAX, 99.9, 99.99):
         n2, e2 = bounds._dominating_round(1000, eps0, lower=False)
@@ -494,7 +493,7 @@ def test_heterogeneous_rounds_at_eps0_max_are_bucketed_without_leaving_the_range
 
 def test_clones_composed_at_large_eps0_has_finite_losses() -> None:
     # x = 0 at eps0 > ~37: log1p((1-2w)(2x-m)/den) rounded to log1p(-1) = -inf and the PLD refused it.
-    from accounting import clones
+    from shuffledp.accounting import clones
 
     for eps0 in (40.0, 100.0):
         losses, probs, _ = clones._loss_support(eps0, 1000, "stronger", True)
@@ -516,7 +515,7 @@ def test_clt_delta_that_underflows_to_zero_is_refused(family: str) -> None:
 
 
 def test_clone_renyi_refuses_orders_above_its_limit_with_the_limit_in_the_message() -> None:
-    from accounting import clones
+    from shuffledp.accounting import clones
 
     with pytest.raises(RefusedError, match=r"order <= 10000 \(RENYI_MAX_ORDER"):
         bounds.renyi("clones", 1.0, 1000, 20_000.0)
@@ -624,7 +623,7 @@ def test_heterogeneous_fmt_is_close_to_the_homogeneous_value_at_large_n() -> Non
 
 def test_heterogeneous_pair_interval_keeps_the_composed_grid_bounded() -> None:
     # eps 1e-5 next to eps 10 over many rounds: the relative target alone would ask for ~1e10 grid points.
-    from accounting import clones
+    from shuffledp.accounting import clones
 
     h = bounds._heterogeneous_pair_interval([(1e-5, 1000), (10.0, 1000)])
     width = 1000 * 10.0 * math.tanh(5.0) + 18.0 * math.sqrt(1000 * (100.0 - (10.0 * math.tanh(5.0)) ** 2)) + 20.0

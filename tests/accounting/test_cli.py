@@ -2,7 +2,7 @@
 
 Exit 0 with exactly one JSON object on stdout under ``--json``; exit 2 with the reason on stderr and nothing on
 stdout for invalid or refused parameters. A few error cases are also driven in-process through
-``accounting.cli.main`` to keep the suite fast.
+``shuffledp.accounting.cli.main`` to keep the suite fast.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from accounting import FAMILIES, bounds
-from accounting.cli import main
-from accounting.ledger import Ledger
+from shuffledp.accounting import FAMILIES, bounds
+from shuffledp.accounting.cli import main
+from shuffledp.accounting.ledger import Ledger
 
 EXPECTED_FAMILIES = (
     "clones", "clones-focs", "ccg-gdp", "ccg-rdp", "girgis", "fmt", "rr-lower", "canonical-gdp", "no-shuffle",
@@ -25,9 +25,9 @@ EXPECTED_FAMILIES = (
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m server.cli ARGS`` (the ``shuffledp`` entry point) and capture its output."""
+    """Run ``python -m shuffledp.deploy.cli ARGS`` (the ``shuffledp`` entry point) and capture its output."""
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-m", "shuffledp.deploy.cli", *args], capture_output=True, text=True, timeout=300, check=False
     )
 
 
@@ -42,7 +42,7 @@ def ok_json(*args: str) -> dict[str, object]:
 
 
 def ok_json_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
-    """Like :func:`ok_json`, through ``accounting.cli.main`` in this process (no interpreter start-up)."""
+    """Like :func:`ok_json`, through ``shuffledp.accounting.cli.main`` in this process (no interpreter start-up)."""
     code = main([*args, "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -268,7 +268,7 @@ def test_ledger_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 def test_account_imports_no_torch_flwr_grpc_or_matplotlib() -> None:
     code = (
         "import sys\n"
-        "from server.cli import main\n"
+        "from shuffledp.deploy.cli import main\n"
         "rc = main(['account', 'compare', '--eps0', '1', '--n', '1000', '--delta', '1e-6', '--json'])\n"
         "assert rc == 0, rc\n"
         "bad = [m for m in ('torch', 'flwr', 'grpc', 'matplotlib') if m in sys.modules]\n"
@@ -340,7 +340,7 @@ def test_n_beyond_the_documented_range_is_refused() -> None:
 def test_tables_round_bounds_outward(capsys: pytest.CaptureFixture[str]) -> None:
     # Review 41, F4: the tables printed to nearest, so an upper bound could print below itself (0.14861004244 as
     # 0.1486100424); a calibrated eps0 from an upper bound rounds down (the safe side).
-    from accounting import format_bound
+    from shuffledp.accounting import format_bound
 
     exact = bounds.epsilon("clones", 1.0, 100_000, 1e-6, 100).value
     assert main(["account", "epsilon", "--eps0", "1", "--n", "100000", "--delta", "1e-6", "--rounds", "100"]) == 0
@@ -361,7 +361,7 @@ def test_tables_round_bounds_outward(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_format_bound_edges() -> None:
     # Review 43, F5: huge values with decimals, negative zero, a checked digit count.
-    from accounting import format_bound
+    from shuffledp.accounting import format_bound
 
     assert format_bound(-0.0, "upper", decimals=4) == "0.0000"
     assert format_bound(1e300, "upper", decimals=2).startswith("1000000000000000052504760255204420248704")

@@ -1,8 +1,8 @@
-"""Behaviour of accounting.clones and accounting.pld.
+"""Behaviour of shuffledp.accounting.clones and shuffledp.accounting.pld.
 
 The brute-force checks build the clone pairs straight from the papers' definitions (enumerating C, A and
 the Bernoulli bit, for the stronger pair of seed 003 App. C and the FOCS pair of seed 000 Prop. 1) and
-compare every quantity with the fast formulas of accounting.clones.
+compare every quantity with the fast formulas of shuffledp.accounting.clones.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 from scipy import special, stats
 
-from accounting import clones, pld
+from shuffledp.accounting import clones, pld
 
 #: Agreement between two exact computations of the same quantity in float64.
 EXACT_RTOL = 1e-9
@@ -515,7 +515,7 @@ def test_numpy_integers_are_accepted():
 
 def test_accounting_modules_do_not_import_torch_flwr_or_grpc():
     code = (
-        "import sys, accounting.clones, accounting.pld\n"
+        "import sys, shuffledp.accounting.clones, shuffledp.accounting.pld\n"
         "bad = [m for m in ('torch', 'flwr', 'grpc') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
@@ -528,7 +528,7 @@ def test_small_eps0_upper_bound_is_not_below_the_exact_value(eps0: float) -> Non
     # Review 41, F1: 1.0 - 2.0 * w cancelled at small eps0 (relative error ~1e-16/eps0) and scaled every loss, so
     # at n = 1 (no clones: the mechanism itself, whose epsilon at tiny delta is eps0 up to ~1e-30 relative) the
     # "upper bound" came out 6e-9 relative below eps0. tanh(eps0/2) has no cancellation.
-    from accounting import bounds
+    from shuffledp.accounting import bounds
 
     for rounds in (1, 3):
         value = bounds.epsilon("clones", eps0, 1, 1e-30, rounds).value

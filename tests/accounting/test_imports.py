@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import accounting
+from shuffledp import accounting
 
 FORBIDDEN = ("torch", "flwr", "grpc")
 
@@ -25,7 +25,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {forbidden!
 
 
 def _loaded_after_importing(modules: list[str]) -> list[str]:
-    root = Path(accounting.__file__).resolve().parent.parent
+    root = Path(accounting.__file__).resolve().parent.parent  # any directory: the package is installed
     code = _PROBE.format(modules=modules, forbidden=FORBIDDEN)
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120, check=False
@@ -36,22 +36,22 @@ def _loaded_after_importing(modules: list[str]) -> list[str]:
 
 def _all_accounting_modules() -> list[str]:
     return sorted(
-        f"accounting.{info.name}" for info in pkgutil.iter_modules(accounting.__path__) if not info.name.startswith("_")
+        f"shuffledp.accounting.{info.name}" for info in pkgutil.iter_modules(accounting.__path__) if not info.name.startswith("_")
     )
 
 
 def test_there_are_modules_to_check() -> None:
     modules = _all_accounting_modules()
-    for expected in ("accounting.bounds", "accounting.literature", "accounting.rdp", "accounting.mechanisms"):
+    for expected in ("shuffledp.accounting.bounds", "shuffledp.accounting.literature", "shuffledp.accounting.rdp", "shuffledp.accounting.mechanisms"):
         assert expected in modules
 
 
 def test_no_accounting_module_imports_torch_flwr_or_grpc() -> None:
-    loaded = _loaded_after_importing(["accounting", *_all_accounting_modules()])
+    loaded = _loaded_after_importing(["shuffledp.accounting", *_all_accounting_modules()])
     offending = [m for m in loaded if m.split(".")[0] in FORBIDDEN]
     assert offending == [], f"accounting pulled in {offending}"
 
 
 def test_package_import_is_light() -> None:
     # `import accounting` (Bound, RefusedError, FAMILIES) must not load the PLD engine.
-    assert _loaded_after_importing(["accounting"]) == []
+    assert _loaded_after_importing(["shuffledp.accounting"]) == []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from accounting.ledger import LEDGER_FORMAT, Ledger, LedgerError
+from shuffledp.accounting.ledger import LEDGER_FORMAT, Ledger, LedgerError
 
 FAMILIES_IN_TEST = ("clones", "ccg-gdp", "rr-lower")
 
@@ -484,7 +484,7 @@ def test_export_to_a_missing_directory_is_refused_cleanly(tmp_path: Path) -> Non
 _WRITER = textwrap.dedent(
     """
     import sys
-    from accounting.ledger import Ledger
+    from shuffledp.accounting.ledger import Ledger
     ledger = Ledger(sys.argv[1])
     families = [f"family-{i}" for i in range(8)]
     rnd = 0

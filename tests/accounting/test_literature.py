@@ -1,4 +1,4 @@
-"""Tests of accounting.literature and accounting.mechanisms: published tables, reference values, and
+"""Tests of shuffledp.accounting.literature and shuffledp.accounting.mechanisms: published tables, reference values, and
 independent recomputations (direct sums, enumerations, numerical integration)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from scipy import integrate, special, stats
 
-from accounting import RefusedError
-from accounting import literature as lit
-from accounting.mechanisms import (
+from shuffledp.accounting import RefusedError
+from shuffledp.accounting import literature as lit
+from shuffledp.accounting.mechanisms import (
     BinaryRandomizedResponse,
     KaryRandomizedResponse,
     LaplaceRandomizer,
@@ -307,7 +307,7 @@ def test_randomized_response_descriptions() -> None:
 def test_rdp_conversion_matches_dp_accounting() -> None:
     from dp_accounting.rdp import rdp_privacy_accountant as ref
 
-    from accounting import rdp
+    from shuffledp.accounting import rdp
 
     orders = rdp.DEFAULT_ORDERS
     for scale in (1e-6, 1e-3, 0.1, 2.0):
@@ -325,7 +325,7 @@ def test_rdp_conversion_matches_dp_accounting() -> None:
 def test_rdp_conversion_is_sound_for_the_gaussian_mechanism() -> None:
     # Gaussian mechanism with sensitivity 1 and noise sigma: RDP alpha / (2 sigma^2) (Mironov 2017, Prop. 7),
     # exact (eps, delta) curve = mu-GDP with mu = 1/sigma. The conversion must not go below the exact curve.
-    from accounting import rdp
+    from shuffledp.accounting import rdp
 
     for sigma in (0.5, 1.0, 5.0, 50.0):
         curve = rdp.DEFAULT_ORDERS / (2 * sigma**2)
@@ -336,7 +336,7 @@ def test_rdp_conversion_is_sound_for_the_gaussian_mechanism() -> None:
 
 
 def test_rdp_validation_and_composition() -> None:
-    from accounting import rdp
+    from shuffledp.accounting import rdp
 
     a = np.array([2.0, 4.0])
     assert np.allclose(rdp.compose_rdp([(np.array([1.0, 2.0]), 3), (np.array([0.5, 0.5]), 2)]), [4.0, 7.0])
@@ -352,7 +352,7 @@ def test_rdp_validation_and_composition() -> None:
 
 
 def test_canonical_gdp_for_kary_randomizers() -> None:
-    from accounting import bounds
+    from shuffledp.accounting import bounds
 
     # binary RR through the mechanism equals the canonical-gdp family
     family = bounds.epsilon("canonical-gdp", 2.0, 100_000, 1e-6, rounds=4).value
@@ -373,7 +373,7 @@ def test_rr_lower_renyi_high_order_is_finite_and_below_clones(eps0: float, n: in
     assert order * eps0 > 709
     import warnings
 
-    from accounting import bounds
+    from shuffledp.accounting import bounds
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -420,7 +420,7 @@ def test_root_found_epsilons_are_on_the_certified_side() -> None:
     half of these settings were on the wrong side, by up to 1.7e-5 relative in delta)."""
     import itertools
 
-    from accounting import literature as lit
+    from shuffledp.accounting import literature as lit
 
     for eps0, rounds, delta in itertools.product([0.5, 2.0, 8.0], [1, 5, 50], [1e-3, 1e-9]):
         eps = lit.no_shuffle_epsilon(eps0, rounds, delta)
@@ -434,8 +434,8 @@ def test_root_found_epsilons_are_on_the_certified_side() -> None:
 def test_randomizer_descriptions_refuse_eps0_beyond_the_accepted_range() -> None:
     """Beyond EPS0_MAX the chi^2 / mu_3 formulas overflowed (OverflowError at eps0 ~ 360) and a Laplace scale
     could describe eps0 = 2e5 without complaint; now each refuses at construction and says the range."""
-    from accounting import EPS0_MAX
-    from accounting.mechanisms import BinaryRandomizedResponse, KaryRandomizedResponse, LaplaceRandomizer
+    from shuffledp.accounting import EPS0_MAX
+    from shuffledp.accounting.mechanisms import BinaryRandomizedResponse, KaryRandomizedResponse, LaplaceRandomizer
 
     assert math.isfinite(KaryRandomizedResponse(EPS0_MAX, 3).chi2)
     assert math.isfinite(BinaryRandomizedResponse(EPS0_MAX).mu3)

@@ -20,8 +20,7 @@ import math
 
 import pytest
 
-from accounting import FAMILY_KINDS, RefusedError
-from accounting import bounds
+from shuffledp.accounting import FAMILY_KINDS, RefusedError, bounds
 
 FULL_N = (10, 100, 1_000, 10_000, 100_000, 1_000_000)
 FULL_EPS0 = (0.1, 0.5, 1.0, 2.0, 4.0, 10.0)

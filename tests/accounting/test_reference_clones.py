@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from accounting import clones
+from shuffledp.accounting import clones
 
 #: Relative tolerance for exact single-round values (issue 2 acceptance).
 EXACT_RTOL = 1e-6

@@ -1,4 +1,4 @@
-"""The ClientApp (Flower glue) and its pure core, with real keys and shuffler.envelope."""
+"""The ClientApp (Flower glue) and its pure core, with real keys and shuffledp.shuffler.envelope."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
 
-from clients.app import STATE_ENVELOPE, STATE_REQUEST, app, train_shuffled
-from clients.core import PinnedMismatchError, PinnedSettings, make_envelope, make_payload
-from clients.messages import (
+from shuffledp.clients.app import STATE_ENVELOPE, STATE_REQUEST, app, train_shuffled
+from shuffledp.clients.core import PinnedMismatchError, PinnedSettings, make_envelope, make_payload
+from shuffledp.clients.messages import (
     ERR_BAD_REQUEST,
     ERR_CLIENT_SETUP,
     ERR_PINNED_MISMATCH,
@@ -21,12 +21,12 @@ from clients.messages import (
     arrays_digest,
     envelope_from_record,
 )
-from clients.models import initial_arrays
-from clients.randomizer import DiscreteLaplaceRandomizer
-from clients.report import decode_report_full
+from shuffledp.clients.models import initial_arrays
+from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
+from shuffledp.clients.report import decode_report_full
 
-shuffler_keys = pytest.importorskip("shuffler.keys")
-envelope = pytest.importorskip("shuffler.envelope")
+shuffler_keys = pytest.importorskip("shuffledp.shuffler.keys")
+envelope = pytest.importorskip("shuffledp.shuffler.envelope")
 
 EPS0, CLIP = 2.0, 1.0
 N_PART = 3
@@ -127,14 +127,13 @@ def test_refuses_a_request_for_other_privacy_parameters(keys, model, field: str,
 def test_work_beyond_the_pinned_limits_is_refused_on_the_request_alone(keys, model, monkeypatch) -> None:
     """The server cannot push the local work past what the client pinned (so past a reply-floor chosen to cover
     it): more local epochs, or smaller batches, than the pinned limits are refused before any data is loaded."""
-    import clients.data
-
+    import shuffledp.clients.data
     def no_data(*a, **k):  # pragma: no cover - must not be reached
         raise AssertionError("the data was loaded for a request the limits refuse")
 
     ctx = _ctx(keys, **{"max-local-epochs": 3, "min-batch-size": 8})
     with monkeypatch.context() as m:
-        m.setattr(clients.data, "load_partition", no_data)
+        m.setattr(shuffledp.clients.data, "load_partition", no_data)
         for over in ({"local_epochs": 4}, {"batch_size": 7}):
             r = train_shuffled(_msg(model, _cfg(1, report="delta", **{"local_epochs": 3, "batch_size": 8, **over})),
                                ctx)
@@ -150,7 +149,7 @@ def test_work_beyond_the_pinned_limits_is_refused_on_the_request_alone(keys, mod
     # the model's size scales the work per sample, and the server chooses it: a larger model is refused too
     small = _ctx(keys, **{"max-model-parameters": 649})  # the logreg on 64 pixels has 650
     with monkeypatch.context() as m:
-        m.setattr(clients.data, "load_partition", no_data)
+        m.setattr(shuffledp.clients.data, "load_partition", no_data)
         r = train_shuffled(_msg(model, _cfg(1)), small)
     assert r.has_error() and r.error.code == ERR_PINNED_MISMATCH
     assert "the model has 650 parameters; this client's limit is max-model-parameters=649" in r.error.reason
@@ -218,7 +217,7 @@ def test_core_without_flower(keys, model) -> None:
 
 
 def test_pinned_settings_resolution_errors(keys) -> None:
-    from clients.core import ClientSetupError, data_settings_from_configs, pinned_from_configs
+    from shuffledp.clients.core import ClientSetupError, data_settings_from_configs, pinned_from_configs
 
     node = {"partition-id": 0, "num-partitions": N_PART}
     run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root), "pca-components": 0}  # model uses 64 pixels
@@ -293,16 +292,15 @@ def test_deployment_reads_the_data_its_node_config_names_not_the_servers(keys, m
     config): it could point the client at any folder and tell from the reply (report, or "could not be
     loaded") whether a loadable dataset was there. Now the device's node config says; the run's dataset and
     PCA must agree with it, and the run's data-dir and partition settings are not read."""
-    import clients.data
-
+    import shuffledp.clients.data
     loads: list[dict] = []
-    real = clients.data.load_partition
+    real = shuffledp.clients.data.load_partition
 
     def recording(pid, n, **kw):
         loads.append(kw)
         return real(pid, n, dataset="digits", pca_components=None)
 
-    monkeypatch.setattr(clients.data, "load_partition", recording)
+    monkeypatch.setattr(shuffledp.clients.data, "load_partition", recording)
     (tmp_path / "MNIST" / "raw").mkdir(parents=True)  # a server-chosen folder holding a dataset
     node = _deployment_node(keys, **{"pca-components": 0, "data-dir": "/device/data", "partition-seed": 3})
     # the run names the device's dataset and PCA, and its own data-dir and partition: a report, read as pinned
@@ -356,7 +354,7 @@ def test_reply_floor_holds_every_reply_after_pinning(keys, model, caplog) -> Non
     assert not r.has_error() and "more than reply-floor" in caplog.text
     node = {"partition-id": 0, "num-partitions": N_PART}
     run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root)}
-    from clients.core import ClientSetupError, pinned_from_configs
+    from shuffledp.clients.core import ClientSetupError, pinned_from_configs
 
     assert pinned_from_configs(node, run).reply_floor == 0.0
     assert pinned_from_configs(node, {**run, "reply-floor": 2}).reply_floor == 2.0
@@ -372,8 +370,8 @@ def test_key_files_are_read_once_per_identity_and_again_after_a_change(tmp_path,
     up, and loosened permissions on the private key are refused (the 0600 check is not bypassed by the cache)."""
     import os
 
-    import shuffler.keys as shuffler_keys
-    from clients.core import ClientSetupError, _load_key_file, _load_keys
+    import shuffledp.shuffler.keys as shuffler_keys
+    from shuffledp.clients.core import ClientSetupError, _load_key_file, _load_keys
 
     _load_key_file.cache_clear()
     calls = {"n": 0}
@@ -418,8 +416,8 @@ def test_whether_a_report_is_sent_never_depends_on_the_data(keys) -> None:
     """A server that picks a model whose logits overflow only when some record's feature exceeds a threshold,
     or a model with fewer classes than some record's label, must not learn that from an error reply: the
     client reports the zero update instead, randomized as usual (same rng -> byte-identical report)."""
-    from clients.noise import ChaCha20Rng
-    from clients.randomizer import DiscreteLaplaceRandomizer
+    from shuffledp.clients.noise import ChaCha20Rng
+    from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
 
     def zero_report(dim: int) -> bytes:  # what the mechanism makes of the zero update with the same rng
         return DiscreteLaplaceRandomizer(EPS0, CLIP, rng=ChaCha20Rng(bytes(32))).encode(np.zeros(dim))
@@ -466,7 +464,7 @@ def test_refusals_carry_nothing_about_the_clients_data(keys, model, tmp_path, ca
     "this client's data has shape (172, 64)", the row count being the local sample count."""
     import logging
 
-    from clients.data import load_partition
+    from shuffledp.clients.data import load_partition
 
     n_local = len(load_partition(PID, N_PART, dataset="digits", pca_components=None)[1])
     r = train_shuffled(_msg(initial_arrays("logreg", 32, 10), _cfg(1)), _ctx(keys))
@@ -507,7 +505,7 @@ def test_an_unexpected_error_is_a_clear_reply_held_to_the_floor(keys, model, mon
     about the client's data) and not before the pinned reply-floor."""
     import logging
 
-    import clients.app as client_app
+    import shuffledp.clients.app as client_app
 
     def broken(*_args: object, **_kwargs: object) -> bytes:
         raise KeyError("/secret/path/of/the/client/data has 172 rows")

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from clients.data import (
+from shuffledp.clients.data import (
     load_data,
     load_digits_dataset,
     load_mnist,
@@ -224,7 +224,7 @@ def test_preprocessing_is_fitted_on_the_held_out_split_only(pca_components: int 
     """The PCA basis and the scaling come from the server's held-out split, never from the clients' rows (review
     48, T2: fitting them on x_train went unnoticed): changing the training rows changes neither the held-out
     features nor the map applied to a training row."""
-    from clients.data import _preprocess
+    from shuffledp.clients.data import _preprocess
 
     gen = np.random.default_rng(0)  # test data only
     x_tr, x_te = gen.normal(size=(40, 8)), gen.normal(size=(50, 8)) * np.arange(1, 9)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clients.messages import (
+from shuffledp.clients.messages import (
     ENVELOPE_ARRAY,
     RequestError,
     TrainConfig,

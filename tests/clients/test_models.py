@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clients.data import load_data
-from clients.models import (
+from shuffledp.clients.data import load_data
+from shuffledp.clients.models import (
     average_gradient,
     build_model,
     evaluate,

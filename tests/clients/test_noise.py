@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from clients.noise import (
+from shuffledp.clients.noise import (
     ChaCha20Rng,
     DiscreteLaplaceSampler,
     _digit_table,

@@ -12,9 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from clients.noise import ChaCha20Rng
-from clients.randomizer import NOISE_LOG2_DEN, DiscreteLaplaceRandomizer, clip_l1, flatten_arrays, unflatten_vector
-from clients.report import decode_report_full
+from shuffledp.clients.noise import ChaCha20Rng
+from shuffledp.clients.randomizer import (
+    NOISE_LOG2_DEN,
+    DiscreteLaplaceRandomizer,
+    clip_l1,
+    flatten_arrays,
+    unflatten_vector,
+)
+from shuffledp.clients.report import decode_report_full
 
 # ---------------------------------------------------------------------------------------------------------------
 # clipping
@@ -219,7 +225,7 @@ def test_released_noise_has_the_claimed_parameter() -> None:
     Coarse grid so the scale is small: eps0 = 1, C = 3, gamma = 1 -> K = 3, scale 2K/eps0 = 6 grid units."""
     from scipy import stats
 
-    from clients.noise import discrete_laplace_log_pmf
+    from shuffledp.clients.noise import discrete_laplace_log_pmf
 
     alpha = 1e-3
     r = DiscreteLaplaceRandomizer(1.0, 3.0, log2_grid=0, rng=ChaCha20Rng(b"\x0b" * 32))
@@ -243,7 +249,7 @@ def test_released_noise_has_the_claimed_parameter() -> None:
 
 
 def test_a_clip_too_large_for_the_report_format_is_refused_at_construction() -> None:
-    from clients.randomizer import DiscreteLaplaceRandomizer
+    from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
 
     ok = DiscreteLaplaceRandomizer(1.0, 2.0**41 * (1 - 2**-52))
     assert ok.log2_grid == 20 and len(ok.encode(np.zeros(3))) > 0  # the largest clip still encodes

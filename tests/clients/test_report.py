@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from clients.report import (
+from shuffledp.clients.report import (
     INT_MAX,
     REPORT_HEADER_BYTES,
     ReportError,

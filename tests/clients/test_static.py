@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import clients
-import server
+from shuffledp import clients, server
 
 REPORT_PATH = ["app.py", "core.py", "messages.py", "noise.py", "randomizer.py", "report.py", "worktime.py"]
 
@@ -55,7 +54,7 @@ def test_the_check_finds_what_it_looks_for(tmp_path: Path) -> None:
 def test_sampling_draws_from_the_system_csprng(monkeypatch: pytest.MonkeyPatch) -> None:
     import secrets
 
-    from server.rounds import sample_nodes
+    from shuffledp.server.rounds import sample_nodes
 
     calls = []
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.worktime import time_worst_case, worst_case_models
-from server import deploy_cli as dc
+from shuffledp.clients.worktime import time_worst_case, worst_case_models
+from shuffledp.deploy import local as dc
 
 
 @pytest.mark.parametrize(("features", "limit"), [(10, 1_000_000), (64, 5_000), (784, 1_000_000), (3, 40)])

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from server import deploy_cli as dc
+from shuffledp.deploy import local as dc
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 COMPOSE = DEPLOY / "compose.yml"
@@ -259,8 +259,8 @@ def test_commands_use_real_flags(compose: dict[str, Any]) -> None:
 def test_compose_configs_are_accepted(env_dirs: dict[str, str]) -> None:
     import tomllib
 
-    from server.config import parse_run_config
-    from shuffler.config import load_config
+    from shuffledp.server.config import parse_run_config
+    from shuffledp.shuffler.config import load_config
 
     keys = dc.DeployKeys(Path(env_dirs["SHUFFLEDP_KEYS"]))
     conf = load_config(keys.compose_shuffler_config)
@@ -299,9 +299,9 @@ def _import_without(blocked: list[str], code: str) -> subprocess.CompletedProces
 
 def test_shuffler_image_needs_only_its_four_dependencies() -> None:
     """Dockerfile.shuffler installs cryptography, grpcio, grpcio-health-checking and protobuf only."""
-    code = ("import shuffler.cli, shuffler.service, shuffler.core, shuffler.journal, shuffler.config, "
-            "shuffler.keys, shuffler.tls, shuffler.attestation, shuffler.envelope\n"
-            "from server.cli import main\n"
+    code = ("import shuffledp.shuffler.cli, shuffledp.shuffler.service, shuffledp.shuffler.core, shuffledp.shuffler.journal, shuffledp.shuffler.config, "
+            "shuffledp.shuffler.keys, shuffledp.shuffler.tls, shuffledp.shuffler.attestation, shuffledp.shuffler.envelope\n"
+            "from shuffledp.deploy.cli import main\n"
             "raise SystemExit(main(['shuffler', 'serve', '--help']))\n")
     res = _import_without(["numpy", "scipy", "torch", "flwr", "sklearn", "matplotlib", "dp_accounting", "ray"], code)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -311,6 +311,6 @@ def test_shuffler_image_needs_only_its_four_dependencies() -> None:
 def test_client_image_dependencies_suffice_for_the_clientapp() -> None:
     """Dockerfile.client installs flwr, numpy, cryptography, scikit-learn and CPU PyTorch (no Ray, no
     matplotlib, no dp-accounting)."""
-    code = "import clients.app, clients.core, clients.data, clients.models\nprint(clients.app.app)\n"
+    code = "import shuffledp.clients.app, shuffledp.clients.core, shuffledp.clients.data, shuffledp.clients.models\nprint(shuffledp.clients.app.app)\n"
     res = _import_without(["matplotlib", "dp_accounting", "ray"], code)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server import deploy_cli as dc
+from shuffledp.deploy import local as dc
 
 README = Path(__file__).resolve().parents[2] / "deploy" / "README.md"
 
@@ -133,7 +133,7 @@ def test_bundle_holds_only_the_devices_files(tmp_path: Path) -> None:
     timed = dc.create_device_bundle(keys, 1, tmp_path / "b1", eps0=1.0, clip_l1=2.0, reply_floor=45)
     conf = tomllib.loads((timed / "node-config.toml").read_text())
     assert conf["reply-floor"] == 45.0
-    from clients.core import pinned_from_configs
+    from shuffledp.clients.core import pinned_from_configs
 
     assert pinned_from_configs(conf, {}).reply_floor == 45.0  # what the device's ClientApp reads
     for bad in (-1.0, 3601.0, float("nan"), True):
@@ -157,9 +157,9 @@ def test_bundle_holds_only_the_devices_files(tmp_path: Path) -> None:
 
 
 def test_devices_pin_their_data_settings(tmp_path: Path) -> None:
-    """The device reads the data its node config names (clients.core.data_settings_from_configs), so the bundle
+    """The device reads the data its node config names (shuffledp.clients.core.data_settings_from_configs), so the bundle
     and `deploy local` write the data settings there: bundle flags, or the run's (app defaults + --run-config)."""
-    from clients.core import data_settings_from_configs
+    from shuffledp.clients.core import data_settings_from_configs
 
     keys = dc.create_deploy_keys(tmp_path / "keys", 2)
     plain = tomllib.loads((dc.create_device_bundle(keys, 0, tmp_path / "b0", eps0=1.0, clip_l1=1.0)

@@ -15,13 +15,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from server import deploy_keys as dk
-from server.deploy_cli import DeployError, DeployKeys, create_deploy_keys
-from server.deploy_cli import main as deploy_main
-from shuffler import envelope, tls
-from shuffler import keys as shuffler_keys
-from shuffler.client import ShufflerClient
-from shuffler.process import ShufflerProcess, ShufflerStartError
+from shuffledp.deploy import party_keys as dk
+from shuffledp.deploy.local import DeployError, DeployKeys, create_deploy_keys
+from shuffledp.deploy.local import main as deploy_main
+from shuffledp.shuffler import envelope, tls
+from shuffledp.shuffler import keys as shuffler_keys
+from shuffledp.shuffler.client import ShufflerClient
+from shuffledp.shuffler.process import ShufflerProcess, ShufflerStartError
 
 NODES = 3
 

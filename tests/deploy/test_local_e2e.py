@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from server import deploy_cli as dc
+from shuffledp.deploy import local as dc
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +44,7 @@ def _wait_gone(text: str, seconds: float = 15.0) -> list[tuple[int, str]]:
 
 
 def test_local_deployment_three_nodes_two_rounds(tmp_path: Path) -> None:
-    from accounting.bounds import epsilon as epsilon_bound
+    from shuffledp.accounting.bounds import epsilon as epsilon_bound
 
     work = tmp_path / "work"
     cfg = dc.LocalDeployment(nodes=3, rounds=2, workdir=work, eps0=4.0, clip_l1=1.0, timeout=600,
@@ -125,7 +125,7 @@ def test_ctrl_c_and_sigterm_stop_every_process(tmp_path: Path, sig: signal.Signa
     work = tmp_path / "work"
     # 100 rounds (about 50 s here), so the run is still going when the signal arrives. Two CI runs that saw exit
     # code 0 were started in the background, with SIGINT ignored: see _sigint_as_in_a_foreground_job
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "deploy", "local", "--nodes", "2", "--rounds", "100",
+    proc = subprocess.Popen([sys.executable, "-m", "shuffledp.deploy.cli", "deploy", "local", "--nodes", "2", "--rounds", "100",
                              "--workdir", str(work)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_sigint_as_in_a_foreground_job)
     try:

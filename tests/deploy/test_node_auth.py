@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from server import deploy_cli as dc
+from shuffledp.deploy import local as dc
 
 
 @pytest.fixture(scope="module")

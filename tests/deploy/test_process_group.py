@@ -1,4 +1,4 @@
-"""``deploy local``'s processes do not outlive it: the watchdog (server/deploy_watchdog.py) stops every process
+"""``deploy local``'s processes do not outlive it: the watchdog (deploy/watchdog.py) stops every process
 group and the shuffler when the parent is SIGKILLed, signals during the cleanup do not cut it short, and the
 watchdog never signals a group it was told is stopped. Small ``python -c`` children only (no Flower, no Ray);
 each child starts a grandchild in its own process group, one also starts a session of its own (as
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from server import deploy_cli as dc
-from server.deploy_watchdog import DeployWatchdog, Kind
+from shuffledp.deploy import local as dc
+from shuffledp.deploy.watchdog import DeployWatchdog, Kind
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,8 +45,8 @@ CHILD = ("import os, signal, subprocess, sys, time\n"
 PARENT = """
 import os, sys, time
 from pathlib import Path
-from server import deploy_cli as dc
-from server.deploy_watchdog import DeployWatchdog
+from shuffledp.deploy import local as dc
+from shuffledp.deploy.watchdog import DeployWatchdog
 work, mode, child, grandchild = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 keys = dc.create_deploy_keys(work / "keys", 1)
 try:

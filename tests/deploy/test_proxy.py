@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from server import deploy_cli as dc
+from shuffledp.deploy import local as dc
 
 CONF = Path(__file__).resolve().parents[2] / "deploy" / "proxy.nginx.conf"
 NGINX = shutil.which("nginx")

@@ -11,10 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from server import deploy_cli as dc
-from shuffler import shuffler_pb2 as pb
-from shuffler import shuffler_pb2_grpc as pb_grpc
-from shuffler import tls
+from shuffledp.deploy import local as dc
+from shuffledp.shuffler import shuffler_pb2 as pb
+from shuffledp.shuffler import shuffler_pb2_grpc as pb_grpc
+from shuffledp.shuffler import tls
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 The fake Grid delivers each ``train.shuffled`` message to a per-node behaviour (honest, silent, refusing,
 garbage, tagged); its replies are pulled as with ``flwr.serverapp.Grid.push_messages`` / ``pull_messages``. Honest nodes run the
-clients package's pure core function (``clients.core.make_envelope``) on their digits partition, so what the
+clients package's pure core function (``shuffledp.clients.core.make_envelope``) on their digits partition, so what the
 server opens is what a real ClientApp sends.
 """
 
@@ -19,9 +19,9 @@ import pytest
 from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from clients import messages as M
-from server.config import ServerConfig, parse_run_config
-from shuffler import keys as keyfiles
+from shuffledp.clients import messages as M
+from shuffledp.server.config import ServerConfig, parse_run_config
+from shuffledp.shuffler import keys as keyfiles
 
 N_CLIENTS = 12
 K = 8
@@ -69,7 +69,7 @@ def keys(tmp_path: Path) -> Keys:
 @pytest.fixture
 def shuffler_service(keys: Keys) -> Iterator[Any]:
     """A real shuffler process (``shuffledp shuffler serve``) on a free port, with mTLS."""
-    from shuffler.process import ShufflerProcess
+    from shuffledp.shuffler.process import ShufflerProcess
 
     root, cert, key = keys.tls
     with ShufflerProcess(keys.d.config, root_certificate=root, client_certificate=cert, client_key=key,
@@ -79,7 +79,7 @@ def shuffler_service(keys: Keys) -> Iterator[Any]:
 
 @pytest.fixture
 def shuffler_client(keys: Keys, shuffler_service: Any) -> Iterator[Any]:
-    from shuffler.client import ShufflerClient
+    from shuffledp.shuffler.client import ShufflerClient
 
     root, cert, key = keys.tls
     client = ShufflerClient(
@@ -191,13 +191,13 @@ def garbage_record(msg: Message, pid: int) -> Message:
 
 
 def honest_factory(keys: Keys, n_partitions: int = N_CLIENTS) -> Behaviour:
-    """An honest client: ``clients.core.make_envelope`` on its digits partition, with its own pinned settings.
+    """An honest client: ``shuffledp.clients.core.make_envelope`` on its digits partition, with its own pinned settings.
 
     The pinned eps0 / clip are read from the first request it gets, as if the operator had configured the
     same values as the server (a client pinned to other values is the ``refusing`` behaviour).
     """
-    from clients.core import PinnedSettings, make_envelope
-    from clients.data import load_partition
+    from shuffledp.clients.core import PinnedSettings, make_envelope
+    from shuffledp.clients.data import load_partition
 
     def behaviour(msg: Message, pid: int) -> Message:
         cfg = M.TrainConfig.from_mapping(msg.content[M.CONFIG_KEY])
@@ -223,8 +223,8 @@ def inner_garbage_factory(keys: Keys) -> Behaviour:
     The payload has a valid report's length (the shuffler refuses a batch whose inner ciphertexts differ in
     length) but a wrong magic.
     """
-    from clients.report import report_length
-    from shuffler.envelope import seal
+    from shuffledp.clients.report import report_length
+    from shuffledp.shuffler.envelope import seal
 
     def behaviour(msg: Message, pid: int) -> Message:
         cfg = M.TrainConfig.from_mapping(msg.content[M.CONFIG_KEY])
@@ -246,15 +246,15 @@ def inner_garbage_factory(keys: Keys) -> Behaviour:
 
 def model_arrays() -> list[np.ndarray]:
     """The default model of the main job: logistic regression on digits (64 features, 10 classes)."""
-    from clients.models import initial_arrays
+    from shuffledp.clients.models import initial_arrays
 
     return initial_arrays("logreg", 64, 10)
 
 
 def digits_evaluator(arrays: Any) -> tuple[float, float]:
     """Central evaluation on the digits test split (as the ServerApp does)."""
-    from clients.data import load_data
-    from clients.models import evaluate
+    from shuffledp.clients.data import load_data
+    from shuffledp.clients.models import evaluate
 
     ds = load_data("digits")
     return evaluate(arrays, ds.x_test, ds.y_test)
@@ -289,16 +289,16 @@ class Harness:
         return FakeGrid.build(behaviours)
 
     def opener(self, cfg: ServerConfig) -> Callable[[bytes, int], bytes]:
-        from shuffler.envelope import open_inner
+        from shuffledp.shuffler.envelope import open_inner
 
         sk = keyfiles.load_private_key(self.keys.d.server_hpke_key, "x25519")
         return lambda inner, rnd: open_inner(inner, server_private_key=sk, key_epoch=cfg.key_epoch, round_id=rnd)
 
     def engine(self, cfg: ServerConfig, grid: FakeGrid, *, ledger: Any = None, store: Any = None,
                evaluator: Any = None, open_inner: Any = None) -> Any:
-        from accounting.ledger import Ledger
-        from server.rounds import RoundEngine
-        from server.state import SqliteCheckpointStore
+        from shuffledp.accounting.ledger import Ledger
+        from shuffledp.server.rounds import RoundEngine
+        from shuffledp.server.state import SqliteCheckpointStore
 
         out = self.tmp_path / "outputs" / cfg.run_name
         out.mkdir(parents=True, exist_ok=True)

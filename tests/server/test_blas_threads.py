@@ -38,7 +38,7 @@ _FORKS_WHILE_MULTIPLYING = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("module", ["server.app", "clients.app"])
+@pytest.mark.parametrize("module", ["shuffledp.server.app", "shuffledp.clients.app"])
 def test_loading_an_app_limits_blas_so_a_fork_cannot_hang_it(module: str) -> None:
     """Without the limit this hangs within the first 50 forks on this machine (2 cores; reproduced 3 times of 3),
     and the subprocess times out."""
@@ -48,6 +48,6 @@ def test_loading_an_app_limits_blas_so_a_fork_cannot_hang_it(module: str) -> Non
 
 
 def test_the_runner_gives_every_process_of_the_run_one_blas_thread(tmp_path) -> None:
-    from server.runner import _flower_env
+    from shuffledp.deploy.runner import _flower_env
 
     assert _flower_env(tmp_path)["OPENBLAS_NUM_THREADS"] == "1"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.config import DEFAULTS, ConfigError, parse_run_config
+from shuffledp.server.config import DEFAULTS, ConfigError, parse_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

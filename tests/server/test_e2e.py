@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from accounting.ledger import Ledger
+from shuffledp.accounting.ledger import Ledger
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +28,7 @@ def _run(tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
     simulation running), and the result says so (returncode None)."""
     env = dict(os.environ)
     env["SHUFFLEDP_FLWR_HOME"] = str(tmp_path / "flwr-home")
-    argv = [sys.executable, "-m", "server.cli", "run", "--clients", "20", "--rounds", "2", "--run-name", name,
+    argv = [sys.executable, "-m", "shuffledp.deploy.cli", "run", "--clients", "20", "--rounds", "2", "--run-name", name,
             "--output-dir", str(tmp_path / "outputs"), "--run-config", "min-reports=15 eps0=2.0"]
     with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from accounting.ledger import Ledger, LedgerError
-from server import cli as shuffledp_cli
-from server.config import ConfigError
-from server.job import ShufflerConnection, resolve_paths, run_job
+from shuffledp.accounting.ledger import Ledger, LedgerError
+from shuffledp.deploy import cli as shuffledp_cli
+from shuffledp.server.config import ConfigError
+from shuffledp.server.job import ShufflerConnection, resolve_paths, run_job
 
 
 def _cli_epsilon(capsys: pytest.CaptureFixture[str], *, eps0: float, n: int, delta: float, rounds: int) -> float:
@@ -54,8 +54,8 @@ def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
     assert (out / "accuracy_epsilon.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Ledger(out / "ledger.sqlite", create=False) as ledger:
         assert [r["round"] for r in ledger.rows()] == [1, 2, 3]
-    from shuffler.attestation import Attestation
-    from shuffler.keys import load_public_key
+    from shuffledp.shuffler.attestation import Attestation
+    from shuffledp.shuffler.keys import load_public_key
 
     verify_key = load_public_key(keys.d.shuffler_signing_pub, "ed25519")
     attested = [json.loads(line) for line in (out / "attestations.jsonl").read_text().splitlines()]
@@ -86,13 +86,13 @@ def test_a_second_server_process_on_a_running_run_is_refused(tmp_path: Path, key
     import subprocess
     import sys
 
-    from server.job import RunInUseError, hold_run_lock
+    from shuffledp.server.job import RunInUseError, hold_run_lock
 
     cfg = kit.make_config(tmp_path, keys, **{"num-server-rounds": 1})
     out = resolve_paths(cfg, run_id=1).out_dir
     out.mkdir(parents=True)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, pathlib; from server.job import hold_run_lock\n"
+        [sys.executable, "-c", "import sys, pathlib; from shuffledp.server.job import hold_run_lock\n"
          "with hold_run_lock(pathlib.Path(sys.argv[1])):\n    print('held', flush=True); sys.stdin.read()", str(out)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
@@ -136,8 +136,8 @@ sys.path.insert(0, {testdir!r})
 from flwr.supercore.task_identity import TaskIdentity
 TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 1, 1
 import conftest as c
-from shuffler.keys import KeyDirectory
-from server.job import run_job
+from shuffledp.shuffler.keys import KeyDirectory
+from shuffledp.server.job import run_job
 keys = c.Keys(KeyDirectory(Path({keys!r})))
 cfg = c.make_config(Path({tmp!r}), keys, **{{"num-server-rounds": {rounds}}})
 grid = c.FakeGrid.build([c.honest_factory(keys)] * c.N_CLIENTS)
@@ -152,7 +152,7 @@ def test_killed_run_resumes_with_each_round_in_the_ledger_exactly_once(tmp_path:
     import sys
     import time
 
-    from server.runner import _alive, _descendants
+    from shuffledp.deploy.runner import _alive, _descendants
 
     rounds = 4
     script = _CHILD.format(testdir=str(Path(__file__).parent), keys=str(keys.d.root), tmp=str(tmp_path), rounds=rounds)
@@ -231,15 +231,15 @@ def test_run_job_uses_a_configured_remote_shuffler_over_mtls(
 def test_shuffler_connection_tunes_the_heap_for_its_message_limit(
     tmp_path: Path, keys: Any, kit: Any, monkeypatch: pytest.MonkeyPatch, tuning: bool
 ) -> None:
-    """run config heap-tuning: the ServerApp, which receives the fetched batch, applies shuffler.heap.tune_heap
+    """run config heap-tuning: the ServerApp, which receives the fetched batch, applies shuffledp.shuffler.heap.tune_heap
     with its channel's message limit, max(max-message-bytes, the packing size) + slack, before the client
     connects (and not at all when the key is false)."""
-    import shuffler.heap
-    from shuffler.service import message_limit
+    import shuffledp.shuffler.heap
+    from shuffledp.shuffler.service import message_limit
 
     calls: list[int] = []
-    done = shuffler.heap.HeapTuning(True, 1 << 20, 1 << 28)
-    monkeypatch.setattr(shuffler.heap, "tune_heap", lambda limit: calls.append(limit) or done)
+    done = shuffledp.shuffler.heap.HeapTuning(True, 1 << 20, 1 << 28)
+    monkeypatch.setattr(shuffledp.shuffler.heap, "tune_heap", lambda limit: calls.append(limit) or done)
     cfg = kit.make_config(tmp_path, keys, **{"shuffler-address": "127.0.0.1:9", "heap-tuning": tuning,
                                              "max-message-bytes": 3 << 20})
     connection = ShufflerConnection(cfg, resolve_paths(cfg))
@@ -257,9 +257,9 @@ def test_shuffler_connection_tunes_the_heap_for_its_message_limit(
 def test_progress_lines_print_bounds_outward_and_survive_a_failed_evaluation() -> None:
     # Review 40, F6: an upper bound printed to nearest could print below the bound; F3: a charged round whose
     # evaluation failed (accuracy None) made the progress line raise, so report.json missed the charge.
-    from server.job import format_progress
-    from server.report import format_epsilon
-    from server.rounds import RoundOutcome
+    from shuffledp.server.job import format_progress
+    from shuffledp.server.report import format_epsilon
+    from shuffledp.server.rounds import RoundOutcome
 
     assert format_epsilon(0.12344, "upper") == "0.1235" and format_epsilon(0.12346, "lower") == "0.1234"
     assert format_epsilon(0.12344, "approximate") == "0.1234" and format_epsilon(2.0, "upper") == "2.0000"
@@ -269,7 +269,7 @@ def test_progress_lines_print_bounds_outward_and_survive_a_failed_evaluation() -
     assert "accuracy n/a, loss n/a (the evaluation failed)" in line
     assert "epsilon so far 0.1235 (clones, upper bound, delta 1e-06)" in line
     # the runner's watcher prints the same rows from report.json, rounded the same way
-    from server.runner import _progress_line
+    from shuffledp.deploy.runner import _progress_line
 
     row = {"round": 3, "n_reports": 12, "accuracy": 0.5, "loss": 1.0, "epsilon": 0.12344, "family": "clones",
            "kind": "upper", "delta": 1e-6}
@@ -290,7 +290,7 @@ def test_the_run_lock_on_a_filesystem_without_flock_warns_and_runs(
     import errno
     import fcntl
 
-    from server.job import hold_run_lock
+    from shuffledp.server.job import hold_run_lock
 
     def no_flock(fd: int, op: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.optim import ReportAccumulator, ServerOptimizer, flatten, unflatten
+from shuffledp.server.optim import ReportAccumulator, ServerOptimizer, flatten, unflatten
 
 SHAPES = [(3, 2), (2,)]
 

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord
 
-from accounting.accountant import ShuffleAccountant
-from accounting.events import ShuffleRound
-from clients import messages as M
-from clients.report import decode_report
-from server.job import format_progress
-from server.optim import flatten
-from server.rounds import ResumeError, RoundOutcome, envelope_of, sample_nodes
+from shuffledp.accounting.accountant import ShuffleAccountant
+from shuffledp.accounting.events import ShuffleRound
+from shuffledp.clients import messages as M
+from shuffledp.clients.report import decode_report
+from shuffledp.server.job import format_progress
+from shuffledp.server.optim import flatten
+from shuffledp.server.rounds import ResumeError, RoundOutcome, envelope_of, sample_nodes
 
 
 def _ledger_rounds(engine: Any) -> list[int]:
@@ -79,7 +79,7 @@ def test_honest_round_is_applied_charged_and_checkpointed(h: Any) -> None:
 
 
 def test_report_on_a_foreign_grid_is_counted_bad(h: Any) -> None:
-    from clients.report import decode_report_full, encode_report
+    from shuffledp.clients.report import decode_report_full, encode_report
 
     cfg = h.config()
     opener = h.opener(cfg)
@@ -213,8 +213,8 @@ def test_a_family_that_cannot_bound_the_no_cover_figure_stops_the_run_without_lo
     bad reports the no-cover figure can be refused after the charge: that raised, and the charged round was
     recorded as lost. Now the round is applied and the budget check stops the run before the next one, saying
     why. A stand-in with fmt's kind of refusal (below n = 11) keeps the test at 12 clients."""
-    import server.rounds as rounds_module
-    from accounting import RefusedError
+    import shuffledp.server.rounds as rounds_module
+    from shuffledp.accounting import RefusedError
 
     fmt = ShuffleAccountant(target_delta=1e-5, family="fmt")
     fmt.compose(ShuffleRound(n=100, eps0=1.0))
@@ -362,7 +362,7 @@ def test_a_refusing_default_family_stops_the_run_before_anything_is_sent(h: Any)
 
 
 def test_a_message_limit_below_the_envelope_length_is_refused_before_any_round(h: Any) -> None:
-    from server.config import ConfigError
+    from shuffledp.server.config import ConfigError
 
     grid = h.grid([h.honest()] * h.N)
     with pytest.raises(ConfigError, match="'max-message-bytes' \\(1024\\) is below this model's envelope length"):
@@ -371,7 +371,7 @@ def test_a_message_limit_below_the_envelope_length_is_refused_before_any_round(h
 
 
 def test_only_upper_bound_families_may_enforce_the_budget(h: Any) -> None:
-    from server.config import ConfigError
+    from shuffledp.server.config import ConfigError
 
     for family in ("rr-lower", "ccg-gdp", "canonical-gdp", "girgis-lower"):
         with pytest.raises(ConfigError, match="upper-bound family"):
@@ -434,7 +434,7 @@ def test_a_failing_attestation_record_after_the_charge_is_remembered_and_nothing
 def test_a_sealed_batch_that_fails_the_cross_check_is_on_record_and_never_fetched(h: Any, monkeypatch) -> None:
     """Review 49, L2: attestations.jsonl is the record of every sealed batch; one whose attestation disagreed with
     the submission raised before it was recorded."""
-    import server.rounds as rounds_module
+    import shuffledp.server.rounds as rounds_module
 
     engine = h.engine(h.config(), h.grid([h.honest()] * h.N))
     engine.restore()
@@ -610,7 +610,7 @@ def test_rounds_that_released_nothing_stay_in_report_json_after_a_resume(h: Any,
     """Review 51, L2 and N7: a round stopped at its attested n (its id used, its batch sealed, never charged) and
     a round abandoned in a crash are listed with the skipped rounds of report.json after a resume; before, the
     stopped one was in neither 'skipped' nor 'stopped' once another process wrote the report."""
-    from server.job import RunPaths, write_outputs
+    from shuffledp.server.job import RunPaths, write_outputs
 
     def bound(n: int) -> float:
         acct = ShuffleAccountant(target_delta=h.config().target_delta, family=h.config().accounting_family)
@@ -696,7 +696,7 @@ def test_resume_with_a_changed_budget_is_allowed_and_logged(h: Any, caplog: pyte
     assert last.budget_changes == [change, {"after_round": 1, "from": 2e6, "to": "inf"}]
     import json
 
-    from server.report import report_document, write_report
+    from shuffledp.server.report import report_document, write_report
 
     path = write_report(h.tmp_path / "report.json", report_document(
         config=last.cfg.as_dict(), rounds=last.report_rows(), budget_changes=last.budget_changes))
@@ -754,7 +754,7 @@ def test_replies_are_streamed_as_they_arrive_with_placeholders_for_the_rest(h: A
 def test_streamed_envelopes_are_sent_in_whole_packed_messages(h: Any) -> None:
     """The collector flushes once the next envelope would not fit in a packed message (framing included), so a
     flush is never a full message plus one envelope travelling alone."""
-    from shuffler.wire import FIELD_OVERHEAD
+    from shuffledp.shuffler.wire import FIELD_OVERHEAD
 
     grid = h.grid([h.honest()] * h.N)
     pull = grid.pull_messages
@@ -806,7 +806,7 @@ def test_wait_for_nodes_waits_for_a_stable_count_and_gives_up_at_the_deadline(mo
     """The node-wait policy shared by the ServerApp and the no-shuffle baseline app, on a fake clock: nodes
     register progressively; the wait returns once min_nodes are there and the count has been stable for
     ``settle`` seconds, or with whatever is connected at ``node_wait``."""
-    import server.rounds as rounds_mod
+    import shuffledp.server.rounds as rounds_mod
 
     clock = [0.0]
     monkeypatch.setattr(rounds_mod.time, "monotonic", lambda: clock[0])

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
-
-import json
 
 import numpy as np
 import pytest
 
-from server.state import (
+from shuffledp.server.state import (
     Checkpoint,
     CheckpointError,
     InMemoryCheckpointStore,

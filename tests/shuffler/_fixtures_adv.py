@@ -1,7 +1,7 @@
 """Helpers for the adversarial, crash and permutation tests of the shuffler (no fixtures with side effects here).
 
 * :func:`craft_envelope` is an independent implementation of the envelope format documented in
-  ``docs/shuffler.md`` (versions 1 and 2), with knobs to build envelopes that ``shuffler.envelope.seal`` refuses to
+  ``docs/shuffler.md`` (versions 1 and 2), with knobs to build envelopes that ``shuffledp.shuffler.envelope.seal`` refuses to
   produce: a signature by another key under an enrolled signer's public key, a wrong version byte inside the
   outer layer, a signature over another binding, a short outer plaintext. Building honest envelopes with it and
   having the shuffler accept them is also a conformance check of the documented format.
@@ -23,9 +23,9 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
-from shuffler import shuffler_pb2 as pb
-from shuffler.envelope import ENVELOPE_VERSION, open_inner
-from shuffler.process import ShufflerProcess
+from shuffledp.shuffler import shuffler_pb2 as pb
+from shuffledp.shuffler.envelope import ENVELOPE_VERSION, open_inner
+from shuffledp.shuffler.process import ShufflerProcess
 
 SUBMIT = "/shuffledp.shuffler.v1.Shuffler/Submit"
 FETCH = "/shuffledp.shuffler.v1.Shuffler/Fetch"
@@ -101,7 +101,7 @@ def open_all(kit: Any, inners: list[bytes], round_id: int) -> list[bytes]:
 def read_journal(path: Path) -> list[dict[str, Any]]:
     """Read-only parse of ``journal.log`` (``"SJR1" || len:u32 || SHA-256(body) || body``), complete records only.
 
-    Unlike ``shuffler.journal.Journal`` this never truncates a torn tail or deletes orphans, so it is safe to
+    Unlike ``shuffledp.shuffler.journal.Journal`` this never truncates a torn tail or deletes orphans, so it is safe to
     call while the service runs."""
     data = path.read_bytes()
     out: list[dict[str, Any]] = []

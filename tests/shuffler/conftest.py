@@ -9,13 +9,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shuffler import core as core_module
-from shuffler import keys as keyfiles
-from shuffler.client import ShufflerClient
-from shuffler.config import load_config
-from shuffler.core import CoreConfig, Header, ShufflerCore
-from shuffler.envelope import ENVELOPE_VERSION, model_digest, seal
-from shuffler.service import build_server, core_from_config
+from shuffledp.shuffler import core as core_module
+from shuffledp.shuffler import keys as keyfiles
+from shuffledp.shuffler.client import ShufflerClient
+from shuffledp.shuffler.config import load_config
+from shuffledp.shuffler.core import CoreConfig, Header, ShufflerCore
+from shuffledp.shuffler.envelope import ENVELOPE_VERSION, model_digest, seal
+from shuffledp.shuffler.service import build_server, core_from_config
 
 N_CLIENTS = 8
 K = 3

@@ -12,7 +12,7 @@ import blake3
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from shuffler.attestation import (
+from shuffledp.shuffler.attestation import (
     ATTESTATION_FORMAT,
     DROP_REASONS,
     Attestation,
@@ -21,7 +21,6 @@ from shuffler.attestation import (
     format_for_protocol,
     sign_statement,
 )
-
 
 #: BLAKE3 of the empty input, from the BLAKE3 reference test vectors (test_vectors.json, input_len 0)
 _BLAKE3_EMPTY = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"

@@ -1,6 +1,6 @@
 """Catalogue of hostile and malformed inputs against a real shuffler process (mTLS, 127.0.0.1, port 0).
 
-One shuffler subprocess (``shuffler.process.ShufflerProcess``) serves the whole module; every case uses its own
+One shuffler subprocess (``shuffledp.shuffler.process.ShufflerProcess``) serves the whole module; every case uses its own
 round id. Each case is one of:
 
 * a **drop**: the hostile envelopes ride in a batch with four honest reports. The attestation must count each
@@ -29,12 +29,12 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shuffler import shuffler_pb2 as pb
-from shuffler import tls, wire
-from shuffler.attestation import DROP_REASONS
-from shuffler.client import ShufflerClient, ShufflerError
-from shuffler.envelope import ENVELOPE_OVERHEAD, ENVELOPE_VERSION, model_digest, seal
-from shuffler.service import message_limit
+from shuffledp.shuffler import shuffler_pb2 as pb
+from shuffledp.shuffler import tls, wire
+from shuffledp.shuffler.attestation import DROP_REASONS
+from shuffledp.shuffler.client import ShufflerClient, ShufflerError
+from shuffledp.shuffler.envelope import ENVELOPE_OVERHEAD, ENVELOPE_VERSION, model_digest, seal
+from shuffledp.shuffler.service import message_limit
 
 from ._fixtures_adv import (  # noqa: TID252
     FETCH,

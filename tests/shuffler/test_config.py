@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shuffler.config import ConfigError, load_config
+from shuffledp.shuffler.config import ConfigError, load_config
 
 BASE = """address = "127.0.0.1:0"
 key_epoch = 0
@@ -80,13 +80,13 @@ def test_max_batch_reports_is_capped_and_the_timeouts_are_validated(tmp_path: Pa
 
 
 def test_staging_memory_limit_default_and_validation(tmp_path: Path) -> None:
-    from shuffler import core
+    from shuffledp.shuffler import core
 
     c = _load(tmp_path, BASE + TLS)
     assert c.staging_memory_limit == 1024**3 == core.DEFAULT_STAGING_MEMORY_LIMIT  # config mirrors core
     assert (core.DEFAULT_STAGING_MEMORY_LIMIT, core.MAX_STAGING_MEMORY_LIMIT) == (
-        __import__("shuffler.config").config.DEFAULT_STAGING_MEMORY_LIMIT,
-        __import__("shuffler.config").config.MAX_STAGING_MEMORY_LIMIT,
+        __import__("shuffledp.shuffler.config").shuffler.config.DEFAULT_STAGING_MEMORY_LIMIT,
+        __import__("shuffledp.shuffler.config").shuffler.config.MAX_STAGING_MEMORY_LIMIT,
     )
     assert _load(tmp_path, "staging_memory_limit = 0\n" + BASE + TLS).staging_memory_limit == 0  # always disk
     assert _load(tmp_path, "staging_memory_limit = 1048576\n" + BASE + TLS).staging_memory_limit == 1 << 20
@@ -105,9 +105,9 @@ def test_boolean_options_default_true_and_validation(tmp_path: Path, key: str) -
 
 
 def test_verify_threads_default_validation_and_reaches_the_core(tmp_path: Path, kit) -> None:
-    from shuffler import config as cfgmod
-    from shuffler import core
-    from shuffler.service import core_from_config
+    from shuffledp.shuffler import config as cfgmod
+    from shuffledp.shuffler import core
+    from shuffledp.shuffler.service import core_from_config
 
     from .conftest import write_config  # noqa: TID252
 

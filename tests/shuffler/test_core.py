@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from shuffler.attestation import Attestation, OutputDigest
-from shuffler.core import Refused, ShufflerCore
-from shuffler.envelope import model_digest, open_inner, open_outer
+from shuffledp.shuffler.attestation import Attestation, OutputDigest
+from shuffledp.shuffler.core import Refused, ShufflerCore
+from shuffledp.shuffler.envelope import model_digest, open_inner, open_outer
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def test_at_most_one_report_per_client_per_round(core: ShufflerCore, kit) -> Non
 
 
 def _seal_with_report_id(kit, monkeypatch, i: int, report_id: bytes, **kw: object) -> bytes:
-    import shuffler.envelope as envmod
+    import shuffledp.shuffler.envelope as envmod
 
     with monkeypatch.context() as m:
         m.setattr(envmod.secrets, "token_bytes", lambda n: report_id if n == 16 else bytes(n))
@@ -296,7 +296,7 @@ def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(disk_core:
     """Disk path: the staging file is zero-filled in offset order before any report is written to it, and not
     synced (the zeros only need to be dirty pages, so that writeback follows offset order); there is no sync while
     reports arrive; with dropped envelopes the holes are squeezed out in place."""
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     events: list[tuple[str, int, int]] = []
     real_pwrite, real_sync, real_fsync = coremod.os.pwrite, coremod.os.fdatasync, coremod.os.fsync
@@ -343,7 +343,7 @@ def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(disk_core:
 def test_staging_is_preallocated_and_a_full_disk_refuses_early(core: ShufflerCore, kit, monkeypatch) -> None:
     import errno
 
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     calls: list[tuple[int, int]] = []
     real = coremod.os.posix_fallocate
@@ -370,7 +370,7 @@ def test_staging_is_preallocated_and_a_full_disk_refuses_early(core: ShufflerCor
 
 
 def test_core_config_validation(kit, tmp_path: Path) -> None:
-    from shuffler.core import CoreConfig
+    from shuffledp.shuffler.core import CoreConfig
 
     with pytest.raises(ValueError, match="exceeds the 8 enrolled clients"):
         kit.core_config(tmp_path / "j", k=9)
@@ -394,7 +394,7 @@ def test_core_config_validation(kit, tmp_path: Path) -> None:
 def test_free_space_is_checked_with_a_journal_reserve_before_allocating(core: ShufflerCore, kit, monkeypatch) -> None:
     import os as _os
 
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     calls: list[int] = []
     monkeypatch.setattr(coremod.os, "posix_fallocate", lambda fd, o, n: calls.append(n))
@@ -422,7 +422,7 @@ def _fail_journal_writes(monkeypatch, core: ShufflerCore, *, partial: int, also_
     import errno
     import os as _os
 
-    import shuffler.journal as jmod
+    import shuffledp.shuffler.journal as jmod
 
     real_write, real_trunc = _os.write, _os.ftruncate
     state = {"partial_done": False}
@@ -452,7 +452,7 @@ def test_failed_journal_append_is_rolled_back_and_an_acknowledged_batch_survives
     tags and let the server obtain a second, different release of C's round)."""
     import errno
 
-    from shuffler.journal import JournalWriteError
+    from shuffledp.shuffler.journal import JournalWriteError
 
     core = ShufflerCore(kit.core_config(tmp_path / "j"))
     a = _run(core, kit, [kit.seal(i, round_id=1) for i in range(5)], round_id=1)
@@ -541,7 +541,7 @@ def test_too_many_envelopes_is_counted_as_a_refusal(core: ShufflerCore, kit) -> 
 def test_permutation_is_compact_lazy_and_capped(core: ShufflerCore, kit, tmp_path: Path) -> None:
     from array import array
 
-    from shuffler.core import MAX_BATCH_REPORTS_CAP, BatchBuilder
+    from shuffledp.shuffler.core import MAX_BATCH_REPORTS_CAP, BatchBuilder
 
     b = core.begin(kit.header(5))
     assert b._perm is None  # nothing allocated at header time
@@ -556,7 +556,7 @@ def test_permutation_is_compact_lazy_and_capped(core: ShufflerCore, kit, tmp_pat
 
 
 def test_sealed_output_mode_is_synced_before_the_rename(core: ShufflerCore, kit, monkeypatch) -> None:
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     events: list[str] = []
     real = {n: getattr(coremod.os, n) for n in ("fchmod", "chmod", "fsync", "replace")}
@@ -571,7 +571,7 @@ def test_sealed_output_mode_is_synced_before_the_rename(core: ShufflerCore, kit,
 # ------------------------------------------------------------------------------------- memory staging path
 def _spy_disk_writes(monkeypatch) -> list[tuple[int, int]]:
     """Record (offset, length) of every pwrite the core issues."""
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     writes: list[tuple[int, int]] = []
     real = coremod.os.pwrite
@@ -592,7 +592,7 @@ def test_memory_path_writes_the_output_once_in_output_order(core: ShufflerCore, 
     import os
     import stat
 
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     writes = _spy_disk_writes(monkeypatch)
     syncs: list[str] = []
@@ -647,7 +647,7 @@ def test_memory_and_disk_paths_seal_the_same_batch_semantics(core: ShufflerCore,
 
 
 def test_the_announced_size_selects_the_staging_path(kit, tmp_path: Path) -> None:
-    from shuffler.core import stages_in_memory
+    from shuffledp.shuffler.core import stages_in_memory
 
     env_len = len(kit.seal(0))
     L = env_len - 166  # inner length = envelope_length - 166, known from the header when it is announced
@@ -675,7 +675,7 @@ def test_the_announced_size_selects_the_staging_path(kit, tmp_path: Path) -> Non
 def test_refused_batches_release_their_staging_memory(core: ShufflerCore, kit, monkeypatch) -> None:
     import errno
 
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     # refused at seal (below threshold): the buffer is unmapped, nothing is left on disk
     b = core.begin(kit.header(kit.k))
@@ -735,9 +735,9 @@ def test_memory_path_output_order_is_uniform(kit, tmp_path: Path, monkeypatch) -
     ((n-1)/n X^2 ~ chi2((n-1)^2) for a sum of permutation matrices); alpha 1e-3 per table."""
     from scipy import stats
 
-    import shuffler.core as coremod
-    import shuffler.journal as journalmod
-    from shuffler.envelope import open_outer
+    import shuffledp.shuffler.core as coremod
+    import shuffledp.shuffler.journal as journalmod
+    from shuffledp.shuffler.envelope import open_outer
 
     for mod in (coremod, journalmod):  # durability is the crash tests' subject; keep this fast
         monkeypatch.setattr(mod.os, "fsync", lambda fd: None)
@@ -782,7 +782,7 @@ def test_memory_path_output_without_o_direct(core: ShufflerCore, kit, monkeypatc
     """Where the filesystem refuses O_DIRECT writes (tmpfs: EINVAL), the same bytes go through the page cache."""
     import errno
 
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     real = coremod.os.pwrite
     direct_fds: list[int] = []
@@ -857,7 +857,7 @@ def test_a_sealed_batchs_staging_buffer_is_reused_and_leaks_nothing_into_the_nex
     faulting in fresh pages; its output holds only its own reports even where the old batch's bytes sit in its
     holes; a buffer too small for the next batch is unmapped and replaced; with the option off, or after a
     refusal, the buffer is unmapped."""
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     maps: list = []
     real_mmap = coremod.mmap.mmap
@@ -918,7 +918,7 @@ def test_output_is_read_back_exactly_across_direct_read_chunks(tmp_path: Path, m
     import os
     import secrets
 
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     monkeypatch.setattr(coremod, "_READ_CHUNK", 8192)
     n = 7
@@ -947,7 +947,7 @@ def test_direct_read_refused_at_the_first_read_falls_back_and_an_abandoned_fetch
     import secrets
     import threading
 
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     monkeypatch.setattr(coremod, "_READ_CHUNK", 8192)
     items = [secrets.token_bytes(3000) for _ in range(9)]
@@ -986,7 +986,7 @@ def test_fetch_reader_failures_neither_leak_descriptors_nor_hang(tmp_path: Path,
     import secrets
     import threading
 
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     path = tmp_path / "out"
     path.write_bytes(secrets.token_bytes(5 * 3000))
@@ -1017,7 +1017,7 @@ def test_slot_hashes_refuse_a_hash_of_the_wrong_length(core: ShufflerCore, kit, 
     """A per-slot hash that is not 32 bytes must fail loudly, not shift every later slot's hash."""
     import dataclasses
 
-    import shuffler.envelope as envmod
+    import shuffledp.shuffler.envelope as envmod
 
     real_verify = envmod.OuterOpener.verify
     monkeypatch.setattr(envmod.OuterOpener, "verify",
@@ -1063,15 +1063,13 @@ def test_pipelined_checks_accept_the_same_reports_at_the_same_slots_as_inline(ki
     envelopes and the same permutation give byte-identical output inline (one add() per envelope) and pipelined
     (with one or two workers, whose checks may finish out of order), whether the envelopes arrive one per
     message or several per message (add_many: one job per message)."""
-    from array import array
-
-    from shuffler.core import BatchBuilder
-
     import itertools
     import threading
     import time
+    from array import array
 
-    import shuffler.envelope as envmod
+    import shuffledp.shuffler.envelope as envmod
+    from shuffledp.shuffler.core import BatchBuilder
 
     perm = array("I", [7, 2, 11, 0, 5, 9, 1, 10, 3, 8, 6, 4])
     monkeypatch.setattr(BatchBuilder, "draw_permutation", staticmethod(lambda n: array("I", perm[:n])))
@@ -1134,8 +1132,8 @@ def test_pipelined_checks_run_on_the_verify_pool_and_stay_bounded(core: Shuffler
     import threading
     import time
 
-    import shuffler.core as coremod
-    import shuffler.envelope as envmod
+    import shuffledp.shuffler.core as coremod
+    import shuffledp.shuffler.envelope as envmod
 
     threads: set[str] = set()
     real_verify = envmod.OuterOpener.verify
@@ -1168,7 +1166,7 @@ def test_pipelined_checks_run_on_the_verify_pool_and_stay_bounded(core: Shuffler
 def test_only_large_envelopes_are_pipelined(core: ShufflerCore, kit, monkeypatch) -> None:
     """With the production threshold, small envelopes are checked inline and large ones on the pool; a small
     envelope after large ones waits for their checks, so acceptance stays in arrival order."""
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     monkeypatch.setattr(coremod, "PIPELINE_MIN_JOB_BYTES", 256 << 10)
     submitted: list[int] = []
@@ -1190,7 +1188,7 @@ def test_only_large_envelopes_are_pipelined(core: ShufflerCore, kit, monkeypatch
 def test_abort_with_checks_in_flight_releases_everything(core: ShufflerCore, kit, monkeypatch) -> None:
     import threading
 
-    import shuffler.envelope as envmod
+    import shuffledp.shuffler.envelope as envmod
 
     gate = threading.Event()
     real_verify = envmod.OuterOpener.verify
@@ -1217,7 +1215,7 @@ def test_an_unexpected_error_in_a_pipelined_check_aborts_the_batch(core: Shuffle
     itself (add() leaves that to its caller, as with inline checks: the service aborts the stream)."""
     import threading
 
-    import shuffler.envelope as envmod
+    import shuffledp.shuffler.envelope as envmod
 
     gate = threading.Event()
     real_verify = envmod.OuterOpener.verify
@@ -1251,8 +1249,8 @@ def test_staging_starts_before_the_first_envelope_is_verified(core: ShufflerCore
     first *accepted* report, so a refusal (or the zero-fill's delay) answered "this envelope is valid"."""
     import errno
 
-    import shuffler.core as coremod
-    import shuffler.envelope as envmod
+    import shuffledp.shuffler.core as coremod
+    import shuffledp.shuffler.envelope as envmod
 
     checked: list[int] = []
     real_verify = envmod.OuterOpener.verify
@@ -1273,7 +1271,7 @@ def test_staging_starts_before_the_first_envelope_is_verified(core: ShufflerCore
 def test_a_message_is_one_job_and_small_jobs_are_checked_inline(core: ShufflerCore, kit, monkeypatch) -> None:
     """With the production threshold, the envelopes of one message go to the pool as one job if their plaintext
     reaches PIPELINE_MIN_JOB_BYTES, and are checked inline otherwise; either way the outcome is in order."""
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     monkeypatch.setattr(coremod, "PIPELINE_MIN_JOB_BYTES", 256 << 10)
     jobs: list[int] = []
@@ -1306,7 +1304,7 @@ def test_a_message_beyond_the_expected_count_is_refused_after_its_first_envelope
     staging refusal among them wins, as with one add() per envelope), then count_mismatch aborts the batch."""
     import errno
 
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     envs = [kit.seal(i) for i in range(kit.k + 1)]
     b = core.begin(kit.header(kit.k))
@@ -1370,7 +1368,7 @@ def test_close_gives_up_on_a_batch_left_open_past_the_drain_timeout(kit, tmp_pat
     b = core.begin(kit.header(5))
     for i in range(5):
         b.add(kit.seal(i))
-    with caplog.at_level(logging.WARNING, logger="shuffler.core"):
+    with caplog.at_level(logging.WARNING, logger="shuffledp.shuffler.core"):
         assert core.close(drain_timeout=0.05) is False
     assert "1 batch(es) still open after 0.05 s" in caplog.text
     with pytest.raises(Refused) as exc:  # the core closed before it was sealed: nothing is committed
@@ -1389,7 +1387,7 @@ def _hold_commit_in_fsync(monkeypatch):  # type: ignore[no-untyped-def]
     """Make a commit block in its first directory fsync: returns (entered, release) events."""
     import threading
 
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     entered, release = threading.Event(), threading.Event()
     real_fsync_dir = coremod.fsync_dir
@@ -1477,7 +1475,7 @@ def test_a_fresh_staging_buffer_is_faulted_in_before_any_report(
     # said whether its (secret) slot shared a page with an earlier report's. The whole buffer is faulted in first.
     import mmap
 
-    import shuffler.core as core_mod
+    import shuffledp.shuffler.core as core_mod
 
     if advice == "fallback":  # a kernel without MADV_POPULATE_WRITE: the sequential zero write
         monkeypatch.setattr(core_mod, "_MADV_POPULATE_WRITE", 10_000)
@@ -1504,7 +1502,7 @@ def test_failures_after_the_rename_leave_at_most_one_output_without_a_record(kit
     # shuffler kept serving. Two such outputs made the next start refuse as "records were lost".
     import errno
 
-    import shuffler.core as cmod
+    import shuffledp.shuffler.core as cmod
 
     core = ShufflerCore(kit.core_config(tmp_path / "j"))
     real = cmod.fsync_dir
@@ -1547,7 +1545,7 @@ def test_a_prefault_that_finds_memory_short_refuses_the_batch(core: ShufflerCore
     # staging_memory refusal, not a zero write that invites the OOM killer.
     import errno
 
-    import shuffler.core as core_mod
+    import shuffledp.shuffler.core as core_mod
 
     class ShortOfMemory:
         def madvise(self, advice: int) -> None:

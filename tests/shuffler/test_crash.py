@@ -20,14 +20,14 @@ from typing import Any
 import grpc
 import pytest
 
-from shuffler import shuffler_pb2 as pb
-from shuffler import wire
-from shuffler.client import ShufflerError
-from shuffler.core import Header
-from shuffler.config import load_config
-from shuffler.envelope import ENVELOPE_VERSION
-from shuffler.process import ShufflerStartError
-from shuffler.service import core_from_config
+from shuffledp.shuffler import shuffler_pb2 as pb
+from shuffledp.shuffler import wire
+from shuffledp.shuffler.client import ShufflerError
+from shuffledp.shuffler.config import load_config
+from shuffledp.shuffler.core import Header
+from shuffledp.shuffler.envelope import ENVELOPE_VERSION
+from shuffledp.shuffler.process import ShufflerStartError
+from shuffledp.shuffler.service import core_from_config
 
 from ._fixtures_adv import (  # noqa: TID252
     FETCH,
@@ -370,7 +370,7 @@ def test_output_damaged_on_disk_is_never_served_as_good(kit, running) -> None:
     """If a sealed output file is truncated or altered behind the service's back (disk fault, operator error),
     Fetch must not pass off wrong bytes: a truncated file ends the stream with an error, and altered bytes are
     caught by the client's check against the attested output digest."""
-    from shuffler.attestation import AttestationError
+    from shuffledp.shuffler.attestation import AttestationError
 
     envs, _ = _honest(kit, 12)
     with kit.client(running.address) as c:
@@ -391,10 +391,10 @@ def test_output_damaged_on_disk_is_never_served_as_good(kit, running) -> None:
 _FAILED_APPEND_SCRIPT = r"""
 import json, os, resource, signal, sys
 from pathlib import Path
-from shuffler.config import load_config
-from shuffler.core import Header
-from shuffler.envelope import ENVELOPE_VERSION
-from shuffler.service import core_from_config
+from shuffledp.shuffler.config import load_config
+from shuffledp.shuffler.core import Header
+from shuffledp.shuffler.envelope import ENVELOPE_VERSION
+from shuffledp.shuffler.service import core_from_config
 
 cfg_path, env_dir = sys.argv[1], Path(sys.argv[2])
 cfg = load_config(cfg_path)

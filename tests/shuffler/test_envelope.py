@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 
-from shuffler import envelope as env
-from shuffler.envelope import (
+from shuffledp.shuffler import envelope as env
+from shuffledp.shuffler.envelope import (
     ENVELOPE_OVERHEAD,
     INNER_OVERHEAD,
     EnvelopeError,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shuffler import heap
-from shuffler.process import ShufflerProcess
+from shuffledp.shuffler import heap
+from shuffledp.shuffler.process import ShufflerProcess
 
 from .conftest import write_config
 
@@ -24,7 +24,7 @@ _FAULTS = textwrap.dedent(
     """
     import ctypes, json, resource, sys
     ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
-    from shuffler import heap
+    from shuffledp.shuffler import heap
     result = heap.tune_heap(2 << 20) if sys.argv[1] == "tuned" else None
     again = heap.tune_heap(4 << 20) if result is not None else None
     payload = bytes(1 << 20)

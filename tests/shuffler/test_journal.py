@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shuffler.journal import Journal, JournalCorrupt
+from shuffledp.shuffler.journal import Journal, JournalCorrupt
 
 
 def _fill(d: Path, n: int) -> list[int]:
@@ -94,8 +94,8 @@ def test_orphans_are_quarantined_and_staging_is_removed(tmp_path: Path) -> None:
 def test_failed_append_is_rolled_back_and_nothing_is_committed_later(tmp_path: Path, monkeypatch) -> None:
     import errno
 
-    import shuffler.journal as jmod
-    from shuffler.journal import JournalFailed, JournalWriteError
+    import shuffledp.shuffler.journal as jmod
+    from shuffledp.shuffler.journal import JournalFailed, JournalWriteError
 
     _fill(tmp_path, 2)
     j = Journal(tmp_path)
@@ -131,7 +131,7 @@ def test_write_file_durably_replaces_with_mode_and_fsyncs_the_directory(tmp_path
     import os
     import stat
 
-    import shuffler.journal as journal
+    import shuffledp.shuffler.journal as journal
 
     synced: list[Path] = []
     real = journal.fsync_dir
@@ -152,7 +152,7 @@ def test_write_file_durably_without_overwrite_never_replaces_a_file_that_appears
     after any check (here: right after the temporary file was made) is kept, and the call fails."""
     import tempfile
 
-    import shuffler.journal as journal
+    import shuffledp.shuffler.journal as journal
 
     target = tmp_path / "key.pem"
     real_mkstemp = tempfile.mkstemp
@@ -176,7 +176,7 @@ def test_write_file_durably_without_hard_links_still_never_replaces(tmp_path: Pa
     import os
     import stat
 
-    import shuffler.journal as journal
+    import shuffledp.shuffler.journal as journal
 
     def no_link(src, dst):
         raise PermissionError(errno.EPERM, "Operation not permitted", src, None, dst)
@@ -195,7 +195,7 @@ def test_write_file_durably_without_hard_links_still_never_replaces(tmp_path: Pa
 def test_write_file_durably_tolerates_a_filesystem_that_cannot_sync_directories(tmp_path: Path, monkeypatch) -> None:
     import errno
 
-    import shuffler.journal as journal
+    import shuffledp.shuffler.journal as journal
 
     def einval(_d):
         raise OSError(errno.EINVAL, "Invalid argument")

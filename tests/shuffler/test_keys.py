@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from shuffler import keys
-from shuffler.cli import main as cli_main
-from shuffler.config import load_config
-
+from shuffledp.shuffler import keys
+from shuffledp.shuffler.cli import main as cli_main
+from shuffledp.shuffler.config import load_config
 
 LAYOUT = [
     "public/shuffler_hpke.pub",
@@ -110,7 +109,7 @@ def test_enrolment_validation(tmp_path: Path) -> None:
     (tmp_path / "i.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="not hex"):
         keys.load_enrolment(tmp_path / "i.json")
-    # keys libsodium refuses (shuffler.envelope checks signatures with it): the identity point, a point of order
+    # keys libsodium refuses (shuffledp.shuffler.envelope checks signatures with it): the identity point, a point of order
     # 8 and a point of mixed order (a + the order-8 point, outside the prime-order subgroup). OpenSSL parses all
     # three, and its cofactorless check even accepts a forged signature under the identity key.
     ident = (1).to_bytes(32, "little")
@@ -188,7 +187,7 @@ def test_cli_client_and_enrol_keep_client_private_keys_on_the_device(tmp_path: P
 
 
 def test_a_key_path_under_a_regular_file_is_not_reported_as_an_existing_key(tmp_path: Path) -> None:
-    from shuffler.keys import save_public_key
+    from shuffledp.shuffler.keys import save_public_key
 
     (tmp_path / "notadir").write_text("")
     with pytest.raises(OSError) as exc:

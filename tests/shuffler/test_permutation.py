@@ -1,6 +1,6 @@
 """The permutation and what leaves the shuffler.
 
-1. Uniformity. Batches of 8 reports go through the real batch logic (``shuffler.core``, no gRPC, for speed).
+1. Uniformity. Batches of 8 reports go through the real batch logic (``shuffledp.shuffler.core``, no gRPC, for speed).
    For each batch the output position of the report that arrived j-th is found (by matching inner
    ciphertexts), giving an 8x8 table of counts over all batches. Under a uniform permutation every cell has
    expectation N/8.
@@ -44,11 +44,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import shuffler
-from shuffler import shuffler_pb2 as pb
-from shuffler.attestation import DROP_REASONS
-from shuffler.core import ShufflerCore
-from shuffler.envelope import open_outer
+from shuffledp import shuffler
+from shuffledp.shuffler import shuffler_pb2 as pb
+from shuffledp.shuffler.attestation import DROP_REASONS
+from shuffledp.shuffler.core import ShufflerCore
+from shuffledp.shuffler.envelope import open_outer
 
 from ._fixtures_adv import (  # noqa: TID252
     FETCH,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shuffler.process import ShufflerProcess, ShufflerStartError
+from shuffledp.shuffler.process import ShufflerProcess, ShufflerStartError
 
 from .conftest import write_config  # noqa: TID252
 
@@ -58,8 +58,8 @@ def test_process_reports_startup_failure(kit, tmp_path: Path) -> None:
 def test_module_cli_usage_and_config_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('address = "0.0.0.0:0"\ninsecure = true\n')
-    r = subprocess.run([sys.executable, "-m", "shuffler.cli", "shuffler", "serve", "--config", str(bad)],
+    r = subprocess.run([sys.executable, "-m", "shuffledp.shuffler.cli", "shuffler", "serve", "--config", str(bad)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "missing required keys" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "shuffler.cli", "nonsense"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "shuffledp.shuffler.cli", "nonsense"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "usage" in r.stderr

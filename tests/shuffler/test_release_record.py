@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from shuffler.cli import journal_listing, main
-from shuffler.core import Refused, ShufflerCore
-from shuffler.journal import read_records
+from shuffledp.shuffler.cli import journal_listing, main
+from shuffledp.shuffler.core import Refused, ShufflerCore
+from shuffledp.shuffler.journal import read_records
 
 
 def _seal(core: ShufflerCore, kit, n: int, round_id: int):
@@ -59,7 +59,7 @@ def test_first_fetch_is_journalled_once_and_survives_restart(kit, tmp_path: Path
 def _fail_next_journal_write(monkeypatch, core: ShufflerCore, err: int) -> None:
     import os as _os
 
-    import shuffler.journal as jmod
+    import shuffledp.shuffler.journal as jmod
 
     real_write = _os.write
 
@@ -140,12 +140,12 @@ def test_an_honest_listing_passes_the_audit_across_a_key_rotation(
 ) -> None:
     """What ``shuffledp shuffler journal`` prints for a real shuffler, set against the ledgers the server would
     write, gives no violation in any scope, with keys or without, across a rotation of the signing key; and the
-    same listing with one line's epoch relabelled does (server.audit)."""
+    same listing with one line's epoch relabelled does (shuffledp.deploy.audit)."""
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
-    from accounting.ledger import Ledger
-    from server.audit import main as audit
-    from shuffler.keys import save_public_key
+    from shuffledp.accounting.ledger import Ledger
+    from shuffledp.deploy.audit import main as audit
+    from shuffledp.shuffler.keys import save_public_key
 
     def seal(core: ShufflerCore, n: int, round_id: int, epoch: int, empty: int = 0):
         b = core.begin(kit.header(n + empty, round_id=round_id, key_epoch=epoch))

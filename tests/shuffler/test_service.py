@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shuffler import shuffler_pb2 as pb
-from shuffler import keys, tls
-from shuffler.attestation import AttestationError
-from shuffler.client import ShufflerClient, ShufflerError
-from shuffler.envelope import ENVELOPE_VERSION, model_digest, open_inner
+from shuffledp.shuffler import keys, tls
+from shuffledp.shuffler import shuffler_pb2 as pb
+from shuffledp.shuffler.attestation import AttestationError
+from shuffledp.shuffler.client import ShufflerClient, ShufflerError
+from shuffledp.shuffler.envelope import ENVELOPE_VERSION, open_inner
 
 SUBMIT = "/shuffledp.shuffler.v1.Shuffler/Submit"
 FETCH = "/shuffledp.shuffler.v1.Shuffler/Fetch"
@@ -134,7 +133,7 @@ def test_a_protocol_1_batch_is_sealed_fetched_and_checked_with_its_own_digest(ki
     """An older peer's batch (header protocol_version 1, SHA-256 envelopes) is accepted and attested as format
     v2; ShufflerClient.fetch checks it with the format's own digest (per-item SHA-256), so such batches stay
     fetchable after an upgrade."""
-    from shuffler.attestation import Attestation
+    from shuffledp.shuffler.attestation import Attestation
 
     envs = [kit.seal(i, round_id=4, version=1) for i in range(4)] + [kit.seal(4, round_id=4)]
     ch = _channel(kit, running.address)
@@ -157,7 +156,7 @@ def test_the_client_refuses_an_attestation_of_another_protocol_version(kit, runn
     """A faulty shuffler that attests a version-2 submission as protocol 1 (a consistent, signed format-v2
     statement) is refused by ShufflerClient.submit: the server would otherwise open the batch as the wrong
     version."""
-    from shuffler.attestation import Attestation
+    from shuffledp.shuffler.attestation import Attestation
 
     real = Attestation.build_statement
 
@@ -289,10 +288,10 @@ def test_client_parameter_validation(kit) -> None:
 
 def _service(kit, tmp_path, *, max_workers: int = 4, idle: float | None = None, stall: float | None = None,
              max_duration: float | None = None, **config: object):
-    from .conftest import write_config  # noqa: TID252
+    from shuffledp.shuffler.config import load_config
+    from shuffledp.shuffler.service import build_server, core_from_config
 
-    from shuffler.config import load_config
-    from shuffler.service import build_server, core_from_config
+    from .conftest import write_config  # noqa: TID252
 
     path = write_config(kit, tmp_path / "shuffler.toml", **config)
     if idle is not None:  # top-level keys must come before the [tls] table
@@ -461,7 +460,7 @@ def test_fetch_of_a_damaged_output_is_internal(kit, running) -> None:
 def test_journal_failure_turns_health_not_serving_and_refuses_submits(kit, tmp_path, monkeypatch) -> None:
     import errno
 
-    import shuffler.journal as jmod
+    import shuffledp.shuffler.journal as jmod
 
     server, core, address = _service(kit, tmp_path)
     try:
@@ -488,7 +487,7 @@ def test_journal_failure_turns_health_not_serving_and_refuses_submits(kit, tmp_p
 def test_rolled_back_commit_on_a_full_disk_is_disk_full(kit, running, monkeypatch) -> None:
     import errno
 
-    import shuffler.journal as jmod
+    import shuffledp.shuffler.journal as jmod
 
     real_write = jmod.os.write
     monkeypatch.setattr(jmod.os, "write", lambda fd, d: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
@@ -504,7 +503,7 @@ def test_rolled_back_commit_on_a_full_disk_is_disk_full(kit, running, monkeypatc
 def test_a_release_that_cannot_be_recorded_is_refused_with_nothing_streamed(kit, running, monkeypatch) -> None:
     import errno
 
-    import shuffler.journal as jmod
+    import shuffledp.shuffler.journal as jmod
 
     att = _submit(kit, running, [kit.seal(i) for i in range(4)])
     real_write = jmod.os.write
@@ -544,8 +543,8 @@ def test_announced_length_releases_the_honest_reports_and_oversized_are_skipped(
 
 def test_config_staging_memory_limit_reaches_the_core(kit, tmp_path) -> None:
     """`staging_memory_limit` in the service config is what the core uses to choose memory or disk staging."""
-    from shuffler.config import load_config
-    from shuffler.service import core_from_config
+    from shuffledp.shuffler.config import load_config
+    from shuffledp.shuffler.service import core_from_config
 
     from .conftest import write_config
 
@@ -565,8 +564,8 @@ def test_refusals_and_errors_from_pipelined_checks_reach_the_client(kit, running
     stays up, and nothing is consumed."""
     import errno
 
-    import shuffler.core as coremod
-    import shuffler.envelope as envmod
+    import shuffledp.shuffler.core as coremod
+    import shuffledp.shuffler.envelope as envmod
 
     real_mmap, real_verify = coremod.mmap.mmap, envmod.OuterOpener.verify
     monkeypatch.setattr(coremod.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOMEM, "no")))
@@ -592,12 +591,12 @@ def test_small_envelopes_travel_packed_even_with_a_tight_envelope_limit(kit, tmp
     """The gRPC message limit is max(max_envelope_bytes, the packing size) + slack, so a shuffler configured for
     small envelopes still receives them packed, one signature-check job per message, and streams its output
     packed; a message above that limit is still refused."""
-    from .conftest import write_config  # noqa: TID252
+    from shuffledp.shuffler import wire
+    from shuffledp.shuffler.config import load_config
+    from shuffledp.shuffler.core import BatchBuilder
+    from shuffledp.shuffler.service import build_server, core_from_config, message_limit
 
-    from shuffler import wire
-    from shuffler.config import load_config
-    from shuffler.core import BatchBuilder
-    from shuffler.service import build_server, core_from_config, message_limit
+    from .conftest import write_config  # noqa: TID252
 
     max_envelope = 4096
     cfg = load_config(write_config(kit, tmp_path / "shuffler.toml", max_envelope_bytes=max_envelope))
@@ -640,9 +639,9 @@ def test_packing_follows_the_limit_each_peer_states(kit, running, tmp_path, monk
     """Fetch packs up to the limit the fetcher states (FetchRequest.max_message_bytes), and the legacy 256 KiB when
     it states none; a submitter packs up to the limit the shuffler states in its Stats, and 256 KiB to a shuffler
     that states none (older versions of either side accept nothing larger)."""
-    from shuffler import wire
-    from shuffler.core import BatchBuilder
-    from shuffler.service import FRAMING_SLACK, ShufflerServicer, message_limit
+    from shuffledp.shuffler import wire
+    from shuffledp.shuffler.core import BatchBuilder
+    from shuffledp.shuffler.service import FRAMING_SLACK, ShufflerServicer, message_limit
 
     size = 60 * 1024
     envs = [kit.seal(i, size=size) for i in range(kit.n_clients)]
@@ -720,7 +719,7 @@ def test_packing_follows_the_limit_each_peer_states(kit, running, tmp_path, monk
 
 def test_attestation_counts_must_add_up_and_lengths_must_follow(kit) -> None:
     # Cheap cross-checks a malicious or faulty shuffler could otherwise slip past the server's accountant.
-    from shuffler.attestation import DROP_REASONS, Attestation, sign_statement
+    from shuffledp.shuffler.attestation import DROP_REASONS, Attestation, sign_statement
 
     base = dict(batch_id=bytes(16), protocol_version=1, key_epoch=0, round_id=1, model_digest=kit.digest, k=2,
                 n_received=5, n_accepted=3, inner_length=100, output_digest=bytes(32),
@@ -755,7 +754,7 @@ def test_the_idle_timeout_counts_only_time_spent_waiting_for_the_stream(kit, tmp
     sealed), which the ServerApp treats as fatal."""
     import time
 
-    import shuffler.core as coremod
+    import shuffledp.shuffler.core as coremod
 
     real_finish = coremod.BatchBuilder.finish
 
@@ -780,7 +779,7 @@ def test_a_large_message_gets_its_transfer_time_at_the_minimum_rate() -> None:
     1 MB/s link with 6 MB reports was cancelled after 1 s), and a reader that stops still is, later."""
     import time
 
-    from shuffler.service import _IdleWatchdog
+    from shuffledp.shuffler.service import _IdleWatchdog
 
     class Ctx:
         cancelled: list[str] = []
@@ -807,7 +806,7 @@ def test_a_large_message_gets_its_transfer_time_at_the_minimum_rate() -> None:
 
 
 def test_worker_split_keeps_threads_for_health_and_is_validated() -> None:
-    from shuffler.service import RESERVED_WORKERS, worker_split
+    from shuffledp.shuffler.service import RESERVED_WORKERS, worker_split
 
     for workers in range(RESERVED_WORKERS + 2, 40):
         submits, fetches = worker_split(workers)

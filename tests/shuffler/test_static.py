@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import shuffler
+from shuffledp import shuffler
 
 PKG = Path(shuffler.__file__).resolve().parent
 SOURCES = [p for p in PKG.glob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
@@ -35,7 +35,7 @@ def test_no_random_or_numpy_random_torch_flwr() -> None:
 def test_generated_stubs_match_the_proto() -> None:
     from google.protobuf import descriptor_pb2
 
-    from shuffler import shuffler_pb2
+    from shuffledp.shuffler import shuffler_pb2
 
     fd = descriptor_pb2.FileDescriptorProto()
     shuffler_pb2.DESCRIPTOR.CopyToProto(fd)

@@ -7,8 +7,8 @@ import time
 import grpc
 import pytest
 
-from shuffler.client import ShufflerError
-from shuffler.envelope import open_inner
+from shuffledp.shuffler.client import ShufflerError
+from shuffledp.shuffler.envelope import open_inner
 
 from .test_service import _service  # noqa: TID252
 

@@ -9,7 +9,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from shuffler import tls
+from shuffledp.shuffler import tls
 
 
 @pytest.fixture(scope="module")

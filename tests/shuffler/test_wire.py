@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shuffler import shuffler_pb2 as pb
-from shuffler.wire import (
+from shuffledp.shuffler import shuffler_pb2 as pb
+from shuffledp.shuffler.wire import (
     decode_repeated_bytes_field,
     decode_single_bytes_field,
     encode_bytes_field,
@@ -54,7 +54,7 @@ def test_submit_deserializer_fast_path_and_fallback() -> None:
     import pytest
     from google.protobuf.message import DecodeError
 
-    from shuffler.service import _submit_request
+    from shuffledp.shuffler.service import _submit_request
 
     env = b"\x01" * 500
     fast = _submit_request(pb.SubmitRequest(envelope=env).SerializeToString())
@@ -90,7 +90,7 @@ def test_repeated_decode_rejects_anything_else() -> None:
 
 
 def test_submit_deserializer_batch_fast_path() -> None:
-    from shuffler.service import _submit_request, batch_envelopes
+    from shuffledp.shuffler.service import _submit_request, batch_envelopes
 
     items = [b"\x01" * 300, b"", b"\x02" * 5]
     req = _submit_request(pb.SubmitRequest(batch=pb.EnvelopeBatch(envelopes=items)).SerializeToString())
@@ -112,8 +112,8 @@ def test_a_batch_of_many_tiny_items_is_neither_walked_nor_materialised(monkeypat
     here, about 12.6 s for a 64 MiB message), and only those become objects."""
     import tracemalloc
 
-    from shuffler import wire
-    from shuffler.service import _submit_request, batch_envelopes
+    from shuffledp.shuffler import wire
+    from shuffledp.shuffler.service import _submit_request, batch_envelopes
 
     walked = 0
     real_field_at = wire._field_at
@@ -144,8 +144,8 @@ def test_a_large_non_canonical_message_is_refused_not_parsed(monkeypatch) -> Non
     """Above CANONICAL_ABOVE bytes, a message that is not one envelope or one canonical batch is refused with
     INVALID_ARGUMENT non_canonical; the generated parser (one object per item, about 1 GiB of memory for a 64 MiB
     message of empty items) never sees it. Below it, odd encodings are still parsed."""
-    from shuffler.core import Refused
-    from shuffler.service import CANONICAL_ABOVE, _item_kind, _submit_request, batch_envelopes
+    from shuffledp.shuffler.core import Refused
+    from shuffledp.shuffler.service import CANONICAL_ABOVE, _item_kind, _submit_request, batch_envelopes
 
     def no_parser(raw):  # type: ignore[no-untyped-def]
         raise AssertionError("the generated parser was called")
@@ -173,7 +173,7 @@ def test_a_large_non_canonical_message_is_refused_not_parsed(monkeypatch) -> Non
 
 
 def test_packed_keeps_order_and_the_limit() -> None:
-    from shuffler.wire import packed
+    from shuffledp.shuffler.wire import packed
 
     items = [b"a" * 10, b"b" * 10, b"c" * 50, b"", b"d" * 10]
     groups = list(packed(iter(items), 45))

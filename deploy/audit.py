@@ -1,7 +1,7 @@
 """``shuffledp audit``: set the shuffler's record of released batches against the server's privacy ledgers.
 
-The server charges its accountant, and appends the ledger row, *before* it fetches a batch (server.rounds); the
-shuffler journals a release record before the first byte of a batch leaves it (shuffler.core, ``record_release``).
+The server charges its accountant, and appends the ledger row, *before* it fetches a batch (shuffledp.server.rounds); the
+shuffler journals a release record before the first byte of a batch leaves it (shuffledp.shuffler.core, ``record_release``).
 So every batch the shuffler released must have a ledger row charged with exactly its attested count. A released
 batch without one is privacy spent off the books; that, a count that differs, a row that names another batch, or
 an attestation that does not verify is a **violation** (exit code 1). A ledger row whose batch was never
@@ -31,7 +31,7 @@ editing its statement too is the same as deleting the line from the listing, whi
 bit and ``released_at`` are the shuffler operator's statement (they are not signed).
 
 **Matching.** The server records with each ledger row the key epoch and batch id of the batch it charged (from
-the verified attestation; ``accounting.ledger``, table ``batches``). A row is matched to the listing's batch of
+the verified attestation; ``shuffledp.accounting.ledger``, table ``batches``). A row is matched to the listing's batch of
 its (key epoch, round), and a different batch id there is a violation, so a listing of another run cannot pass
 for this one. A ledger written before rows recorded their batch is matched by round number alone, in the one
 audited epoch that no other ledger charged (audit it alone with ``--key-epoch`` if that is ambiguous), and the
@@ -54,7 +54,7 @@ __all__ = ["AuditError", "AuditReport", "audit", "main", "read_releases"]
 
 _LISTING_KEYS = ("batch_id", "key_epoch", "round_id", "n", "statement", "signature", "released")
 _U32_MAX = 2**32 - 1  # key epochs are u32 in the envelope binding and the attestation
-_BATCH_ID_HEX = re.compile(r"[0-9a-f]{32}")  # accounting.ledger.BATCH_ID_BYTES = 16, stored as lowercase hex
+_BATCH_ID_HEX = re.compile(r"[0-9a-f]{32}")  # shuffledp.accounting.ledger.BATCH_ID_BYTES = 16, stored as lowercase hex
 
 
 class AuditError(ValueError):
@@ -181,7 +181,7 @@ def _statement_mismatch(row: Mapping[str, Any]) -> str | None:
     listing agrees with itself: a line whose batch id, epoch, round or count was changed without its statement is
     caught with no key at all (editing the statement too breaks the signature, see the module docstring). The
     release bit is not in the statement, and not covered."""
-    from shuffler.attestation import ATTESTATION_FORMATS
+    from shuffledp.shuffler.attestation import ATTESTATION_FORMATS
 
     try:
         doc = json.loads(str(row["statement"]))
@@ -201,7 +201,7 @@ def _statement_mismatch(row: Mapping[str, Any]) -> str | None:
 def _check_attestation(row: Mapping[str, Any], verify_key: bytes) -> str | None:
     """None if the line's attestation verifies with ``verify_key`` (its naming its line is
     :func:`_statement_mismatch`'s check); else why not."""
-    from shuffler.attestation import Attestation, AttestationError
+    from shuffledp.shuffler.attestation import Attestation, AttestationError
 
     try:
         Attestation.verify(str(row["statement"]).encode(), bytes.fromhex(str(row["signature"])), verify_key)
@@ -252,7 +252,7 @@ def audit(
     """Check that every released batch of the audited key epochs was charged with its attested count.
 
     Args:
-        ledgers: ledger name (e.g. its path) -> its rows, as :meth:`accounting.ledger.Ledger.rows` returns them
+        ledgers: ledger name (e.g. its path) -> its rows, as :meth:`shuffledp.accounting.ledger.Ledger.rows` returns them
             (``round``, ``n_reports`` and, for rounds recorded with their batch, ``key_epoch`` and ``batch_id``).
             One ledger per run, so one per key epoch.
         releases: the shuffler's listing, as :func:`read_releases` returns it.
@@ -444,13 +444,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = _parser().parse_args(args)
     except SystemExit as exc:
         return int(exc.code) if isinstance(exc.code, int) else 2
-    from accounting.ledger import Ledger, LedgerError
+    from shuffledp.accounting.ledger import Ledger, LedgerError
 
     try:
         with open(ns.releases, encoding="utf-8") as fh:
             releases = read_releases(fh.read())
         bare, per_epoch = _verify_key_arg(ns.shuffler_verify_key)
-        from shuffler.keys import load_public_key
+        from shuffledp.shuffler.keys import load_public_key
 
         verify_key = load_public_key(bare, "ed25519") if bare is not None else None
         epoch_keys = {epoch: load_public_key(path, "ed25519") for epoch, path in per_epoch.items()}

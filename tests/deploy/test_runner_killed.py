@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from server.runner import _alive, _descendants
+from shuffledp.deploy.runner import _alive, _descendants
 
 pytestmark = pytest.mark.e2e
 
 
 def test_a_killed_runner_leaves_nothing_running(tmp_path: Path) -> None:
     env = dict(os.environ, SHUFFLEDP_FLWR_HOME=str(tmp_path / "flwr-home"))
-    argv = [sys.executable, "-m", "server.cli", "run", "--clients", "4", "--rounds", "400", "--run-name", "k",
+    argv = [sys.executable, "-m", "shuffledp.deploy.cli", "run", "--clients", "4", "--rounds", "400", "--run-name", "k",
             "--output-dir", str(tmp_path / "outputs"), "--run-config", "min-reports=3 budget-epsilon=100000"]
     log = tmp_path / "runner.log"
     with open(log, "w") as out:

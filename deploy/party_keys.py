@@ -1,6 +1,6 @@
 """Per-party key generation for a deployment: each party makes its own secrets on its own host.
 
-``shuffledp deploy keys --out DIR --nodes N`` (:func:`server.deploy_cli.create_deploy_keys`) writes every
+``shuffledp deploy keys --out DIR --nodes N`` (:func:`shuffledp.deploy.local.create_deploy_keys`) writes every
 party's secrets into one directory, which suits one-operator tests only: whoever holds that directory holds
 both HPKE private keys and can link every report to its sender. ``--party`` splits the same layout by who keeps
 what (deploy/README.md, "Keys and who keeps them"), and only public files and a certificate signing request
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from server.deploy_cli import (
+from shuffledp.deploy.local import (
     DeployError,
     DeployKeys,
     DeployUsageError,
@@ -73,7 +73,7 @@ DEVICE_FILES = {
     "supernode_pub": "supernode.pub",
 }
 
-# Secrets by party, as paths relative to a directory (DeployKeys / shuffler.keys.KeyDirectory layout); a party's
+# Secrets by party, as paths relative to a directory (DeployKeys / shuffledp.shuffler.keys.KeyDirectory layout); a party's
 # directory must hold none of another party's.
 _SECRETS = {
     "server": ("server/hpke.key", "superlink/ca.key", "superlink/superlink.key", "superlink/superexec.secret",
@@ -127,8 +127,8 @@ def create_server_keys(out: str | os.PathLike[str], *, sans: Sequence[str] = ())
 
 
 def _write_server_keys(root: Path, names: list[str]) -> None:
-    from shuffler import keys as shuffler_keys
-    from shuffler import tls
+    from shuffledp.shuffler import keys as shuffler_keys
+    from shuffledp.shuffler import tls
 
     paths = DeployKeys(root)
     write_superlink_tls(paths, names)
@@ -148,12 +148,12 @@ def create_shuffler_keys(out: str | os.PathLike[str], *, k: int, key_epoch: int 
                          sans: Sequence[str] = ()) -> DeployKeys:
     """The shuffler operator's keys, made on the shuffler's host (``deploy keys --party shuffler``).
 
-    :func:`shuffler.keys.init_shuffler_keys`: the shuffler's HPKE and signing keys, its mTLS CA and server
+    :func:`shuffledp.shuffler.keys.init_shuffler_keys`: the shuffler's HPKE and signing keys, its mTLS CA and server
     certificate (SANs ``localhost``, ``127.0.0.1`` and ``sans``) and ``shuffler.toml`` with release threshold
     ``k``. The enrolment file is made by ``shuffledp keys enrol`` from the devices' ``client.pub``; the service
     refuses to start until ``k`` clients are enrolled.
     """
-    from shuffler import keys as shuffler_keys
+    from shuffledp.shuffler import keys as shuffler_keys
 
     k = _check_int("--k", k, 1, 1_000_000)
     key_epoch = _check_int("--key-epoch", key_epoch, 0, 2**32 - 1)
@@ -175,7 +175,7 @@ def create_device_keys(out: str | os.PathLike[str], node: int) -> Path:
     ``supernode.pub`` is registered with ``flwr supernode register``). ``deploy bundle --device`` later adds the
     public files the device pins and its node config. Returns the directory.
     """
-    from shuffler import keys as shuffler_keys
+    from shuffledp.shuffler import keys as shuffler_keys
 
     node = _check_int("--node", node, 0, 2**31 - 1)
     with staged_directory(out) as root:
@@ -197,7 +197,7 @@ def complete_device_bundle(device_dir: str | os.PathLike[str], *, nodes: int, su
     ``superlink_ca`` is the server operator's ``superlink/ca.crt`` and ``server_public_key`` its
     ``public/server_hpke.pub``; ``shuffler_public_key`` is the shuffler operator's ``public/shuffler_hpke.pub``.
     Each is checked to be what it claims (a CA certificate, X25519 public keys) before anything is written.
-    ``limits_and_data`` are :func:`server.deploy_cli.device_node_config`'s. Only the parsed public objects are
+    ``limits_and_data`` are :func:`shuffledp.deploy.local.device_node_config`'s. Only the parsed public objects are
     written (never the rest of a file), and all four files are written or none. Raises DeployError.
     """
     root = Path(device_dir)
@@ -274,8 +274,8 @@ def sign_serverapp_request(shuffler_dir: str | os.PathLike[str], csr: str | os.P
     overwriting); hand it back with ``tls/ca.crt``. Raises DeployError for a bad request or a directory without
     the CA key.
     """
-    from shuffler import tls
-    from shuffler.keys import KeyDirectory
+    from shuffledp.shuffler import tls
+    from shuffledp.shuffler.keys import KeyDirectory
 
     d = KeyDirectory(Path(shuffler_dir))
     try:
@@ -418,8 +418,8 @@ def _leaf_problems(base: Path, cert_rel: str, key_rel: str, ca_rel: str, common_
 
 def _enrolment_problems(base: Path) -> list[str]:
     """The shuffler refuses to start with fewer enrolled clients than its release threshold ``k``."""
-    from shuffler.config import ConfigError, load_config
-    from shuffler.keys import load_enrolment
+    from shuffledp.shuffler.config import ConfigError, load_config
+    from shuffledp.shuffler.keys import load_enrolment
 
     if not (base / "enrolment.json").is_file():
         return []  # reported as missing

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from server import runner
+from shuffledp.deploy import runner as runner
 
 
 def test_parse_overrides_reads_toml_values_and_bare_strings() -> None:

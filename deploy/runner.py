@@ -12,11 +12,11 @@
 4. stops the SuperLink (and its children) and prints the path of ``outputs/<run>/``.
 
 ``shuffledp resume RUN`` (a run name under the output directory, or the run's folder) relaunches the same run:
-the ServerApp continues from the run's checkpoint and ledger (see :meth:`server.rounds.RoundEngine.restore`).
+the ServerApp continues from the run's checkpoint and ledger (see :meth:`shuffledp.server.rounds.RoundEngine.restore`).
 
 Ctrl-C or SIGTERM stops the SuperLink and everything it started (by pid) and prints the resume command; the
 run's state is whatever was checkpointed. Should the command itself be killed (SIGKILL, a crash), the watchdog
-of ``deploy local`` (:class:`server.deploy_watchdog.DeployWatchdog`, started first) stops them: the SuperLink's
+of ``deploy local`` (:class:`shuffledp.deploy.watchdog.DeployWatchdog`, started first) stops them: the SuperLink's
 process group, ``flwr run``, and every process below the SuperLink, named to it as they appear (checked every
 0.5 s: ``flower-superexec``, ``flwr-simulation`` and Ray's processes, which leave the SuperLink's group).
 ``SHUFFLEDP_FLWR_HOME`` overrides the ``FLWR_HOME`` used (tests use a temporary one). Flower's streamed logs lag
@@ -41,9 +41,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from server.deploy_cli import free_port
-from server.deploy_watchdog import DeployWatchdog, Kind, WatchdogError
-from server.report import bad_reports_note, epsilon_label, format_epsilon
+from shuffledp.deploy.local import free_port
+from shuffledp.deploy.watchdog import DeployWatchdog, Kind, WatchdogError
+from shuffledp.server.report import bad_reports_note, epsilon_label, format_epsilon
 
 __all__ = ["main", "find_project", "RUNNER_FILE"]
 
@@ -72,7 +72,7 @@ def find_project(start: Path | None = None) -> Path:
         except tomllib.TOMLDecodeError:
             continue
         app = doc.get("tool", {}).get("flwr", {}).get("app", {})
-        if app.get("publisher") == "shuffledp" and app.get("components", {}).get("serverapp") == "server.app:app":
+        if app.get("publisher") == "shuffledp" and app.get("components", {}).get("serverapp") == "shuffledp.server.app:app":
             return directory.resolve()
     raise RunnerError(
         "cannot find the shuffledp Flower app (a pyproject.toml with [tool.flwr.app] publisher 'shuffledp'); run "
@@ -473,7 +473,7 @@ def _resume_parser() -> argparse.ArgumentParser:
 
 
 def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
-    from server.config import DEFAULTS, ConfigError, parse_run_config
+    from shuffledp.server.config import DEFAULTS, ConfigError, parse_run_config
 
     ns = _run_parser().parse_args(list(argv))
     project = find_project()
@@ -503,7 +503,7 @@ def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
             "ever have that many reports (the shuffler's threshold k is min-reports)"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    from shuffler import cli as shuffler_cli
+    from shuffledp.shuffler import cli as shuffler_cli
 
     code = shuffler_cli.main(["keys", "init", "--out", str(keys_dir), "--clients", str(ns.clients),
                               "--k", str(cfg.min_reports), "--key-epoch", str(cfg.key_epoch)])

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from accounting.ledger import Ledger
-from server.audit import AuditError, AuditReport, audit, main, read_releases
-from shuffler.attestation import DROP_REASONS, Attestation, sign_statement
-from shuffler.keys import save_public_key
+from shuffledp.accounting.ledger import Ledger
+from shuffledp.deploy.audit import AuditError, AuditReport, audit, main, read_releases
+from shuffledp.shuffler.attestation import DROP_REASONS, Attestation, sign_statement
+from shuffledp.shuffler.keys import save_public_key
 
 _SK = ed25519.Ed25519PrivateKey.generate()
 _SK_RAW = _SK.private_bytes_raw()

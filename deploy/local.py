@@ -5,12 +5,12 @@ Six sub-commands:
 ``shuffledp deploy keys --out DIR --nodes N [--san NAME ...]``
     Everything a deployment needs, in one directory: the shuffler package's key directory (HPKE and signing keys,
     the server's HPKE key, one Ed25519 signing key per client, the enrolment file and the mTLS certificates
-    between the ServerApp and the shuffler, written by :func:`shuffler.keys.init_key_directory`), plus the Flower
+    between the ServerApp and the shuffler, written by :func:`shuffledp.shuffler.keys.init_key_directory`), plus the Flower
     side: a CA for the SuperLink, the SuperLink's TLS certificate (SANs ``localhost``, ``127.0.0.1`` and every
     ``--san``), and one SuperNode authentication key pair per device (ECDSA P-384 in OpenSSH format, which is what
     ``flwr supernode register`` and ``flower-supernode --auth-supernode-private-key`` read in Flower 1.41).
     That directory holds every party's secrets: for tests. ``--party server|shuffler|device`` instead makes one
-    party's keys on its own host (:mod:`server.deploy_keys`).
+    party's keys on its own host (:mod:`shuffledp.deploy.party_keys`).
 
 ``shuffledp deploy sign-serverapp --keys DIR --csr FILE --out FILE``
     The shuffler operator issues the ServerApp's mTLS client certificate from the server's signing request.
@@ -24,7 +24,7 @@ Six sub-commands:
     SuperNodes (each with its own node config: partition, pinned eps0 and clip-l1, key paths), submits the app with
     ``flwr run . <connection>``, follows the run until it finishes, prints the per-round report and the timing
     breakdown, and stops every process it started, also on Ctrl-C, SIGTERM or failure; a watchdog process
-    (server/deploy_watchdog.py) stops them should ``deploy local`` itself be killed.
+    (deploy/watchdog.py) stops them should ``deploy local`` itself be killed.
 
 Layout added by ``deploy keys`` next to the shuffler key directory (see docs/interfaces.md)::
 
@@ -76,7 +76,7 @@ from typing import IO, Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from clients.core import (
+from shuffledp.clients.core import (
     DATA_SETTINGS_DEFAULTS,
     DEFAULT_MAX_LOCAL_EPOCHS,
     DEFAULT_MAX_MODEL_PARAMETERS,
@@ -84,8 +84,8 @@ from clients.core import (
     ClientSetupError,
     parse_data_settings,
 )
-from server.deploy_watchdog import DeployWatchdog, Kind, WatchdogError, open_pidfd, send_signal
-from server.report import epsilon_label
+from shuffledp.deploy.watchdog import DeployWatchdog, Kind, WatchdogError, open_pidfd, send_signal
+from shuffledp.server.report import epsilon_label
 
 __all__ = [
     "main",
@@ -238,8 +238,8 @@ class DeployKeys:
 
 
 def _write_file(path: Path, data: bytes, mode: int) -> None:
-    """Create ``path`` with ``mode`` (never overwriting; :func:`shuffler.journal.write_file_durably`)."""
-    from shuffler.journal import write_file_durably
+    """Create ``path`` with ``mode`` (never overwriting; :func:`shuffledp.shuffler.journal.write_file_durably`)."""
+    from shuffledp.shuffler.journal import write_file_durably
 
     try:
         write_file_durably(path, data, mode=mode, overwrite=False)
@@ -338,7 +338,7 @@ def create_deploy_keys(
 def write_superlink_tls(paths: DeployKeys, names: list[str]) -> None:
     """The SuperLink operator's files under ``superlink/`` (mode 0700): its own CA, its TLS certificate for the SANs
     ``names`` and key, and the SuperExec shared secret (process isolation, compose; from the OS CSPRNG)."""
-    from shuffler import tls
+    from shuffledp.shuffler import tls
 
     try:
         ca_cert, ca_key = tls.create_ca("shuffledp SuperLink CA")
@@ -357,8 +357,8 @@ def write_superlink_tls(paths: DeployKeys, names: list[str]) -> None:
 
 def _write_deploy_keys(root: Path, nodes: int, names: list[str], key_epoch: int, k: int | None) -> None:
     """The files of :func:`create_deploy_keys`, written into ``root`` (its staging directory)."""
-    from shuffler import keys as shuffler_keys
-    from shuffler.config import load_config as load_shuffler_config
+    from shuffledp.shuffler import keys as shuffler_keys
+    from shuffledp.shuffler.config import load_config as load_shuffler_config
 
     paths = DeployKeys(root)
     write_superlink_tls(paths, names)
@@ -442,8 +442,8 @@ def compose_run_config(key_epoch: int, min_reports: int) -> bytes:
 
 
 def _check_reply_floor(value: object) -> float:
-    """``--reply-floor``: seconds in [0, 3600] (clients.core.MAX_REPLY_FLOOR; see clients/app.py)."""
-    from clients.core import MAX_REPLY_FLOOR
+    """``--reply-floor``: seconds in [0, 3600] (shuffledp.clients.core.MAX_REPLY_FLOOR; see clients/app.py)."""
+    from shuffledp.clients.core import MAX_REPLY_FLOOR
 
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_REPLY_FLOOR:
         raise DeployUsageError(f"--reply-floor must be a number of seconds in [0, {MAX_REPLY_FLOOR:g}], got {value!r}")
@@ -453,17 +453,17 @@ def _check_reply_floor(value: object) -> float:
 def _check_work_limits(max_local_epochs: object, min_batch_size: object,
                        max_model_parameters: object) -> tuple[int, int, int]:
     """``--max-local-epochs`` in [1, 10000], ``--min-batch-size`` >= 1 and ``--max-model-parameters`` in
-    [1, 2**28] (clients.core.PinnedSettings)."""
+    [1, 2**28] (shuffledp.clients.core.PinnedSettings)."""
     return (_check_int("--max-local-epochs", max_local_epochs, 1, 10_000),
             _check_int("--min-batch-size", min_batch_size, 1, 2**31 - 1),
             _check_int("--max-model-parameters", max_model_parameters, 1, 2**28))
 
 
 def device_data_settings(values: Mapping[str, object] | None) -> dict[str, object]:
-    """The data settings a device pins in its node config (clients.core.DATA_SETTINGS_DEFAULTS: ``dataset``,
+    """The data settings a device pins in its node config (shuffledp.clients.core.DATA_SETTINGS_DEFAULTS: ``dataset``,
     ``data-dir``, ``pca-components``, ``partition``, ``dirichlet-alpha``, ``partition-seed``): the defaults,
     overridden by the data keys of ``values`` (other keys ignored), checked as the ClientApp checks them
-    (clients.core.parse_data_settings). The device reads its data as its node config says, never as the server's
+    (shuffledp.clients.core.parse_data_settings). The device reads its data as its node config says, never as the server's
     run config says; the run's ``dataset`` and ``pca-components`` must be the same (else the device refuses)."""
     chosen = {key: (values or {}).get(key, default) for key, default in DATA_SETTINGS_DEFAULTS.items()}
     try:
@@ -931,11 +931,11 @@ def start_supernode(group: ProcessGroup, keys: DeployKeys, index: int, superlink
 
 def start_shuffler(keys: DeployKeys, log: Path, *, watchdog: DeployWatchdog | None = None) -> Any:
     """Start the shuffler service from ``DIR/shuffler.toml`` (mTLS) and wait until it answers health checks
-    over mTLS with the ServerApp's client certificate. Returns the running :class:`shuffler.process.ShufflerProcess`
+    over mTLS with the ServerApp's client certificate. Returns the running :class:`shuffledp.shuffler.process.ShufflerProcess`
     (stop it with :func:`_stop_shuffler`). Its process is named to ``watchdog`` as soon as it exists; if it fails
     to start, or this is interrupted meanwhile, it is stopped here.
     """
-    from shuffler.process import ShufflerProcess, ShufflerStartError
+    from shuffledp.shuffler.process import ShufflerProcess, ShufflerStartError
 
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = ShufflerProcess(keys.shuffler_config, root_certificate=keys.shuffler_ca_cert.read_bytes(),
@@ -971,7 +971,7 @@ def _refuse_a_spent_key_epoch(proc: Any, key_epoch: int) -> None:
 
 
 def _stop_shuffler(proc: Any, watchdog: DeployWatchdog | None = None) -> None:
-    """Stop a :class:`shuffler.process.ShufflerProcess` (SIGTERM, SIGKILL if it does not stop in time), remove its
+    """Stop a :class:`shuffledp.shuffler.process.ShufflerProcess` (SIGTERM, SIGKILL if it does not stop in time), remove its
     temporary files, and tell ``watchdog`` it is stopped."""
     popen = proc.proc
     proc.__exit__(None, None, None)
@@ -1355,8 +1355,8 @@ def server_history(run_dir: Path) -> list[dict[str, Any]]:
     Raises:
         Exception: whatever reading the checkpoint raised (a missing or corrupt state file).
     """
-    from server.job import RunPaths
-    from server.state import SqliteCheckpointStore
+    from shuffledp.server.job import RunPaths
+    from shuffledp.server.state import SqliteCheckpointStore
 
     store = SqliteCheckpointStore(RunPaths(out_dir=run_dir, keys_dir=run_dir).state)
     try:
@@ -1395,7 +1395,7 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
     Every process is started in its own process group and stopped in ``finally``: on success, on error, on
     Ctrl-C (KeyboardInterrupt) and on SIGTERM/SIGHUP (converted to an exception while this runs); signals that
     arrive during that cleanup do not interrupt it (:class:`_Signals`). Should this process die without its
-    ``finally`` (SIGKILL), the :class:`server.deploy_watchdog.DeployWatchdog` started first stops them.
+    ``finally`` (SIGKILL), the :class:`shuffledp.deploy.watchdog.DeployWatchdog` started first stops them.
     """
     cfg.validate()
     app_dir = (cfg.app_dir or _app_dir_default()).resolve()
@@ -1411,7 +1411,7 @@ def run_local(cfg: LocalDeployment, *, out: IO[str] = sys.stdout) -> DeployResul
         if int(manifest["nodes"]) < cfg.nodes:
             raise DeployError(f"{keys.root} has keys for {manifest['nodes']} nodes, fewer than --nodes {cfg.nodes}")
         key_epoch = int(manifest["key-epoch"])
-        from shuffler.config import load_config as load_shuffler_config
+        from shuffledp.shuffler.config import load_config as load_shuffler_config
 
         threshold = load_shuffler_config(keys.shuffler_config).k
         if threshold > cfg.nodes:
@@ -1685,7 +1685,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the smallest minibatch the device trains with (smaller is refused)")
     b.add_argument("--max-model-parameters", type=int, default=DEFAULT_MAX_MODEL_PARAMETERS,
                    help="the largest model (total parameters) the device trains (larger is refused)")
-    # the device's data settings (clients.core.DATA_SETTINGS_DEFAULTS); the server's run config does not choose them
+    # the device's data settings (shuffledp.clients.core.DATA_SETTINGS_DEFAULTS); the server's run config does not choose them
     b.add_argument("--dataset", default=None, help="digits (bundled, default) | mnist (IDX files under --data-dir)")
     b.add_argument("--data-dir", default=None, help="folder on the device holding the dataset's files (mnist)")
     b.add_argument("--pca-components", type=int, default=None, help="PCA components (default 10; 0 = none)")
@@ -1740,7 +1740,7 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, object]:
 
 def _keys(args: argparse.Namespace) -> int:
     """``deploy keys``: every party's keys in one directory (``--party all``), or one party's."""
-    from server import deploy_keys
+    from shuffledp.deploy import party_keys as deploy_keys
 
     allowed = {"all": {"nodes", "key_epoch", "k", "san"}, "server": {"san"},
                "shuffler": {"k", "key_epoch", "san"}, "device": {"node"}}[args.party]
@@ -1786,7 +1786,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _check(root: Path) -> int:
     """``deploy check``: the problems of a key directory (exit 1 if any) and its public files' fingerprints."""
-    from server.deploy_keys import check_party_directory, public_fingerprints
+    from shuffledp.deploy.party_keys import check_party_directory, public_fingerprints
 
     problems = check_party_directory(root)
     for line in problems:
@@ -1818,7 +1818,7 @@ def _bundle(args: argparse.Namespace) -> int:
                                     clip_l1=args.clip_l1, prefix=args.prefix, **limits_and_data)
         start = f"wrote the bundle of device {args.node} to {dest}; copy it to the device and start it with"
     else:
-        from server.deploy_keys import complete_device_bundle
+        from shuffledp.deploy.party_keys import complete_device_bundle
 
         missing = [flag for flag, value in device_flags.items() if value is None]
         if missing or args.node is not None or args.out is not None:
@@ -1837,11 +1837,11 @@ def _bundle(args: argparse.Namespace) -> int:
 
 
 def _time_work(node_config_path: Path, repeat: int) -> int:
-    """``deploy time-work``: print :func:`clients.worktime.time_worst_case` as JSON; warn on stderr if the pinned
+    """``deploy time-work``: print :func:`shuffledp.clients.worktime.time_worst_case` as JSON; warn on stderr if the pinned
     reply-floor does not cover the measured worst case. Exit 0 once measured (1 for a bad node config)."""
     import tomllib
 
-    from clients.worktime import time_worst_case
+    from shuffledp.clients.worktime import time_worst_case
 
     try:
         node = tomllib.loads(node_config_path.read_text())
@@ -1878,7 +1878,7 @@ def main(argv: Sequence[str]) -> int:
         if args.action == "keys":
             return _keys(args)
         if args.action == "sign-serverapp":
-            from server.deploy_keys import sign_serverapp_request
+            from shuffledp.deploy.party_keys import sign_serverapp_request
 
             cert = sign_serverapp_request(args.keys, args.csr, args.out)
             print(f"signed the request with sha256 {hashlib.sha256(args.csr.read_bytes()).hexdigest()} (compare it "

@@ -3,13 +3,13 @@
 Sub-commands are imported lazily so that ``shuffledp account`` (pure maths) never imports torch, flwr or
 grpc, and ``shuffledp shuffler serve`` never imports torch or flwr.
 
-    shuffledp account ...        -> accounting.cli
-    shuffledp ledger ...         -> accounting.cli
-    shuffledp shuffler ...       -> shuffler.cli
-    shuffledp keys ...           -> shuffler.cli
-    shuffledp run|resume ...     -> server.runner
-    shuffledp deploy ...         -> server.deploy_cli
-    shuffledp audit ...          -> server.audit
+    shuffledp account ...        -> shuffledp.accounting.cli
+    shuffledp ledger ...         -> shuffledp.accounting.cli
+    shuffledp shuffler ...       -> shuffledp.shuffler.cli
+    shuffledp keys ...           -> shuffledp.shuffler.cli
+    shuffledp run|resume ...     -> shuffledp.deploy.runner
+    shuffledp deploy ...         -> shuffledp.deploy.local
+    shuffledp audit ...          -> shuffledp.deploy.audit
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import sys
 from collections.abc import Sequence
 
 _ROUTES: dict[str, str] = {
-    "account": "accounting.cli",
-    "ledger": "accounting.cli",
-    "shuffler": "shuffler.cli",
-    "keys": "shuffler.cli",
-    "run": "server.runner",
-    "resume": "server.runner",
-    "deploy": "server.deploy_cli",
-    "audit": "server.audit",
+    "account": "shuffledp.accounting.cli",
+    "ledger": "shuffledp.accounting.cli",
+    "shuffler": "shuffledp.shuffler.cli",
+    "keys": "shuffledp.shuffler.cli",
+    "run": "shuffledp.deploy.runner",
+    "resume": "shuffledp.deploy.runner",
+    "deploy": "shuffledp.deploy.local",
+    "audit": "shuffledp.deploy.audit",
 }
 
 _USAGE = """usage: shuffledp <command> [...]
