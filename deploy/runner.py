@@ -42,10 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from shuffledp.deploy.local import free_port
+from shuffledp.deploy.flower_app import AppNotFoundError, find_app_dir
 from shuffledp.deploy.watchdog import DeployWatchdog, Kind, WatchdogError
 from shuffledp.server.report import bad_reports_note, epsilon_label, format_epsilon
 
-__all__ = ["main", "find_project", "RUNNER_FILE"]
+__all__ = ["main", "RUNNER_FILE"]
 
 RUNNER_FILE = "runner.json"
 CONNECTION = "shuffledp-local"
@@ -54,30 +55,6 @@ _NOISE = ("FutureWarning", "warnings.warn(", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO
 
 class RunnerError(RuntimeError):
     """The job could not be started or did not finish; the message says why and what to do."""
-
-
-def find_project(start: Path | None = None) -> Path:
-    """The Flower app directory: the current directory if it is the shuffledp project, else the package's.
-
-    Raises:
-        RunnerError: no ``pyproject.toml`` with ``[tool.flwr.app]`` of publisher ``shuffledp`` was found.
-    """
-    candidates = [start or Path.cwd(), Path(__file__).resolve().parent.parent]
-    for directory in candidates:
-        pyproject = directory / "pyproject.toml"
-        if not pyproject.is_file():
-            continue
-        try:
-            doc = tomllib.loads(pyproject.read_text())
-        except tomllib.TOMLDecodeError:
-            continue
-        app = doc.get("tool", {}).get("flwr", {}).get("app", {})
-        if app.get("publisher") == "shuffledp" and app.get("components", {}).get("serverapp") == "shuffledp.server.app:app":
-            return directory.resolve()
-    raise RunnerError(
-        "cannot find the shuffledp Flower app (a pyproject.toml with [tool.flwr.app] publisher 'shuffledp'); run "
-        "this command from the repository, where `pip install -e .` was done"
-    )
 
 
 def _toml_value(value: Any) -> str:
@@ -476,7 +453,6 @@ def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
     from shuffledp.server.config import DEFAULTS, ConfigError, parse_run_config
 
     ns = _run_parser().parse_args(list(argv))
-    project = find_project()
     overrides = _parse_overrides(ns.run_config)
     if ns.rounds is not None:
         overrides["num-server-rounds"] = ns.rounds
@@ -503,6 +479,7 @@ def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
             "ever have that many reports (the shuffler's threshold k is min-reports)"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
+    project = _app_dir(out_dir)
     from shuffledp.shuffler import cli as shuffler_cli
 
     code = shuffler_cli.main(["keys", "init", "--out", str(keys_dir), "--clients", str(ns.clients),
@@ -523,8 +500,17 @@ def _resume(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
     if not spec_file.is_file():
         raise RunnerError(f"{out_dir} is not a run started by `shuffledp run` (no {RUNNER_FILE})")
     spec = json.loads(spec_file.read_text())
-    project = find_project()
+    project = _app_dir(out_dir)
     return project, out_dir, spec
+
+
+def _app_dir(out_dir: Path) -> Path:
+    """The Flower app directory (:func:`shuffledp.deploy.flower_app.find_app_dir`; without a checkout, one written
+    into the run's folder)."""
+    try:
+        return find_app_dir(write_in=out_dir)
+    except AppNotFoundError as exc:
+        raise RunnerError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,11 +28,6 @@ def test_toml_values_round_trip_through_flwr_syntax() -> None:
         assert tomllib.loads(f"v = {runner._toml_value(value)}")["v"] == value
 
 
-def test_find_project_is_the_repository() -> None:
-    root = runner.find_project()
-    assert (root / "pyproject.toml").is_file() and (root / "server" / "app.py").is_file()
-
-
 def test_finished_reads_the_report(tmp_path: Path) -> None:
     assert runner._finished(tmp_path) == (False, "no report.json was written")
     (tmp_path / "report.json").write_text(json.dumps({"finished": False}))
