@@ -3,9 +3,9 @@
 What is measured (no Ray, so that actor scheduling noise does not dominate):
 
 * client side, per round: each client computes its report at the round's model (average gradient on its
-  digits partition, L1 clip, exact discrete Laplace noise, encoding: ``shuffledp.clients.core.make_payload``) and, in the
-  shuffled system only, seals it (``shuffledp.shuffler.envelope.seal``: two HPKE layers and an Ed25519 signature). The
-  clients run one after another in this process; the figure is the sum over clients (a serial upper bound; real
+  digits partition, L1 clip, exact discrete Laplace noise, encoding: ``shuffledp.clients.core.make_payload``) and, in
+  the shuffled system only, seals it (``shuffledp.shuffler.envelope.seal``: two HPKE layers and an Ed25519 signature).
+  The clients run one after another in this process; the figure is the sum over clients (a serial upper bound; real
   clients run in parallel).
 * server side, per round, from pre-made client replies: the shuffled path is ``shuffledp.server.rounds.RoundEngine.
   run_round`` (build the messages, collect replies from a fake Grid, keep the envelope bytes, submit them over
@@ -22,35 +22,29 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from flwr.app import Array, ArrayRecord, Message, RecordDict  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
-
-from shuffledp.accounting.ledger import Ledger  # noqa: E402
-from shuffledp.clients import messages as M  # noqa: E402
-from shuffledp.clients.core import PinnedSettings, make_payload  # noqa: E402
-from shuffledp.clients.data import load_partition  # noqa: E402
-from shuffledp.clients.models import initial_arrays  # noqa: E402
-from shuffledp.clients.report import decode_report  # noqa: E402
-from shuffledp.server.config import parse_run_config  # noqa: E402
-from shuffledp.server.optim import ReportAccumulator, ServerOptimizer  # noqa: E402
-from shuffledp.server.rounds import RoundEngine, envelope_of  # noqa: E402
-from shuffledp.server.state import InMemoryCheckpointStore  # noqa: E402
-from shuffledp.shuffler import keys as keyfiles  # noqa: E402
-from shuffledp.shuffler.client import ShufflerClient  # noqa: E402
-from shuffledp.shuffler.envelope import open_inner, seal  # noqa: E402
-from shuffledp.shuffler.process import ShufflerProcess  # noqa: E402
+from shuffledp.accounting.ledger import Ledger
+from shuffledp.clients import messages as M
+from shuffledp.clients.core import PinnedSettings, make_payload
+from shuffledp.clients.data import load_partition
+from shuffledp.clients.models import initial_arrays
+from shuffledp.clients.report import decode_report
+from shuffledp.server.config import parse_run_config
+from shuffledp.server.optim import ReportAccumulator, ServerOptimizer
+from shuffledp.server.rounds import RoundEngine, envelope_of
+from shuffledp.server.state import InMemoryCheckpointStore
+from shuffledp.shuffler import keys as keyfiles
+from shuffledp.shuffler.client import ShufflerClient
+from shuffledp.shuffler.envelope import open_inner, seal
+from shuffledp.shuffler.process import ShufflerProcess
 
 EPS0 = 4.0
 CLIP = 1.0

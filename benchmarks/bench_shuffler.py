@@ -13,7 +13,7 @@ For each report size (default 100 KiB and 1 MiB payloads) and each repetition th
    figure is the peak of that phase.
 
 MB/s uses MB = 10^6 bytes of envelope (submit) or inner ciphertext (fetch); "together" is the envelope bytes
-over submit + fetch time. The goal in issue 3 is >= 300 MB/s together on a 2-core machine.
+over submit + fetch time. The goal is >= 300 MB/s together on a 2-core machine.
 
 Before the runs it writes ``--disk-probe-mib`` (default 1 GiB) to the journal's filesystem and fdatasyncs it:
 the shuffler journals and fsyncs every batch before acknowledging it, so that rate bounds submit for a batch of
@@ -110,6 +110,8 @@ class EnvelopeFile:
 
 @dataclass
 class Keys:
+    """A key directory for the benchmark and the raw signing keys of its clients."""
+
     d: keyfiles.KeyDirectory
     client_sks: list[bytes]
     server_pk: bytes
@@ -187,6 +189,8 @@ def seal_round(keys: Keys, path: Path, n: int, payload_size: int, round_id: int,
 
 @dataclass
 class Run:
+    """The timings of one size: envelopes submitted and fetched through the shuffler service."""
+
     size: int
     n: int
     t_submit: float
@@ -478,10 +482,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also push one batch per size through the in-process core (no gRPC): add() vs finish()")
     ap.add_argument("--perf", action="store_true", help="perf record the shuffler during one extra run per size")
     ap.add_argument("--no-heap-tuning", action="store_true",
-                    help="heap_tuning = false for the shuffler, and no shuffledp.shuffler.heap.tune_heap in this client process "
-                         "(which stands in for the ServerApp, where the run config's heap-tuning applies) or in the "
-                         "baseline's server: glibc's default thresholds, under which the heap's top is trimmed after "
-                         "a megabyte message and faulted back in for the next")
+                    help="heap_tuning = false for the shuffler, and no shuffledp.shuffler.heap.tune_heap in this "
+                         "client process (which stands in for the ServerApp, where the run config's heap-tuning "
+                         "applies) or in the baseline's server: glibc's default thresholds, under which the heap's "
+                         "top is trimmed after a megabyte message and faulted back in for the next")
     ap.add_argument("--verify-threads", type=int, default=None,
                     help="the shuffler's verify_threads (0: check signatures inline on the submit thread); "
                          "default: the shuffler's own default, 1")

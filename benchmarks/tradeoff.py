@@ -5,10 +5,11 @@ change neither the numbers nor their distribution: the shuffler only permutes, t
 every round, each of the N clients (one digits partition each) computes its report with
 ``shuffledp.clients.core.make_payload`` (average gradient at the round's model, L1 clip C, exact discrete Laplace
 noise of scale 2C/eps0, fixed-length encoding); the server decodes each with ``shuffledp.clients.report.decode_report``
-into the O(model) running sum (``shuffledp.server.optim.ReportAccumulator``) and takes one ``shuffledp.server.optim.ServerOptimizer``
-step with the mean; the test accuracy is the central evaluation the ServerApp does. epsilon is the cumulative
-upper bound of the default family (``clones``) at delta = 1e-6 for n = N reports per round
-(``shuffledp.accounting.accountant.ShuffleAccountant``). "no noise" clips but adds no noise: it is not private at all.
+into the O(model) running sum (``shuffledp.server.optim.ReportAccumulator``) and takes one
+``shuffledp.server.optim.ServerOptimizer`` step with the mean; the test accuracy is the central evaluation the ServerApp
+does. epsilon is the cumulative upper bound of the default family (``clones``) at delta = 1e-6 for n = N reports per
+round (``shuffledp.accounting.accountant.ShuffleAccountant``). "no noise" clips but adds no noise: it is not private at
+all.
 
 Run: ``python benchmarks/tradeoff.py [--rounds R] [--clients 1437] [--eps0 1 2 4 8] [--repeats 3]``; prints
 one table. It takes a few minutes (N x rounds x settings x repeats client reports, 1-3 ms each here).
@@ -18,24 +19,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from shuffledp.accounting.accountant import ShuffleAccountant  # noqa: E402
-from shuffledp.accounting.events import ShuffleRound  # noqa: E402
-from shuffledp.clients.core import compute_update  # noqa: E402
-from shuffledp.clients.data import load_data, load_partition  # noqa: E402
-from shuffledp.clients.messages import TrainConfig  # noqa: E402
-from shuffledp.clients.models import evaluate, initial_arrays  # noqa: E402
-from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer, clip_l1  # noqa: E402
-from shuffledp.clients.report import decode_report  # noqa: E402
-from shuffledp.server.config import DEFAULTS  # noqa: E402
-from shuffledp.server.optim import ReportAccumulator, ServerOptimizer  # noqa: E402
+from shuffledp.accounting.accountant import ShuffleAccountant
+from shuffledp.accounting.events import ShuffleRound
+from shuffledp.clients.core import compute_update
+from shuffledp.clients.data import load_data, load_partition
+from shuffledp.clients.messages import TrainConfig
+from shuffledp.clients.models import evaluate, initial_arrays
+from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer, clip_l1
+from shuffledp.clients.report import decode_report
+from shuffledp.server.config import DEFAULTS
+from shuffledp.server.optim import ReportAccumulator, ServerOptimizer
 
 
 def run_setting(
@@ -95,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"... {label}: accuracy {[round(a, 4) for a in finals]} ({rows[-1]['seconds']:.0f} s)", flush=True)
     print()
     print(f"Main job trade-off: digits, logreg, {args.clients} clients (one sample each), {args.rounds} rounds, "
-          f"PCA={args.pca or 'none'}, C={args.clip:g}, SGD lr={args.lr:g}; epsilon = clones upper bound at delta={args.delta:g}; "
-          f"{args.repeats} runs per setting")
+          f"PCA={args.pca or 'none'}, C={args.clip:g}, SGD lr={args.lr:g}; "
+          f"epsilon = clones upper bound at delta={args.delta:g}; {args.repeats} runs per setting")
     print("eps0 | test accuracy after the last round: mean [min, max] | epsilon after all rounds")
     for row in rows:
         label = "none (not private)" if row["eps0"] is None else f"{row['eps0']:g}"

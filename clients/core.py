@@ -139,8 +139,8 @@ class PinnedSettings:
         except (TypeError, ValueError) as exc:
             raise ClientSetupError(f"pinned eps0={self.eps0!r}, clip-l1={self.clip_l1!r}: {exc}") from None
         if self.log2_grid is not None and self.log2_grid != grid:
-            # The server decodes every report on the grid that (eps0, clip-l1) give (shuffledp.server.rounds). A report on
-            # another grid carries it in its header and its values' scale, so it stands out of the shuffled batch
+            # The server decodes every report on the grid that (eps0, clip-l1) give (shuffledp.server.rounds). A report
+            # on another grid carries it in its header and its values' scale, so it stands out of the shuffled batch
             # (this client gets no amplification), and the server, which drops it only after charging the round
             # with it, would credit the others with more amplification than they got.
             raise ClientSetupError(
@@ -149,6 +149,7 @@ class PinnedSettings:
             )
 
     def randomizer(self) -> DiscreteLaplaceRandomizer:
+        """The client's randomizer for the pinned eps0, clip and grid (one per process and setting, cached)."""
         return _randomizer(self.eps0, self.clip_l1, self.log2_grid)
 
 
@@ -217,8 +218,9 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
     ``server-public-key``, ``shuffler-public-key`` (paths), ``partition-id``, ``num-partitions`` and optionally
     ``log2-grid``, ``reply-floor``, ``max-local-epochs``, ``min-batch-size`` and ``max-model-parameters``.
     Simulation: run_config supplies ``eps0``, ``clip-l1``, ``keys-dir`` (client i uses
-    ``keys-dir/clients/client-<i>.key`` and ``keys-dir/public/*``) and optionally the same five; node_config supplies ``partition-id`` and ``num-partitions`` (Flower's simulation engine
-    sets them). Values are checked by :class:`PinnedSettings`.
+    ``keys-dir/clients/client-<i>.key`` and ``keys-dir/public/*``) and optionally the same five; node_config supplies
+    ``partition-id`` and ``num-partitions`` (Flower's simulation engine sets them). Values are checked by
+    :class:`PinnedSettings`.
     """
     if "eps0" in node_config:
         where = "node_config"

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shuffledp.clients.validation import require_int
+
 __all__ = [
     "DATASETS",
     "Dataset",
@@ -69,6 +71,7 @@ class Dataset:
 
     @property
     def n_features(self) -> int:
+        """The number of features of each sample (after PCA, if any)."""
         return int(self.x_train.shape[1])
 
 
@@ -79,8 +82,9 @@ def _preprocess(
 
     The held-out split is the server's own evaluation data. Fitting the PCA basis or the feature scaling on the
     pooled training data would give the server a central view of the clients' data that no accountant charges
-    for, so the clients' rows are only transformed, never used to fit. (Seed 000's Table 2 applies PCA to MNIST
-    without saying where it was fitted.)
+    for, so the clients' rows are only transformed, never used to fit. (Seed 000, Chen, Cao, Ge, "Rényi DP in the
+    shuffle model: enhanced amplification bounds", ICASSP 2024, applies PCA to MNIST in its Table 2 without
+    saying where it was fitted.)
     """
     if pca_components is not None:
         from sklearn.decomposition import PCA
@@ -222,8 +226,7 @@ def load_data(name: str = "digits", *, data_dir: str | None = None, pca_componen
 
 
 def _check_partitions(n_items: int, num_partitions: int) -> None:
-    if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) or num_partitions < 1:
-        raise ValueError(f"num_partitions must be an int >= 1, got {num_partitions!r}")
+    require_int("num_partitions", num_partitions, 1)
     if num_partitions > n_items:
         raise ValueError(f"num_partitions={num_partitions} exceeds the {n_items} training samples")
 
@@ -249,8 +252,7 @@ def partition_dirichlet(
     _check_partitions(len(y), num_partitions)
     if not (np.isfinite(alpha) and alpha > 0):
         raise ValueError(f"alpha must be finite and > 0, got {alpha}")
-    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-        raise ValueError(f"min_size must be an int >= 0, got {min_size!r}")
+    require_int("min_size", min_size, 0)
     if min_size * num_partitions > len(y):
         raise ValueError(f"min_size={min_size} x {num_partitions} partitions exceeds {len(y)} samples")
     rng = np.random.default_rng(seed)

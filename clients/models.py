@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from shuffledp.clients.validation import require_int
+
 __all__ = [
     "MODEL_KINDS",
     "build_model",
@@ -42,8 +44,7 @@ def build_model(
     if kind not in MODEL_KINDS:
         raise ValueError(f"unknown model {kind!r}; allowed: {MODEL_KINDS}")
     for name, v in (("n_features", n_features), ("n_classes", n_classes), ("hidden", hidden)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        require_int(name, v, 1)
     if n_classes < 2:
         raise ValueError(f"n_classes must be >= 2, got {n_classes}")
     gen_state = torch.random.get_rng_state()
@@ -132,7 +133,7 @@ def average_gradient(arrays: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray)
     xt, yt = _tensors(x, y)
     model.zero_grad()
     local_loss(model, xt, yt).backward()
-    return [p.grad.detach().numpy().astype(np.float64) for p in model.parameters()]  # type: ignore[union-attr]
+    return [p.grad.detach().numpy().astype(np.float64) for p in model.parameters()]  # type: ignore[union-attr] - backward() set every grad
 
 
 def local_delta(

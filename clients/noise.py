@@ -46,6 +46,8 @@ from fractions import Fraction
 
 import numpy as np
 
+from shuffledp.clients.validation import require_int
+
 __all__ = [
     "ChaCha20Rng",
     "DiscreteLaplaceSampler",
@@ -116,9 +118,11 @@ class ChaCha20Rng:
         return np.frombuffer(out, dtype=np.uint8, count=n)
 
     def uint16(self, n: int) -> np.ndarray:
+        """``n`` uniform little-endian uint16 values from the keystream."""
         return self.random_bytes(2 * n).view("<u2")
 
     def uint64(self, n: int) -> np.ndarray:
+        """``n`` uniform little-endian uint64 values from the keystream."""
         return self.random_bytes(8 * n).view("<u8")
 
     def getrandbits(self, k: int) -> int:
@@ -172,7 +176,7 @@ def _exp_neg(x: Fraction, prec: int) -> Decimal:
         return (-dx).exp()
 
 
-def _truncated_survival(x: Fraction, n: int, l: int) -> Callable[[int], Decimal]:
+def _truncated_survival(x: Fraction, n: int, ell: int) -> Callable[[int], Decimal]:
     """S_l = P(L >= l) for L truncated geometric on {0..n-1} with ratio exp(-x):
     (e^{-xl} - e^{-xn}) / (1 - e^{-xn}). Absolute error at ``prec`` digits <= 10**-(prec - 30): the
     denominator is >= 1 - e^{-2**-60} > 2**-61 and every operation is rounded to prec + 10 digits."""
@@ -181,18 +185,18 @@ def _truncated_survival(x: Fraction, n: int, l: int) -> Callable[[int], Decimal]
         with localcontext() as ctx:
             ctx.prec = prec + 40
             ctx.Emin = -(10**9)
-            a = _exp_neg(x * l, prec + 40)
+            a = _exp_neg(x * ell, prec + 40)
             b = _exp_neg(x * n, prec + 40)
             return (a - b) / (1 - b)
 
     return f
 
 
-def _geometric_survival(x: Fraction, l: int) -> Callable[[int], Decimal]:
+def _geometric_survival(x: Fraction, ell: int) -> Callable[[int], Decimal]:
     """S_l = P(H >= l) = e^{-xl} for H geometric with ratio exp(-x)."""
 
     def f(prec: int) -> Decimal:
-        return _exp_neg(x * l, prec + 10)
+        return _exp_neg(x * ell, prec + 10)
 
     return f
 
@@ -267,22 +271,22 @@ class _DigitTable:
         """Exact outcome for a uniform whose first ``bits`` bits are ``prefix``, drawing 64 bits at a time."""
         count = 0
         pending: list[int] = []
-        for l in range(1, self.n_thr + 1):
-            f = _certified_floor(self.survival[l - 1], bits)
+        for ell in range(1, self.n_thr + 1):
+            f = _certified_floor(self.survival[ell - 1], bits)
             if prefix < f:
                 count += 1
             elif prefix == f:
-                pending.append(l)
+                pending.append(ell)
         while pending:
             prefix = (prefix << 64) | rng.getrandbits(64)
             bits += 64
             still: list[int] = []
-            for l in pending:
-                f = _certified_floor(self.survival[l - 1], bits)
+            for ell in pending:
+                f = _certified_floor(self.survival[ell - 1], bits)
                 if prefix < f:
                     count += 1
                 elif prefix == f:
-                    still.append(l)
+                    still.append(ell)
             pending = still
         return count
 
@@ -291,9 +295,9 @@ class _DigitTable:
 def _digit_table(kind: str, x_num: int, x_log2_den: int, n: int) -> _DigitTable:
     x = Fraction(x_num, 1 << x_log2_den) if x_log2_den >= 0 else Fraction(x_num << -x_log2_den)
     if kind == "truncated":
-        return _DigitTable([_truncated_survival(x, n, l) for l in range(1, n)])
+        return _DigitTable([_truncated_survival(x, n, ell) for ell in range(1, n)])
     if kind == "geometric":
-        return _DigitTable([_geometric_survival(x, l) for l in range(1, n)], flag_last=True)
+        return _DigitTable([_geometric_survival(x, ell) for ell in range(1, n)], flag_last=True)
     raise ValueError(kind)  # pragma: no cover - internal
 
 
@@ -309,10 +313,8 @@ class DiscreteLaplaceSampler:
     """
 
     def __init__(self, num: int, log2_den: int) -> None:
-        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-            raise ValueError(f"num must be an int >= 1, got {num!r}")
-        if isinstance(log2_den, bool) or not isinstance(log2_den, int) or not 0 <= log2_den <= 128:
-            raise ValueError(f"log2_den must be an int in [0, 128], got {log2_den!r}")
+        require_int("num", num, 1)
+        require_int("log2_den", log2_den, 0, 128)
         self.num = num
         self.log2_den = log2_den
         self.x = Fraction(num, 1 << log2_den)
@@ -396,7 +398,7 @@ def discrete_laplace_log_pmf(k: np.ndarray | int, num: int, log2_den: int) -> np
     return log_c - x * np.abs(np.asarray(k, dtype=np.float64))
 
 
-def geometric_survival_fraction_bounds(x: Fraction, l: int, bits: int = 128) -> tuple[Fraction, Fraction]:
-    """Rigorous bracket [lo, hi] of exp(-x l) with width 2**-bits (for tests and threshold audits)."""
-    f = _certified_floor(_geometric_survival(x, l), bits)
+def geometric_survival_fraction_bounds(x: Fraction, ell: int, bits: int = 128) -> tuple[Fraction, Fraction]:
+    """Rigorous bracket [lo, hi] of exp(-x ell) with width 2**-bits (for tests and threshold audits)."""
+    f = _certified_floor(_geometric_survival(x, ell), bits)
     return Fraction(f, 1 << bits), Fraction(f + 1, 1 << bits)

@@ -29,6 +29,7 @@ import numpy as np
 
 from shuffledp.clients.noise import ChaCha20Rng, DiscreteLaplaceSampler
 from shuffledp.clients.report import INT_MAX, LOG2_GRID_MAX, LOG2_GRID_MIN, encode_report
+from shuffledp.clients.validation import check_positive_finite
 
 __all__ = ["clip_l1", "flatten_arrays", "unflatten_vector", "DiscreteLaplaceRandomizer", "NOISE_LOG2_DEN"]
 
@@ -39,15 +40,6 @@ MAX_SATURATION_LOG2 = -30  # refuse settings whose per-coordinate int32 saturati
 MAX_EPS0 = 64.0
 
 
-def _check_positive_finite(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    v = float(value)
-    if not (math.isfinite(v) and v > 0.0):
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-    return v
-
-
 def clip_l1(x: np.ndarray, clip: float) -> np.ndarray:
     """Scale ``x`` so that its L1 norm is at most ``clip`` (a new float64 array; ``x`` is never modified).
 
@@ -55,7 +47,7 @@ def clip_l1(x: np.ndarray, clip: float) -> np.ndarray:
     guaranteed ``sum(|out|) <= clip`` as numpy computes it (the scale is nudged down if rounding overshoots).
     NaN or Inf anywhere raises ``ValueError`` (a non-finite update is a bug, not something to hide).
     """
-    c = _check_positive_finite(clip, "clip")
+    c = check_positive_finite("clip", clip)
     arr = np.asarray(x)
     if arr.dtype.kind not in "fiub":
         raise TypeError(f"x must be a real numeric array, got dtype {arr.dtype}")
@@ -132,10 +124,10 @@ class DiscreteLaplaceRandomizer:
         log2_grid: int | None = None,
         rng: ChaCha20Rng | None = None,
     ) -> None:
-        self.eps0 = _check_positive_finite(eps0, "eps0")
+        self.eps0 = check_positive_finite("eps0", eps0)
         if self.eps0 > MAX_EPS0:
             raise ValueError(f"eps0 must be <= {MAX_EPS0}, got {eps0!r}")
-        self.clip = _check_positive_finite(clip_l1, "clip_l1")
+        self.clip = check_positive_finite("clip_l1", clip_l1)
         if log2_grid is None:
             _, e = math.frexp(self.clip)  # clip = m * 2**e, m in [0.5, 1): floor(log2 clip) = e - 1
             g = e - 1 - DEFAULT_GRID_BITS
@@ -217,6 +209,7 @@ class DiscreteLaplaceRandomizer:
 
     @property
     def gamma(self) -> float:
+        """The grid step gamma = 2**log2_grid."""
         return math.ldexp(1.0, self.log2_grid)
 
     @property

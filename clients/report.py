@@ -16,8 +16,8 @@ Why int32, saturating: ``y = q + z`` with ``|q| <= K <= 2**30`` (the L1 radius i
 Laplace noise of scale ``2K/eps0``. Clamping ``y`` to the int32 range is a deterministic function of the
 already-private output, i.e. post-processing, so it never weakens the eps0-LDP guarantee; it only biases the
 rare saturated coordinate. The randomizer refuses settings whose per-coordinate saturation probability is not
-negligible (see :class:`shuffledp.clients.randomizer.DiscreteLaplaceRandomizer`). int32 halves the bytes of int64 and the
-envelope size is dominated by this vector. The value ``-2**31`` is never produced, so the decoder treats it as
+negligible (see :class:`shuffledp.clients.randomizer.DiscreteLaplaceRandomizer`). int32 halves the bytes of int64 and
+the envelope size is dominated by this vector. The value ``-2**31`` is never produced, so the decoder treats it as
 out of range (it is what a naive int32 overflow would produce).
 
 All reports of one round therefore have the same length, ``REPORT_HEADER_BYTES + 4 * d``.
@@ -30,6 +30,8 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+
+from shuffledp.clients.validation import check_int
 
 __all__ = [
     "REPORT_MAGIC",
@@ -79,16 +81,8 @@ class DecodedReport:
 
 def report_length(dim: int) -> int:
     """Byte length of a report of dimension ``dim``."""
-    _check_dim(dim, "dim")
+    check_int("dim", dim, 1, MAX_DIM)
     return REPORT_HEADER_BYTES + 4 * dim
-
-
-def _check_dim(dim: object, name: str) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
-    if not 1 <= int(dim) <= MAX_DIM:
-        raise ValueError(f"{name} must be in [1, {MAX_DIM}], got {dim}")
-    return int(dim)
 
 
 def encode_report(ints: np.ndarray, *, log2_grid: int, eps_used: float) -> bytes:
@@ -101,11 +95,8 @@ def encode_report(ints: np.ndarray, *, log2_grid: int, eps_used: float) -> bytes
     if arr.dtype.kind not in "iu":
         raise TypeError(f"ints must be an integer array, got dtype {arr.dtype}")
     arr = arr.reshape(-1)
-    dim = _check_dim(arr.size, "len(ints)")
-    if isinstance(log2_grid, bool) or not isinstance(log2_grid, (int, np.integer)):
-        raise TypeError(f"log2_grid must be an int, got {type(log2_grid).__name__}")
-    if not LOG2_GRID_MIN <= int(log2_grid) <= LOG2_GRID_MAX:
-        raise ValueError(f"log2_grid must be in [{LOG2_GRID_MIN}, {LOG2_GRID_MAX}], got {log2_grid}")
+    dim = check_int("len(ints)", arr.size, 1, MAX_DIM)
+    check_int("log2_grid", log2_grid, LOG2_GRID_MIN, LOG2_GRID_MAX)
     eps = float(eps_used)
     if not (math.isfinite(eps) and eps > 0.0):
         raise ValueError(f"eps_used must be a finite positive number, got {eps_used!r}")
@@ -126,7 +117,7 @@ def decode_report_full(
     ``expected_dim``, grid exponent in range (and equal to ``expected_log2_grid`` if given), eps_used finite and
     positive, total length, and every integer within ``[-(2**31 - 1), 2**31 - 1]``.
     """
-    dim = _check_dim(expected_dim, "expected_dim")
+    dim = check_int("expected_dim", expected_dim, 1, MAX_DIM)
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ReportError(f"payload must be bytes, got {type(payload).__name__}")
     buf = bytes(payload)

@@ -14,8 +14,9 @@ ClientApp does it (:func:`shuffledp.clients.core.make_envelope`: train, clip, ra
 extreme shapes of a model at the parameter limit: an mlp with as many hidden units as fit, and a logreg with as
 many output classes as fit. The first repetition in a fresh process also pays one-time costs (importing torch
 and its optimizer machinery: about 4 s of a 6 s first run here, against 1.9 s warm, for the default limits on
-a quarter of digits), as the first request of a new ClientApp process does. It is a measurement, not a bound: other shapes of the same size, another load on
-the device, or a slower moment can take longer, so choose the floor with a margin above the measured worst.
+a quarter of digits), as the first request of a new ClientApp process does. It is a measurement, not a bound: other
+shapes of the same size, another load on the device, or a slower moment can take longer, so choose the floor with a
+margin above the measured worst.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 
 from shuffledp.clients.core import data_settings_from_configs, make_envelope, pinned_from_configs
 from shuffledp.clients.messages import TrainConfig
+from shuffledp.clients.validation import require_int
 
 __all__ = ["worst_case_models", "time_worst_case"]
 
@@ -43,10 +45,8 @@ def worst_case_models(n_features: int, max_parameters: int) -> dict[str, list[np
     """The two extreme models with at most ``max_parameters`` parameters for ``n_features`` inputs:
     ``"mlp"`` (10 classes, hidden units ``h = (max - 10) // (n_features + 11)``, at least 1) and ``"logreg"``
     (``c = max // (n_features + 1)`` classes, at least 2). Zero-initialised float32 arrays."""
-    if isinstance(n_features, bool) or not isinstance(n_features, int) or n_features < 1:
-        raise ValueError(f"n_features must be an int >= 1, got {n_features!r}")
-    if isinstance(max_parameters, bool) or not isinstance(max_parameters, int) or max_parameters < 1:
-        raise ValueError(f"max_parameters must be an int >= 1, got {max_parameters!r}")
+    require_int("n_features", n_features, 1)
+    require_int("max_parameters", max_parameters, 1)
     models: dict[str, list[np.ndarray]] = {}
     hidden = (max_parameters - _MLP_CLASSES) // (n_features + 1 + _MLP_CLASSES)
     if hidden >= 1:
@@ -71,8 +71,7 @@ def time_worst_case(node_config: Mapping[str, Any], *, repeat: int = 3) -> dict[
     ``reply_floor_s`` (pinned) and ``covered`` (``reply_floor_s >= worst_s``). Every number is a measurement
     on this machine, not a bound. Raises :class:`shuffledp.clients.core.ClientSetupError` for a bad node config.
     """
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or not 1 <= repeat <= 100:
-        raise ValueError(f"repeat must be an int in [1, 100], got {repeat!r}")
+    require_int("repeat", repeat, 1, 100)
     from shuffledp.clients.data import load_partition
 
     pinned = pinned_from_configs(node_config, {})

@@ -1,8 +1,8 @@
 """The Flower ServerApp of shuffledp (``[tool.flwr.app.components] serverapp = "shuffledp.server.app:app"``).
 
 ``@app.main()`` drives the rounds itself with the Grid (no ``Strategy.start``: FedAvg would need per-client
-metrics and plaintext arrays). Everything it does is in :func:`shuffledp.server.job.run_job`; see :mod:`shuffledp.server.rounds`
-for one round.
+metrics and plaintext arrays). Everything it does is in :func:`shuffledp.server.job.run_job`; see
+:mod:`shuffledp.server.rounds` for one round.
 
 Keys: the simulated ClientApps read ``keys-dir`` from the same run config, so the server and the clients must
 agree on one key directory. ``shuffledp run`` creates fresh keys for each run in ``outputs/<run>/keys`` and

@@ -107,7 +107,8 @@ class ServerConfig:
     local_epochs: int
     local_lr: float
     batch_size: int
-    #: simulation only: the clients' pinned work limits (shuffledp.clients.core.PinnedSettings; deployed clients pin theirs)
+    #: simulation only: the clients' pinned work limits (shuffledp.clients.core.PinnedSettings; deployed clients
+    #: pin theirs)
     max_local_epochs: int
     min_batch_size: int
     max_model_parameters: int

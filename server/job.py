@@ -98,26 +98,32 @@ class RunPaths:
 
     @property
     def ledger(self) -> Path:
+        """Path of the ledger of the run's charged rounds (the budget's record)."""
         return self.out_dir / LEDGER_FILE
 
     @property
     def state(self) -> Path:
+        """Path of the run's checkpoint database."""
         return self.out_dir / STATE_FILE
 
     @property
     def report(self) -> Path:
+        """Path of report.json, the run's per-round report."""
         return self.out_dir / REPORT_FILE
 
     @property
     def plot(self) -> Path:
+        """Path of the privacy/utility plot."""
         return self.out_dir / PLOT_FILE
 
     @property
     def shuffler_log(self) -> Path:
+        """Path of the log of the shuffler process started for the run (shuffler-address = auto)."""
         return self.out_dir / SHUFFLER_LOG
 
     @property
     def attestations(self) -> Path:
+        """Path of attestations.jsonl, one line per sealed batch."""
         return self.out_dir / ATTESTATIONS_FILE
 
 
@@ -186,7 +192,9 @@ class ShufflerConnection:
         verify_key = load_public_key(self.keys.shuffler_signing_pub, "ed25519")
         if self.cfg.auto_shuffler:
             if not self.keys.config.is_file():
-                raise ConfigError(f"shuffler-address='auto' needs {self.keys.config} (written by `shuffledp keys init`)")
+                raise ConfigError(
+                    f"shuffler-address='auto' needs {self.keys.config} (written by `shuffledp keys init`)"
+                )
             self.paths.out_dir.mkdir(parents=True, exist_ok=True)
             process = ShufflerProcess(
                 self.keys.config,
@@ -387,7 +395,7 @@ def run_job(
     epsilon = float(report["accounting"]["epsilon"])
     if engine.stopped is not None:
         say(f"[shuffledp] stopped: {engine.stopped.reason}")
-    say(f"[shuffledp] done: epsilon={format_epsilon(epsilon, 'upper')} at delta={cfg.target_delta:g} ({cfg.accounting_family}, upper "
-        f"bound); outputs in {paths.out_dir}")
+    say(f"[shuffledp] done: epsilon={format_epsilon(epsilon, 'upper')} at delta={cfg.target_delta:g} "
+        f"({cfg.accounting_family}, upper bound); outputs in {paths.out_dir}")
     return JobResult(paths=paths, history=list(engine.history), stopped=engine.stopped, epsilon=epsilon,
                      report=report)

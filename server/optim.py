@@ -5,8 +5,9 @@ The server never holds a round's batch of reports: each opened report is added i
 optimizer takes one step with the mean as pseudo-gradient. That is the FedOpt scheme (Reddi et al., "Adaptive
 Federated Optimization", ICLR 2021, Algorithm 1) with the client average replaced by the average of the shuffled
 eps0-LDP reports. With plain SGD it is the same as applying every report in the shuffled order as its own step
-of size ``lr / n`` at the round's model (the seed's Algorithm 1, lines 7-11, when every client of the round
-computes at the same model).
+of size ``lr / n`` at the round's model (Algorithm 1, lines 7-11, of seed 000: Chen, Cao, Ge, "Rényi DP in the
+shuffle model: enhanced amplification bounds", ICASSP 2024; when every client of the round computes at the same
+model).
 
 * ``sgd``:      w <- w - lr * g
 * ``momentum``: v <- mu * v + g ;  w <- w - lr * v                         (heavy ball, as torch.optim.SGD)
@@ -67,6 +68,7 @@ class ReportAccumulator:
 
     @property
     def size(self) -> int:
+        """The model size (number of parameters) the accumulator sums."""
         return int(self._sum.shape[0])
 
     def add(self, report: np.ndarray) -> None:

@@ -106,11 +106,14 @@ SUBMIT_MARGIN_SECONDS = 600.0
 class GridLike(Protocol):
     """The part of ``flwr.serverapp.Grid`` the round logic uses."""
 
-    def get_node_ids(self) -> Iterable[int]: ...
+    def get_node_ids(self) -> Iterable[int]:
+        """The ids of the nodes connected now."""
 
-    def push_messages(self, messages: Iterable[Any]) -> Iterable[str]: ...
+    def push_messages(self, messages: Iterable[Any]) -> Iterable[str]:
+        """Send ``messages``; returns their message ids."""
 
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Any]: ...
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Any]:
+        """The replies that have arrived to the messages with these ids."""
 
 
 class ShufflerLike(Protocol):
@@ -120,11 +123,14 @@ class ShufflerLike(Protocol):
     def open_submit(
         self, *, round_id: int, key_epoch: int, model_digest: bytes, count: int, envelope_length: int,
         timeout: float | None = None,
-    ) -> Any: ...
+    ) -> Any:
+        """Open the Submit stream of one round's ``count`` envelopes; returns the stream."""
 
-    def fetch(self, attestation: Any) -> Iterator[bytes]: ...
+    def fetch(self, attestation: Any) -> Iterator[bytes]:
+        """Stream the inner ciphertexts of the batch ``attestation`` names, in the shuffled order, verified."""
 
-    def stats(self) -> Mapping[str, Any]: ...
+    def stats(self) -> Mapping[str, Any]:
+        """The shuffler's counters, its key epoch and its Submit message limit."""
 
 
 #: ``evaluate(arrays) -> (loss, accuracy)`` on the server's held-out test set.
@@ -182,10 +188,12 @@ class RoundOutcome:
     finished_at: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """The outcome as a JSON-safe dict (one row of the checkpoint history and report.json)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RoundOutcome:
+        """Rebuild an outcome from :meth:`as_dict` output."""
         return cls(**dict(data))
 
 
@@ -678,7 +686,9 @@ class RoundEngine:
     def run_round(self, round_id: int) -> RoundOutcome:
         """Run round ``round_id`` (must be after every round already used) and return what happened."""
         if round_id <= self.last_round:
-            raise ValueError(f"round {round_id} is not after the last used round {self.last_round}; ids are never reused")
+            raise ValueError(
+                f"round {round_id} is not after the last used round {self.last_round}; ids are never reused"
+            )
         cfg = self.cfg
         out = RoundOutcome(round=round_id, status="skipped", eps0=cfg.eps0, delta=cfg.target_delta)
         t0 = time.perf_counter()

@@ -87,6 +87,7 @@ class Checkpoint:
     budget_changes: list[dict[str, Any]] = field(default_factory=list)
 
     def meta_json(self) -> str:
+        """The metadata as JSON (everything but the arrays), with the format and version tags; NaN or infinity raise."""
         return json.dumps(
             {
                 "format": _FORMAT,
@@ -104,6 +105,18 @@ class Checkpoint:
 
     @classmethod
     def from_parts(cls, meta_text: str, blob: bytes) -> Checkpoint:
+        """Rebuild a checkpoint from :meth:`meta_json` text and the ``arrays_to_bytes`` blob of its arrays.
+
+        Args:
+            meta_text: the metadata JSON.
+            blob: the model's arrays followed by the optimizer's buffers.
+
+        Returns:
+            The checkpoint.
+
+        Raises:
+            CheckpointError: the text is not checkpoint metadata of this version, or the blob or metadata is corrupt.
+        """
         try:
             meta = json.loads(meta_text)
         except json.JSONDecodeError as exc:
@@ -175,6 +188,7 @@ class InMemoryCheckpointStore(CheckpointStore):
         self._bad: dict[int, int] = {}
 
     def save(self, checkpoint: Checkpoint) -> None:
+        """Keep a copy of ``checkpoint``, made through the same serialisation as the SQLite store."""
         if checkpoint.round < 0:
             raise CheckpointError(f"checkpoint round must be >= 0, got {checkpoint.round}")
         # serialise through the same code path as SQLite so unserialisable state fails here too
@@ -183,18 +197,23 @@ class InMemoryCheckpointStore(CheckpointStore):
         self._started = max(self._started, checkpoint.round)
 
     def load(self) -> Checkpoint | None:
+        """A deep copy of the saved checkpoint, or None."""
         return copy.deepcopy(self._checkpoint)
 
     def mark_started(self, round_id: int) -> None:
+        """Raise the highest started round id to ``round_id``."""
         self._started = max(self._started, int(round_id))
 
     def last_started(self) -> int:
+        """The highest round id started or saved (0 if none)."""
         return self._started
 
     def record_bad_reports(self, round_id: int, n_bad: int) -> None:
+        """Record ``n_bad`` for ``round_id``, replacing an earlier count."""
         self._bad[int(round_id)] = int(n_bad)
 
     def bad_reports(self) -> dict[int, int]:
+        """A copy of the recorded counts, by round id."""
         return dict(self._bad)
 
 
@@ -226,6 +245,7 @@ class SqliteCheckpointStore(CheckpointStore):
             raise CheckpointError(f"{str(self.path)!r} is not a usable checkpoint database: {exc}") from None
 
     def save(self, checkpoint: Checkpoint) -> None:
+        """Replace the checkpoint and raise the started round id to its round, in one transaction."""
         if checkpoint.round < 0:
             raise CheckpointError(f"checkpoint round must be >= 0, got {checkpoint.round}")
         meta = checkpoint.meta_json()
@@ -249,6 +269,7 @@ class SqliteCheckpointStore(CheckpointStore):
             raise
 
     def load(self) -> Checkpoint | None:
+        """The saved checkpoint, or None; a row whose round disagrees with its metadata raises CheckpointError."""
         row = self._conn.execute("SELECT round, meta, arrays FROM checkpoint WHERE slot = 1").fetchone()
         if row is None:
             return None
@@ -258,6 +279,7 @@ class SqliteCheckpointStore(CheckpointStore):
         return checkpoint
 
     def mark_started(self, round_id: int) -> None:
+        """Raise the highest started round id to ``round_id`` (autocommit, durable on return)."""
         self._conn.execute(
             "INSERT INTO progress(key, value) VALUES ('started', ?) "
             "ON CONFLICT(key) DO UPDATE SET value = MAX(value, excluded.value)",
@@ -265,16 +287,20 @@ class SqliteCheckpointStore(CheckpointStore):
         )
 
     def last_started(self) -> int:
+        """The highest round id started or saved (0 if none)."""
         row = self._conn.execute("SELECT value FROM progress WHERE key = 'started'").fetchone()
         return 0 if row is None else int(row[0])
 
     def record_bad_reports(self, round_id: int, n_bad: int) -> None:
+        """Record ``n_bad`` for ``round_id``, replacing an earlier count (autocommit, durable on return)."""
         self._conn.execute("INSERT OR REPLACE INTO progress(key, value) VALUES (?, ?)",
                            (f"bad-reports:{int(round_id)}", int(n_bad)))
 
     def bad_reports(self) -> dict[int, int]:
+        """Every recorded count, by round id."""
         rows = self._conn.execute("SELECT key, value FROM progress WHERE key LIKE 'bad-reports:%'").fetchall()
         return {int(key.split(":", 1)[1]): int(value) for key, value in rows}
 
     def close(self) -> None:
+        """Close the database connection."""
         self._conn.close()

@@ -16,8 +16,8 @@ Output digest (format v3, for batches of envelope protocol version 2): SHA-256 o
 order. It pins both the contents and the order of the batch, so a fetch that returns different bytes, a
 different order, or a different count is detected (collision resistance of BLAKE3 per item and of SHA-256 over
 the list). Hashing each item separately lets the shuffler reuse the hash of the inner ciphertext it already
-computed to check the report's signature (``shuffledp.shuffler.envelope.inner_hash``), so sealing a batch reads no report
-bytes a second time; a verifier makes one pass over the bytes it fetched.
+computed to check the report's signature (``shuffledp.shuffler.envelope.inner_hash``), so sealing a batch reads no
+report bytes a second time; a verifier makes one pass over the bytes it fetched.
 
 Each envelope protocol version has one statement format, and a statement whose format and ``protocol_version``
 disagree does not verify:
@@ -25,7 +25,7 @@ disagree does not verify:
 - format v3 (``"shuffledp-attestation/v3"``): protocol version 2, per-item BLAKE3, as above;
 - format v2 (``"shuffledp-attestation/v2"``): protocol version 1, per-item SHA-256, domain
   ``"shuffledp/batch-output/v2"``. The shuffler still seals protocol-1 batches of older peers this way;
-- format v1 (``"shuffledp-attestation/v1"``, sealed by shuffledp before 2026-11-21): protocol version 1; it
+- format v1 (``"shuffledp-attestation/v1"``, the first format, no longer sealed): protocol version 1; it
   hashed the items themselves: ``"shuffledp/batch-output/v1"`` followed by ``len:u64 || inner``.
 
 Statements of every format still verify, and :class:`OutputDigest` is built for the statement's format, so
@@ -148,6 +148,7 @@ class OutputDigest:
         self.count += 1
 
     def digest(self) -> bytes:
+        """The digest of the items added so far (32 bytes); it does not end the running hash."""
         return self._h.digest()
 
 
@@ -187,6 +188,11 @@ class Attestation:
         dropped: Mapping[str, int],
         envelope_length: int = 0,
     ) -> bytes:
+        """The statement the shuffler signs: canonical JSON (sorted keys, no spaces) of the batch's fields.
+
+        The format tag follows ``protocol_version``; every drop reason appears (0 if none); ``envelope_length``
+        appears only when announced, so statements without it keep their exact bytes.
+        """
         doc = {
             "format": format_for_protocol(protocol_version),
             "batch_id": batch_id.hex(),

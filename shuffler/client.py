@@ -23,6 +23,7 @@ from shuffledp.shuffler import wire
 from shuffledp.shuffler.attestation import Attestation, AttestationError, OutputDigest
 from shuffledp.shuffler.config import is_loopback
 from shuffledp.shuffler.service import FRAMING_SLACK, grpc_options, message_limit, packing_for
+from shuffledp.shuffler.validation import is_int, require_int
 
 __all__ = ["ShufflerClient", "SubmitStream", "ShufflerError", "Attestation", "AttestationError"]
 
@@ -76,8 +77,7 @@ class ShufflerClient:
             raise ValueError(f"address must be 'host:port', got {address!r}")
         if not isinstance(shuffler_verify_key, (bytes, bytearray)) or len(shuffler_verify_key) != 32:
             raise ValueError("shuffler_verify_key must be the shuffler's raw 32-byte Ed25519 public key")
-        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be an int >= 1024, got {max_message_bytes!r}")
+        require_int("max_message_bytes", max_message_bytes, 1024)
         tls = (root_certificate, client_certificate, client_key)
         options = grpc_options(max_message_bytes)
         if all(x is None for x in tls):
@@ -92,7 +92,8 @@ class ShufflerClient:
             )
             self._channel = grpc.secure_channel(address, creds, options=options)
         self._stub = pb_grpc.ShufflerStub(self._channel)
-        # Hot paths with pre-encoded messages (byte-identical to the generated serialisers, see shuffledp.shuffler.wire).
+        # Hot paths with pre-encoded messages (byte-identical to the generated serialisers, see
+        # shuffledp.shuffler.wire).
         self._submit_raw = self._channel.stream_unary(
             SUBMIT_METHOD, request_serializer=None, response_deserializer=pb.SubmitResponse.FromString
         )
@@ -110,6 +111,7 @@ class ShufflerClient:
         self._send_limit = max_message_bytes + FRAMING_SLACK - 16
 
     def close(self) -> None:
+        """Close the gRPC channel (calls still open on it are cancelled)."""
         self._channel.close()
 
     def __enter__(self) -> "ShufflerClient":
@@ -145,7 +147,7 @@ class ShufflerClient:
         """
         if count is None:
             items: Iterable[bytes] = envelopes if hasattr(envelopes, "__len__") else list(envelopes)
-            count = len(items)  # type: ignore[arg-type]
+            count = len(items)  # type: ignore[arg-type] - a list, or Sized (hasattr above)
         else:
             items = envelopes
         with self.open_submit(round_id=round_id, key_epoch=key_epoch, model_digest=model_digest, count=count,
@@ -203,7 +205,7 @@ class ShufflerClient:
                         raise AttestationError("the fetched batch repeats an inner ciphertext (same encapsulated key)")
                     seen_enc.add(enc)
                     digest.update(inner)
-                    yield inner  # type: ignore[misc]
+                    yield inner  # type: ignore[misc] - a bytes-like view; callers take it as bytes
         except grpc.RpcError as exc:
             raise ShufflerError(exc.code(), exc.details() or "") from None
         if digest.count != attestation.n_accepted:
@@ -251,12 +253,12 @@ class SubmitStream:
     def __init__(self, client: ShufflerClient, *, round_id: int, key_epoch: int, model_digest: bytes, count: int,
                  envelope_length: int | None, timeout: float | None) -> None:
         env.binding(key_epoch, round_id, model_digest)  # validates types and ranges
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        if not is_int(count) or count < 0:
             raise ValueError(f"count must be a non-negative int, got {count!r}")
         if count >= 2**32:
             raise ValueError("too many envelopes for one batch")
         if envelope_length is not None and (
-            isinstance(envelope_length, bool) or not isinstance(envelope_length, int) or envelope_length < 1
+            not is_int(envelope_length) or envelope_length < 1
         ):
             raise ValueError(f"envelope_length must be a positive int, got {envelope_length!r}")
         self._client = client

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shuffledp.shuffler.validation import is_int
+
 #: Mirrors shuffledp.shuffler.core.DEFAULT_STAGING_MEMORY_LIMIT / MAX_STAGING_MEMORY_LIMIT (not imported: config must
 #: load without the crypto dependencies of the core).
 DEFAULT_STAGING_MEMORY_LIMIT = 1024**3
@@ -78,6 +80,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TLSConfig:
+    """The ``[tls]`` table: mTLS files (resolved paths) and the certificate CNs allowed to call, if limited."""
+
     ca: Path
     cert: Path
     key: Path
@@ -86,6 +90,8 @@ class TLSConfig:
 
 @dataclass(frozen=True)
 class ServiceConfig:
+    """A loaded configuration file: every key of the module docstring, paths resolved, defaults filled in."""
+
     address: str
     key_epoch: int
     k: int
@@ -99,7 +105,7 @@ class ServiceConfig:
     tls: TLSConfig | None
     submit_idle_timeout: float = 60.0  # seconds a Submit stream may wait for its next message
     #: seconds a Submit stream may stay open in all: keepalives reset the idle timer, not this one, so a stream of
-    #: keepalives cannot hold a submit slot forever (review 42, F5). Above any round's reply timeout.
+    #: keepalives cannot hold a submit slot forever. Above any round's reply timeout.
     submit_max_duration: float = 21600.0
     fetch_stall_timeout: float = 60.0  # seconds a Fetch may wait for its peer to take the next message, plus
     fetch_min_rate: int = 65536  # ... the message's size divided by this rate (bytes/s)
@@ -127,7 +133,7 @@ def _seconds(doc: dict[str, Any], key: str, default: float, where: Path, *, high
 def _int(doc: dict[str, Any], key: str, lo: int, hi: int, where: Path, *, default: int | None = None) -> int:
     """``doc[key]`` (or ``default`` for an optional key that is absent), an integer in [lo, hi]."""
     v = doc[key] if default is None else doc.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+    if not is_int(v) or not lo <= v <= hi:
         raise ConfigError(f"{where}: {key} must be an integer in [{lo}, {hi}], got {v!r}")
     return v
 

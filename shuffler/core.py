@@ -44,6 +44,7 @@ from cryptography.hazmat.primitives.asymmetric import x25519
 from shuffledp.shuffler import envelope as env
 from shuffledp.shuffler.attestation import DROP_REASONS, Attestation, OutputDigest, sign_statement
 from shuffledp.shuffler.journal import Journal, JournalFailed, JournalWriteError, fsync_dir
+from shuffledp.shuffler.validation import require_int
 
 __all__ = ["CoreConfig", "Header", "Refused", "SealedBatch", "ShufflerCore", "BatchBuilder", "stages_in_memory"]
 
@@ -88,10 +89,10 @@ PIPELINE_MAX_BYTES = 32 << 20
 #: taking the GIL back costs more than the overlap saves for a small job. Measured over mTLS with
 #: bench_shuffler (1,000 x 100 KiB, packed two per message, three alternating pairs): with the threshold at
 #: 192 KiB (those pairs pipelined) the shuffler spent 0.42-0.46 CPU-s per submit against 0.35-0.37 at 256 KiB
-#: (checked inline), and submit took 0.41-0.45 s against 0.35-0.37 s. One 1 MiB envelope per job gains (session
-#: 5: submit medians 1.62-1.73 s pipelined against 1.77-1.87 s inline). Since 2026-11-26 the ServerApp packs
-#: 100 KiB envelopes ten to a 1 MiB message, so those jobs are pipelined: neutral (submit + fetch 245-282 MB/s
-#: inline against 245-256 pipelined, three alternating invocations).
+#: (checked inline), and submit took 0.41-0.45 s against 0.35-0.37 s. One 1 MiB envelope per job gains (submit
+#: medians 1.62-1.73 s pipelined against 1.77-1.87 s inline). The ServerApp packs 100 KiB envelopes ten to a
+#: 1 MiB message, so those jobs are pipelined: neutral (submit + fetch 245-282 MB/s inline against 245-256
+#: pipelined, three alternating invocations).
 PIPELINE_MIN_JOB_BYTES = 256 << 10
 #: errnos that mean "no space": a rolled-back commit with one of these is reported as disk_full
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -106,13 +107,6 @@ class Refused(Exception):
         super().__init__(message)
         self.code = code
         self.reason = reason
-
-
-def _require_int(name: str, value: object, low: int, high: int | None = None) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int (not a bool) in ``[low, high]`` (``>= low`` if no high)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -137,14 +131,14 @@ class CoreConfig:
     verify_threads: int = 1
 
     def __post_init__(self) -> None:
-        _require_int("verify_threads", self.verify_threads, 0, MAX_VERIFY_THREADS)
+        require_int("verify_threads", self.verify_threads, 0, MAX_VERIFY_THREADS)
         if not isinstance(self.retain_staging_buffer, bool):
             raise ValueError(f"retain_staging_buffer must be a bool, got {self.retain_staging_buffer!r}")
-        _require_int("staging_memory_limit", self.staging_memory_limit, 0, MAX_STAGING_MEMORY_LIMIT)
-        _require_int("k", self.k, 1)
-        _require_int("key_epoch", self.key_epoch, 0, 2**32 - 1)
-        _require_int("max_envelope_bytes", self.max_envelope_bytes, env.ENVELOPE_OVERHEAD)
-        _require_int("max_batch_reports", self.max_batch_reports, 1, MAX_BATCH_REPORTS_CAP)
+        require_int("staging_memory_limit", self.staging_memory_limit, 0, MAX_STAGING_MEMORY_LIMIT)
+        require_int("k", self.k, 1)
+        require_int("key_epoch", self.key_epoch, 0, 2**32 - 1)
+        require_int("max_envelope_bytes", self.max_envelope_bytes, env.ENVELOPE_OVERHEAD)
+        require_int("max_batch_reports", self.max_batch_reports, 1, MAX_BATCH_REPORTS_CAP)
         if len(self.hpke_private_key) != 32 or len(self.signing_private_key) != 32:
             raise ValueError("hpke_private_key and signing_private_key must be 32 raw bytes each")
         if not self.enrolment:
@@ -219,7 +213,7 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h); Python 3
 
 
 def _prefault(buf: mmap.mmap) -> None:
-    """Fault in every page of a fresh staging buffer before any report is written to it (review 42, F3).
+    """Fault in every page of a fresh staging buffer before any report is written to it.
 
     A report is copied to the slot the secret permutation gives it. In a fresh mapping the first write to a page
     pays a page fault (zeroing it; on this VM about 2 ms per MB), so without this the time to accept a report
@@ -479,7 +473,7 @@ class ShufflerCore:
             elif rec.get("type") == "release":
                 self._released[bytes.fromhex(rec["batch_id"])] = rec
         self.counters["batches_released"] = len(self._released)
-        self.journal.records.clear()  # loaded into the structures above; the journal keeps no copy (review 42, F4)
+        self.journal.records.clear()  # loaded into the structures above; no second copy stays in memory
         #: builders begun and not yet finished or aborted; :meth:`close` waits for them (graceful stop)
         self._open_builders = 0
         self._closing = False  # close() began: no new batches
@@ -623,7 +617,7 @@ class ShufflerCore:
         """
         if self.journal.failed:
             # A batch that was open when the journal failed must not add a second output without a record
-            # (journal.Journal refuses to start beside more than one: review 43, F1).
+            # (journal.Journal refuses to start beside more than one).
             raise Refused("unavailable", "journal_failed", "the shuffler's journal failed; it accepts no batches")
         header = builder.header
         batch_id = secrets.token_bytes(16)
@@ -652,7 +646,9 @@ class ShufflerCore:
             with memoryview(buf) as mv:
                 for i, slot in enumerate(occupied):
                     if slot != i:
-                        mv[i * inner_length : (i + 1) * inner_length] = mv[slot * inner_length : (slot + 1) * inner_length]
+                        mv[i * inner_length : (i + 1) * inner_length] = mv[
+                            slot * inner_length : (slot + 1) * inner_length
+                        ]
                 del occupied
                 _write_out(fd, source, mv, n * inner_length)
             builder.release_buffer(retain=True)  # the batch now exists in the output file (and, if retained,
@@ -673,7 +669,7 @@ class ShufflerCore:
         os.fsync(fd)  # data, size and mode durable before the rename
         os.replace(source, final)
         builder.staging_path = None
-        try:  # until the record is durable the output is not a batch: a failure removes it (review 43, F1)
+        try:  # until the record is durable the output is not a batch: a failure removes it
             fsync_dir(self.journal.batches_dir)
             fsync_dir(self.journal.staging_dir)
             dropped = {r: builder.drops.get(r, 0) for r in DROP_REASONS}
@@ -714,7 +710,9 @@ class ShufflerCore:
         except JournalFailed:
             # unknown state: keep the output (quarantined at the next start) and stop accepting batches
             self._mark_unhealthy()
-            raise Refused("unavailable", "journal_failed", "the shuffler's journal failed; it accepts no batches") from None
+            raise Refused(
+                "unavailable", "journal_failed", "the shuffler's journal failed; it accepts no batches"
+            ) from None
         except BaseException as exc:
             # Nothing was committed and nobody was told (a rolled-back append, or a failure before it): the output
             # is not a batch and must not stay in batches/ without a record (a crash leaves at most one such).
@@ -859,7 +857,7 @@ class ShufflerCore:
         with self._spare_lock:
             spare = self._spare_buffer
             if spare is None or len(spare) < len(buf):
-                self._spare_buffer, buf = buf, spare  # type: ignore[assignment]
+                self._spare_buffer, buf = buf, spare  # type: ignore[assignment] - spare may be None
         if buf is not None:
             buf.close()
 
@@ -945,8 +943,8 @@ class BatchBuilder:
         #: True/False once staging began and the path was chosen; None before
         self.in_memory: bool | None = None
         self._perm: array | None = None
-        #: the inner ciphertext's hash at each slot (shuffledp.shuffler.envelope.inner_hash; 32 bytes per slot, slot order),
-        #: for the output digest
+        #: the inner ciphertext's hash at each slot (shuffledp.shuffler.envelope.inner_hash; 32 bytes per slot, slot
+        #: order), for the output digest
         self._slot_hashes: bytearray | None = None
         #: signature-check jobs in flight on the core's verify pool, oldest first: (future, reports, bytes)
         self._pending: deque[tuple[Future[list[env.OpenedReport | str]], int, int]] = deque()
@@ -975,6 +973,7 @@ class BatchBuilder:
         return perm
 
     def used_slots(self) -> list[int]:
+        """The slots of the accepted reports, in acceptance order (raises once the permutation is gone)."""
         if self._perm is None:
             raise RuntimeError("no permutation (replay-only builder, nothing accepted, or already sealed)")
         return list(self._perm[: self.n_accepted])
@@ -987,6 +986,7 @@ class BatchBuilder:
         return self._slot_hashes
 
     def forget_permutation(self) -> None:
+        """Drop the permutation and the slot hashes (once the output digest is computed, before writing the output)."""
         self._perm = None
         self._slot_hashes = None
 
@@ -1010,8 +1010,7 @@ class BatchBuilder:
         self.inner_length = inner_length
         # The staging length counts as a length of the batch: without an announced envelope_length (legacy) the
         # first envelope may be dropped after it fixed the slots' length, and accepted reports of another length
-        # are then not staged. They must refuse the batch (mixed_lengths), not seal slots that hold no report
-        # (review 42, F1).
+        # are then not staged. They must refuse the batch (mixed_lengths), not seal slots that hold no report.
         self._lengths.add(inner_length)
         self._start_staging()  # chooses memory or disk staging
         self._perm = self.draw_permutation(self.header.expected_count)  # allocated lazily
@@ -1116,6 +1115,7 @@ class BatchBuilder:
             ) from None
 
     def request_digest(self) -> bytes:
+        """The order-independent digest of this submission: its header and the sorted envelope fingerprints."""
         return _request_digest(self.header, self._envelope_hashes)
 
     @property

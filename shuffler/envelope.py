@@ -42,16 +42,17 @@ replays (the decryption fails), and the signature lets the shuffler count distin
 Why version 2: the shuffler hashes every inner ciphertext it accepts (to check the signature, and again, by
 reusing that hash, for the output digest of its attestation), and the server hashes every one it fetches.
 On the 2-core benchmark machine SHA-256 (with the SHA extensions) takes 49 us per 100 KiB and BLAKE3 12 us,
-which is most of the difference between missing and meeting the shuffler's throughput goal (issue 3;
-``benchmarks/bench_shuffler.py``). Version 1 stays readable for envelopes and batches of older peers.
+which is most of the difference between missing and meeting the shuffler's throughput goal (>= 300 MB/s of
+submit + fetch on 2 cores, ``benchmarks/bench_shuffler.py``). Version 1 stays readable for envelopes and batches
+of older peers.
 
 The shuffler checks report signatures with libsodium (PyNaCl's ``crypto_sign_open``): 37 us per signature here
 against 60-65 us for ``cryptography``'s (OpenSSL); both release the GIL. Both implement RFC 8032 verification and
 accept every signature an honest signer makes; libsodium is the stricter of the two on crafted inputs: it rejects
 small-order public keys and non-canonical encodings, where OpenSSL's cofactorless check accepts, for instance,
 the identity point as public key with R = identity and S = 0 for every message. The enrolment refuses such keys
-(``shuffledp.shuffler.keys``). BLAKE3 gains from about 16 KiB of inner ciphertext on; below that the ``blake3`` package's
-per-call overhead makes it slightly slower than SHA-256 (about 3 us against 1.6 us at 2.7 KB), which is
+(``shuffledp.shuffler.keys``). BLAKE3 gains from about 16 KiB of inner ciphertext on; below that the ``blake3``
+package's per-call overhead makes it slightly slower than SHA-256 (about 3 us against 1.6 us at 2.7 KB), which is
 immaterial next to the signature check.
 """
 
@@ -70,6 +71,8 @@ import nacl.exceptions
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
+
+from shuffledp.shuffler.validation import is_int
 
 __all__ = [
     "ENVELOPE_VERSION",
@@ -159,7 +162,7 @@ class DecryptedReport:
 
 
 def _check_uint(name: str, value: int, maximum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not 0 <= value <= maximum:
         raise ValueError(f"{name} must be in [0, {maximum}], got {value}")
@@ -175,7 +178,7 @@ def _check_bytes(name: str, value: object, length: int | None = None) -> bytes:
 
 
 def _check_version(version: int) -> int:
-    if isinstance(version, bool) or not isinstance(version, int):
+    if not is_int(version):
         raise TypeError(f"version must be an int, got {type(version).__name__}")
     if version not in ENVELOPE_VERSIONS:
         raise ValueError(f"envelope version must be one of {sorted(ENVELOPE_VERSIONS)}, got {version}")

@@ -36,6 +36,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shuffledp.shuffler.validation import is_int
+
 __all__ = ["HeapTuning", "tune_heap", "MMAP_THRESHOLD_MAX", "DEFAULT_TRIM_THRESHOLD"]
 
 log = logging.getLogger(__name__)
@@ -102,11 +104,10 @@ def tune_heap(max_message_bytes: int, *, trim_threshold: int = DEFAULT_TRIM_THRE
     a refusal by the C library is returned as ``applied=False`` with the reason, never raised.
     """
     global _applied
-    if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
+    if not is_int(max_message_bytes) or max_message_bytes < 1:
         raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
     mmap_threshold = min(MMAP_THRESHOLD_MAX, max(_MIN_THRESHOLD, max_message_bytes + 64 * 1024))
-    if (isinstance(trim_threshold, bool) or not isinstance(trim_threshold, int)
-            or not mmap_threshold <= trim_threshold <= _MAX_THRESHOLD):
+    if not is_int(trim_threshold) or not mmap_threshold <= trim_threshold <= _MAX_THRESHOLD:
         raise ValueError(
             f"trim_threshold must be an int in [{mmap_threshold}, {_MAX_THRESHOLD}] (at least the mmap threshold, "
             f"at most a C int), got {trim_threshold!r}"

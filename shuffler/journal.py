@@ -165,7 +165,7 @@ def _is_torn_tail(data: bytes, start: int) -> bool:
         return not tail.strip(b"\0")  # a file extended with zeros by the filesystem after a crash
     # a complete header with a plausible length, and fewer bytes than it announces: an interrupted append, unless
     # a complete, checksum-valid record follows (then the header was damaged, e.g. a flipped bit in its length,
-    # and cutting there would erase acknowledged records: review 42, F2)
+    # and cutting there would erase acknowledged records)
     return length <= _MAX_RECORD and _HEAD.size + length > len(tail) and _no_record_after(data, start + 4)
 
 
@@ -294,7 +294,8 @@ class Journal:
         if moved:
             fsync_dir(self.quarantine_dir)
             fsync_dir(self.batches_dir)
-            log.warning("journal: moved %d output file(s) without a commit record to quarantine/", len(self.quarantined))
+            log.warning("journal: moved %d output file(s) without a commit record to quarantine/",
+                        len(self.quarantined))
         for p in self.staging_dir.iterdir():
             p.unlink()
 
@@ -335,6 +336,7 @@ class Journal:
         self._size = start + len(data)  # the record is not kept in memory: ``records`` are the recovered ones
 
     def close(self) -> None:
+        """Close the journal's file descriptor (idempotent)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 
 from shuffledp.shuffler import tls
 from shuffledp.shuffler.journal import write_file_durably
+from shuffledp.shuffler.validation import is_int, require_int
 
 __all__ = [
     "KeyKind",
@@ -156,7 +157,7 @@ def load_private_key(path: str | os.PathLike[str], kind: KeyKind | None = None) 
     found = _kind_of(obj)
     if found not in _KINDS or (kind is not None and found != kind):
         raise ValueError(f"{path} holds a {found} key; expected {kind or 'x25519 or ed25519'}")
-    return obj.private_bytes_raw()  # type: ignore[union-attr]
+    return obj.private_bytes_raw()  # type: ignore[union-attr] - _kind_of checked it is X25519 or Ed25519
 
 
 def load_public_key(path: str | os.PathLike[str], kind: KeyKind | None = None) -> bytes:
@@ -171,12 +172,12 @@ def load_public_key(path: str | os.PathLike[str], kind: KeyKind | None = None) -
     found = _kind_of(obj)
     if found not in _KINDS or (kind is not None and found != kind):
         raise ValueError(f"{path} holds a {found} key; expected {kind or 'x25519 or ed25519'}")
-    return obj.public_bytes_raw()  # type: ignore[union-attr]
+    return obj.public_bytes_raw()  # type: ignore[union-attr] - _kind_of checked it is X25519 or Ed25519
 
 
 def client_id(partition_id: int) -> str:
     """The enrolment id of the client with this partition id (``client-<i>``)."""
-    if isinstance(partition_id, bool) or not isinstance(partition_id, int) or partition_id < 0:
+    if not is_int(partition_id) or partition_id < 0:
         raise ValueError(f"partition_id must be a non-negative int, got {partition_id!r}")
     return f"client-{partition_id}"
 
@@ -198,8 +199,8 @@ def _validate_enrolment(clients: Mapping[str, bytes], where: str) -> None:
         if not isinstance(pk, (bytes, bytearray)) or len(pk) != 32:
             raise ValueError(f"{where}: client {cid!r} must map to a 32-byte Ed25519 public key")
         try:
-            # libsodium (which checks report signatures, shuffledp.shuffler.envelope) refuses small-order keys, keys outside
-            # the prime-order subgroup and non-canonical encodings: such a client could never send a report that
+            # libsodium (which checks report signatures, shuffledp.shuffler.envelope) refuses small-order keys, keys
+            # outside the prime-order subgroup and non-canonical encodings: such a client could never send a report that
             # verifies. Refusing the key here says so at enrolment instead of dropping every report later. (This
             # decodes the point; cryptography's from_public_bytes checks only the length, done above.)
             nacl.bindings.crypto_sign_ed25519_pk_to_curve25519(bytes(pk))
@@ -240,65 +241,81 @@ class KeyDirectory:
 
     @property
     def shuffler_hpke_pub(self) -> Path:
+        """Path of the shuffler's X25519 (HPKE) public key (PEM): clients seal the outer layer to it."""
         return self.root / "public" / "shuffler_hpke.pub"
 
     @property
     def shuffler_signing_pub(self) -> Path:
+        """Path of the shuffler's Ed25519 public key (PEM): the server checks batch attestations with it."""
         return self.root / "public" / "shuffler_signing.pub"
 
     @property
     def server_hpke_pub(self) -> Path:
+        """Path of the server's X25519 (HPKE) public key (PEM): clients seal the inner layer to it."""
         return self.root / "public" / "server_hpke.pub"
 
     @property
     def shuffler_hpke_key(self) -> Path:
+        """Path of the shuffler's X25519 (HPKE) private key (shuffler operator only, mode 0600)."""
         return self.root / "shuffler" / "hpke.key"
 
     @property
     def shuffler_signing_key(self) -> Path:
+        """Path of the shuffler's Ed25519 signing key for attestations (shuffler operator only, mode 0600)."""
         return self.root / "shuffler" / "signing.key"
 
     @property
     def server_hpke_key(self) -> Path:
+        """Path of the server's X25519 (HPKE) private key, which opens the inner layer (server only, 0600)."""
         return self.root / "server" / "hpke.key"
 
     def client_key(self, partition_id: int) -> Path:
+        """Path of the Ed25519 signing key of the client with this partition id (``clients/client-<i>.key``)."""
         return self.root / "clients" / f"{client_id(partition_id)}.key"
 
     @property
     def enrolment(self) -> Path:
+        """Path of the enrolment file: client id -> Ed25519 public key (see :func:`load_enrolment`)."""
         return self.root / "enrolment.json"
 
     @property
     def tls_dir(self) -> Path:
+        """The folder of the mTLS certificates and keys."""
         return self.root / "tls"
 
     @property
     def ca_cert(self) -> Path:
+        """Path of the certificate of the CA that signs the shuffler's and the ServerApp's TLS certificates."""
         return self.tls_dir / "ca.crt"
 
     @property
     def ca_key(self) -> Path:
+        """Path of the CA's private key (needed only to issue certificates)."""
         return self.tls_dir / "ca.key"
 
     @property
     def shuffler_cert(self) -> Path:
+        """Path of the shuffler's TLS server certificate."""
         return self.tls_dir / "shuffler.crt"
 
     @property
     def shuffler_tls_key(self) -> Path:
+        """Path of the shuffler's TLS private key."""
         return self.tls_dir / "shuffler.key"
 
     @property
     def serverapp_cert(self) -> Path:
+        """Path of the ServerApp's TLS client certificate (its mTLS identity towards the shuffler)."""
         return self.tls_dir / "serverapp.crt"
 
     @property
     def serverapp_tls_key(self) -> Path:
+        """Path of the ServerApp's TLS private key."""
         return self.tls_dir / "serverapp.key"
 
     @property
     def config(self) -> Path:
+        """Path of the shuffler's configuration file (``shuffler.toml``, see :mod:`shuffledp.shuffler.config`)."""
         return self.root / "shuffler.toml"
 
 
@@ -307,12 +324,10 @@ def _toml_str(s: str) -> str:
 
 
 def _check_shuffler_settings(key_epoch: int, k: int, max_envelope_bytes: int) -> None:
-    if isinstance(key_epoch, bool) or not isinstance(key_epoch, int) or not 0 <= key_epoch < 2**32:
+    if not is_int(key_epoch) or not 0 <= key_epoch < 2**32:
         raise ValueError(f"key_epoch must be an int in [0, 2**32), got {key_epoch!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an int >= 1, got {k!r}")
-    if isinstance(max_envelope_bytes, bool) or not isinstance(max_envelope_bytes, int) or max_envelope_bytes < 1024:
-        raise ValueError(f"max_envelope_bytes must be an int >= 1024, got {max_envelope_bytes!r}")
+    require_int("k", k, 1)
+    require_int("max_envelope_bytes", max_envelope_bytes, 1024)
 
 
 def _new_directory(out: str | os.PathLike[str], subdirs: tuple[str, ...], private: tuple[str, ...]) -> KeyDirectory:
@@ -388,8 +403,7 @@ def init_key_directory(
     listens on 127.0.0.1 port 0 and requires mTLS. Every party's secrets end up in one directory: for
     simulations and one-operator tests; :func:`init_shuffler_keys` writes the shuffler operator's part alone.
     """
-    if isinstance(n_clients, bool) or not isinstance(n_clients, int) or not 1 <= n_clients <= 1_000_000:
-        raise ValueError(f"n_clients must be an int in [1, 1000000], got {n_clients!r}")
+    require_int("n_clients", n_clients, 1, 1_000_000)
     if k is None:
         k = min(n_clients, max(2, n_clients // 2))
     _check_shuffler_settings(key_epoch, k, max_envelope_bytes)

@@ -60,6 +60,7 @@ class ShufflerProcess:
 
     @property
     def address(self) -> str:
+        """``host:port`` the running shuffler listens on (the config's host, the port it reported)."""
         if self.port is None:
             raise RuntimeError("the shuffler process is not running")
         host = self.config.address.rsplit(":", 1)[0]
@@ -67,11 +68,21 @@ class ShufflerProcess:
 
     @property
     def pid(self) -> int:
+        """The process id of the running shuffler."""
         if self.proc is None:
             raise RuntimeError("the shuffler process is not running")
         return self.proc.pid
 
     def start(self) -> "ShufflerProcess":
+        """Start the shuffler process and wait for the port it reports; returns ``self``.
+
+        When the health check can be reached (insecure, or with all three TLS files), also wait until it reports
+        SERVING.
+
+        Raises:
+            RuntimeError: it is already running.
+            ShufflerStartError: it exited, or did not start in time (the message ends with its log's tail).
+        """
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError("already running")
         port_file = Path(self._tmp.name) / "port"
@@ -104,7 +115,9 @@ class ShufflerProcess:
                 raise ShufflerStartError(f"shuffler exited with {self.proc.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 self.kill()
-                raise ShufflerStartError(f"shuffler did not report a port in {self.startup_timeout}s:\n{self.log_tail()}")
+                raise ShufflerStartError(
+                    f"shuffler did not report a port in {self.startup_timeout}s:\n{self.log_tail()}"
+                )
             time.sleep(0.02)
         self.port = int(port_file.read_text().strip())
         if self.config.insecure or all(c is not None for c in self._creds):
@@ -147,6 +160,7 @@ class ShufflerProcess:
         raise ShufflerStartError(f"shuffler not healthy in time ({last}):\n{self.log_tail()}")
 
     def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of the shuffler's log (empty if there is no log yet)."""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except FileNotFoundError:

@@ -17,9 +17,9 @@ DEADLINE_EXCEEDED      submit_idle: a Submit stream sent nothing for submit_idle
                        fetch_stall: the peer of a Fetch took no message for fetch_stall_timeout seconds
 UNAVAILABLE            journal_failed: a failed journal append could not be rolled back; health is
                        NOT_SERVING and every further Submit is refused. journal_write: a Fetch's release record
-                       could not be written (rolled back; not for want of space), so nothing was released. (shutting_down is the core's refusal
-                       once ShufflerCore.close began; the service closes the core only after gRPC has
-                       cancelled every call, so its clients see gRPC's own UNAVAILABLE or CANCELLED)
+                       could not be written (rolled back; not for want of space), so nothing was released.
+                       (shutting_down is the core's refusal once ShufflerCore.close began; the service closes the core
+                       only after gRPC has cancelled every call, so its clients see gRPC's own UNAVAILABLE or CANCELLED)
 NOT_FOUND              fetch of an unknown batch id
 PERMISSION_DENIED      mTLS peer certificate CN not in ``client_common_names``
 INTERNAL               a request that is not a protobuf (gRPC's "Exception deserializing request!");
@@ -55,6 +55,7 @@ from shuffledp.shuffler.config import ServiceConfig, load_config
 from shuffledp.shuffler.core import DISK_FULL_ERRNOS, CoreConfig, Header, Refused, ShufflerCore
 from shuffledp.shuffler.heap import tune_heap
 from shuffledp.shuffler.journal import JournalWriteError, write_file_durably
+from shuffledp.shuffler.validation import is_int
 
 __all__ = ["SERVICE_NAME", "STATUS_FOR", "ShufflerServicer", "build_server", "serve", "grpc_options"]
 
@@ -118,9 +119,9 @@ class _NonCanonical:
 
 #: Submit messages (and batch payloads) above this many bytes must be in canonical form: one ``envelope`` field,
 #: or one ``batch`` of ``envelopes`` fields, as every protobuf serialiser writes them. Smaller ones may go through
-#: the generated parser. :class:`shuffledp.shuffler.client.ShufflerClient` always writes the canonical form (packed batches of
-#: up to ``wire.PACKED_MESSAGE_BYTES``); the bound stays at the legacy packing size, which keeps what the generated
-#: parser may be made to build small.
+#: the generated parser. :class:`shuffledp.shuffler.client.ShufflerClient` always writes the canonical form (packed
+#: batches of up to ``wire.PACKED_MESSAGE_BYTES``); the bound stays at the legacy packing size, which keeps what the
+#: generated parser may be made to build small.
 CANONICAL_ABOVE = wire.LEGACY_PACKED_MESSAGE_BYTES + 1024
 
 
@@ -135,10 +136,10 @@ def _submit_request(raw: bytes) -> "pb.SubmitRequest | _EnvelopeMessage | _Batch
     view = memoryview(raw)
     envelope = wire.decode_single_bytes_field(view, 2)
     if envelope is not None:
-        return _EnvelopeMessage(envelope)  # type: ignore[arg-type]
+        return _EnvelopeMessage(envelope)  # type: ignore[arg-type] - a view, as raw is one
     batch = wire.decode_single_bytes_field(view, 4)
     if batch is not None:
-        return _BatchMessage(batch)  # type: ignore[arg-type]
+        return _BatchMessage(batch)  # type: ignore[arg-type] - a view, as raw is one
     if len(raw) > CANONICAL_ABOVE:
         return _NonCanonical()
     return pb.SubmitRequest.FromString(raw)
@@ -195,7 +196,7 @@ def packing_for(peer_message_limit: int) -> int:
     """Target bytes per packed message to a peer whose gRPC receive limit is ``peer_message_limit`` (what it
     states in ``FetchRequest.max_message_bytes`` or ``StatsResponse.max_message_bytes``): that limit less framing
     slack, at most our packing size (``wire.PACKED_MESSAGE_BYTES``) and at least the legacy 256 KiB. 0 (a peer too
-    old to state one) gives the legacy 256 KiB. Every version since 2026-11-22 accepts 256 KiB packed messages
+    old to state one) gives the legacy 256 KiB. Every peer that states a limit accepts 256 KiB packed messages
     (its limit is at least 256 KiB plus the slack), so no honest peer states less; the floor keeps a peer that
     does from making every item travel alone. An item larger than the target travels alone (``wire.packed``)."""
     if peer_message_limit <= 0:
@@ -275,7 +276,7 @@ class _IdleWatchdog:
                     self.fired_reason = self._reason
                     details = f"{self._reason}: {self._what} for {self.allowance:.3g} s"
                 try:  # cancel with a specific status (grpc's server call object accepts one)
-                    self._context._rpc_event.call.cancel(  # type: ignore[attr-defined]
+                    self._context._rpc_event.call.cancel(  # type: ignore[attr-defined] - grpc private; fallback below
                         grpc._cython.cygrpc.StatusCode.deadline_exceeded, details
                     )
                 except (AttributeError, TypeError):
@@ -353,6 +354,12 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             slots.release()
 
     def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> pb.SubmitResponse:
+        """Take one batch's Submit stream (header, then packed envelopes); seal it and return the attestation.
+
+        At most ``max_concurrent_submits`` run at once (the rest get RESOURCE_EXHAUSTED ``busy``); a stream idle for
+        ``submit_idle_timeout`` seconds, or open longer than ``submit_max_duration``, is cancelled. A refusal ends the
+        call with its status code and reason.
+        """
         with self._slot(self._submit_slots, context, "submissions"), _IdleWatchdog(
             context, self.submit_idle_timeout, "submit_idle", "no message", max_duration=self.submit_max_duration
         ) as dog:
@@ -388,9 +395,8 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
                     # become objects
                     builder.add_many(batch_envelopes(req, builder.room + 1))
                 elif item != "keepalive":  # a keepalive only resets the idle timer (done by _watched)
-                    raise Refused(
-                        "invalid_argument", "not_envelope", "only envelopes, batches and keepalives may follow the header"
-                    )
+                    raise Refused("invalid_argument", "not_envelope",
+                                  "only envelopes, batches and keepalives may follow the header")
             if not context.is_active():  # cancelled by the client (gRPC may end the iterator before saying so)
                 log.info("submit: stream cancelled by the client")
                 return pb.SubmitResponse()
@@ -418,7 +424,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         finally:
             if builder is not None:
                 builder.abort()
-        self._abort(context, refusal)  # type: ignore[arg-type]  # raises
+        self._abort(context, refusal)  # type: ignore[arg-type] - set whenever this line is reached; raises
         return pb.SubmitResponse()
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -450,6 +456,7 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
                     context.abort(grpc.StatusCode.INTERNAL, "internal error: the sealed output cannot be read")
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        """Return the shuffler's aggregate counters, key epoch and Submit message limit to an authorised caller."""
         try:
             self._authorize(context)
         except Refused as exc:
@@ -490,7 +497,7 @@ def worker_split(max_workers: int) -> tuple[int, int]:
     """``(submits, fetches)`` allowed at once with ``max_workers`` gRPC threads: ``RESERVED_WORKERS`` threads
     stay free for Stats and health, the rest are split between Submit and Fetch (Fetch gets the smaller half),
     so that neither kind of stalled call can starve the other or the health checks."""
-    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < RESERVED_WORKERS + 2:
+    if not is_int(max_workers) or max_workers < RESERVED_WORKERS + 2:
         raise ValueError(f"max_workers must be an integer >= {RESERVED_WORKERS + 2}, got {max_workers!r}")
     fetches = (max_workers - RESERVED_WORKERS) // 2
     return max_workers - RESERVED_WORKERS - fetches, fetches

@@ -18,6 +18,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from shuffledp.shuffler.validation import require_int
+
 __all__ = ["create_ca", "issue_certificate", "create_csr", "issue_certificate_for_csr", "certificate_common_name"]
 
 _DEFAULT_DAYS = 825
@@ -34,8 +36,7 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _check_days(days: int) -> None:
-    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 3650:
-        raise ValueError(f"validity days must be an int in [1, 3650], got {days!r}")
+    require_int("validity days", days, 1, 3650)
 
 
 def _check_name(common_name: str) -> None:
@@ -189,7 +190,7 @@ def _sign_leaf(
         raise ValueError(f"ca_cert/ca_key must be PEM (as written by create_ca): {exc}") from exc
     if not isinstance(signer, ec.EllipticCurvePrivateKey):
         raise ValueError("ca_key must be an EC private key (as written by create_ca)")
-    if signer.public_key().public_numbers() != issuer.public_key().public_numbers():  # type: ignore[union-attr]
+    if signer.public_key().public_numbers() != issuer.public_key().public_numbers():  # type: ignore[union-attr] - EC (checked)
         raise ValueError("ca_key does not match ca_cert")
     usages = ([ExtendedKeyUsageOID.SERVER_AUTH] if is_server else []) + (
         [ExtendedKeyUsageOID.CLIENT_AUTH] if is_client else []

@@ -31,7 +31,7 @@ __all__ = [
 #: pairs of bench_shuffler invocations (medians 240-275 against 219-236 MB/s); 512 KiB, 2 MiB and 4 MiB were no
 #: better than 1 MiB.
 PACKED_MESSAGE_BYTES = 1024 * 1024
-#: The packing size of peers older than 2026-11-26, which state no limit; every peer accepts it.
+#: The packing size of peers that state no message limit (0); every peer accepts it.
 LEGACY_PACKED_MESSAGE_BYTES = 256 * 1024
 #: Bytes budgeted per packed item for its framing: one tag byte and at most ten varint bytes.
 FIELD_OVERHEAD = 11

@@ -95,7 +95,7 @@ def train_plain(msg: Message, context: Context) -> Message:
             eps0=float(rc["eps0"]), clip_l1=float(rc["clip-l1"]), client_key=_UNUSED_KEY,
             server_public_key=_UNUSED_KEY, shuffler_public_key=_UNUSED_KEY,
             partition_id=int(nc["partition-id"]), num_partitions=int(nc["num-partitions"]),
-            log2_grid=rc.get("log2-grid"),  # type: ignore[arg-type]
+            log2_grid=rc.get("log2-grid"),  # type: ignore[arg-type] - PinnedSettings checks it
         )
     except (KeyError, ValueError, TypeError) as exc:
         return _error(msg, ERR_CLIENT_SETUP, f"client setup: {exc}")

@@ -5,8 +5,8 @@ Used by ``benchmarks/bench_round_overhead.py``. Per round it does what the produ
 nodes (same ``min-reports`` wait and first-round settle), send the same model + round config to all of them,
 collect the replies with the same timeout, read the PLAIN encoded noisy reports (it sees which node sent
 which: local DP only, no amplification, nothing hidden from the server), decode and average them
-(``shuffledp.clients.report.decode_report`` + ``shuffledp.server.optim.ReportAccumulator``), one step of the same server optimizer
-and the same central evaluation. No shuffler, no HPKE, no attestation, no accountant/ledger, no checkpoint.
+(``shuffledp.clients.report.decode_report`` + ``shuffledp.server.optim.ReportAccumulator``), one step of the same server
+optimizer and the same central evaluation. No shuffler, no HPKE, no attestation, no accountant/ledger, no checkpoint.
 
 Per-round ``seconds`` use the same boundaries as ``RoundOutcome.seconds`` of the product, so that the sum
 over phases is the same "round wall time" in both: ``select`` (node wait + sampling; the product's ``budget``),
@@ -94,7 +94,7 @@ class PlainRounds:
         for payload in reports:
             try:
                 acc.add(decode_report(payload, expected_dim=self.dim, expected_log2_grid=self.log2_grid))
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a report that does not decode is counted, as in the product
                 bad += 1
         t3 = time.perf_counter()
         seconds["aggregate"] = t3 - t2

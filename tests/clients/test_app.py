@@ -186,8 +186,9 @@ def test_deployment_node_config_pins_override_run_config(keys, model) -> None:
         "num-partitions": N_PART,
         "pca-components": 0,  # the device's data settings (the model takes 64 pixels)
     }
+    # the simulation values in run_config are ignored in deployment
     ctx = Context(run_id=1, node_id=7, node_config=node, state=RecordDict(),
-                  run_config={"eps0": 2.0, "clip-l1": 1.0, "pca-components": 0})  # simulation values are ignored in deployment
+                  run_config={"eps0": 2.0, "clip-l1": 1.0, "pca-components": 0})
     r = train_shuffled(_msg(model, _cfg(1)), ctx)
     assert r.has_error() and r.error.code == ERR_PINNED_MISMATCH
     r = train_shuffled(_msg(model, _cfg(1, eps0=4.0, clip_l1=0.5)), ctx)
@@ -239,7 +240,7 @@ def test_pinned_settings_resolution_errors(keys) -> None:
         pinned_from_configs({"partition-id": 2, "num-partitions": 2}, run)
     with pytest.raises(ClientSetupError, match="log2-grid"):
         pinned_from_configs(node, {**run, "log2-grid": 1.5})
-    # the grid may only be the one the server decodes with (review 39: another stands out of the shuffled batch)
+    # the grid may only be the one the server decodes with (a report on another stands out of the shuffled batch)
     grid = DiscreteLaplaceRandomizer(EPS0, CLIP).log2_grid
     assert pinned_from_configs(node, {**run, "log2-grid": grid}).log2_grid == grid
     for other in (grid - 1, grid + 3):
@@ -266,7 +267,7 @@ def test_pinned_settings_resolution_errors(keys) -> None:
            "partition-id": 0, "num-partitions": 1}
     with pytest.raises(ClientSetupError, match="cannot load"):
         pinned_from_configs(dep, {})
-    # review 48, N1: a missing path was read as "." ("cannot load the client's keys: . has mode 777")
+    # a missing path must not be read as "." ("cannot load the client's keys: . has mode 777")
     for absent in ("client-key", "shuffler-public-key"):
         with pytest.raises(ClientSetupError, match=f"has no \\['{absent}'\\]"):
             pinned_from_configs({k: v for k, v in dep.items() if k != absent}, {})
@@ -483,10 +484,10 @@ def test_refusals_carry_nothing_about_the_clients_data(keys, model, tmp_path, ca
 
 
 def test_model_arrays_that_are_not_floats_are_refused_with_a_reason(keys, model) -> None:
-    """Review 48, M1 and L1: a text or structured array made np.isfinite raise TypeError, which left the ClientApp
-    (Flower then replied at once with the exception's text, before any reply-floor); complex, integer, bool and
-    datetime arrays were accepted (the imaginary part dropped); a float64 weight beyond float32's range became
-    inf after the finiteness check and every report was the zero update."""
+    """A text or structured array must not make np.isfinite raise TypeError out of the ClientApp (Flower would
+    reply at once with the exception's text, before any reply-floor); complex, integer, bool and datetime arrays
+    must not be accepted (the imaginary part dropped); a float64 weight beyond float32's range must not become
+    inf after the finiteness check (every report would be the zero update)."""
     w, b = model
     for odd in (w.astype("U8"), w.astype(np.complex64) + 1j, w.astype(np.int32), w > 0,
                 w.astype("datetime64[s]"), np.zeros(w.shape, dtype=[("a", "<f4")])):

@@ -169,7 +169,8 @@ def test_mnist_uncompressed_and_missing(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("stem", "array", "fragment"),
     [
-        ("train-labels-idx1-ubyte", (np.arange(80) % 10 + 190).astype(np.uint8), "labels must be digits 0-9, found 199"),
+        ("train-labels-idx1-ubyte", (np.arange(80) % 10 + 190).astype(np.uint8),
+         "labels must be digits 0-9, found 199"),
         ("train-labels-idx1-ubyte", (np.arange(80) % 10).astype(np.uint8).reshape(80, 1), "labels must be unsigned"),
         ("train-labels-idx1-ubyte", (np.arange(79) % 10).astype(np.uint8), "80 images but 79 labels"),
         ("train-images-idx3-ubyte", np.zeros((80, 28, 28), dtype=np.float32), "images must be unsigned bytes"),
@@ -221,8 +222,8 @@ def test_dirichlet_with_many_partitions_fills_every_partition() -> None:
 
 @pytest.mark.parametrize("pca_components", [None, 3])
 def test_preprocessing_is_fitted_on_the_held_out_split_only(pca_components: int | None) -> None:
-    """The PCA basis and the scaling come from the server's held-out split, never from the clients' rows (review
-    48, T2: fitting them on x_train went unnoticed): changing the training rows changes neither the held-out
+    """The PCA basis and the scaling come from the server's held-out split, never from the clients' rows (fitting
+    them on x_train would go unnoticed elsewhere): changing the training rows changes neither the held-out
     features nor the map applied to a training row."""
     from shuffledp.clients.data import _preprocess
 

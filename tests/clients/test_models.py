@@ -38,7 +38,7 @@ def test_shapes_and_round_trip() -> None:
         set_arrays(build_model("logreg", 4, 3), [np.zeros((3, 5)), np.zeros(3)])
     with pytest.raises(ValueError, match="non-finite"):
         model_from_arrays([np.full((3, 4), np.nan), np.zeros(3)])
-    # review 48/51: the model itself refuses what is not a float, and what is not finite as float32
+    # the model itself refuses what is not a float, and what is not finite as float32
     for odd in (np.zeros((3, 4), np.complex64), np.zeros((3, 4), np.int64), np.zeros((3, 4), bool),
                 np.zeros((3, 4), "U2"), np.zeros((3, 4), [("a", "<f4")])):
         with pytest.raises(ValueError, match="a floating-point type \\(float32\\) is expected"):

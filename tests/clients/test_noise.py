@@ -128,19 +128,19 @@ def test_thresholds_match_independent_high_precision() -> None:
     x = mpmath.mpf(num) / 2**log2_den
     tab = _digit_table("truncated", num, log2_den, 256)
     geo = _digit_table("geometric", num, log2_den - 8, 256)
-    for l in (1, 2, 17, 128, 255):
-        s_trunc = (mpmath.e ** (-x * l) - mpmath.e ** (-x * 256)) / (1 - mpmath.e ** (-x * 256))
+    for ell in (1, 2, 17, 128, 255):
+        s_trunc = (mpmath.e ** (-x * ell) - mpmath.e ** (-x * 256)) / (1 - mpmath.e ** (-x * 256))
         want = int(mpmath.floor(s_trunc * mpmath.mpf(2) ** 80))
-        assert _stored_threshold(tab, l) == want
-        s_geo = mpmath.e ** (-x * 256 * l)
-        assert _stored_threshold(geo, l) == int(mpmath.floor(s_geo * mpmath.mpf(2) ** 80))
+        assert _stored_threshold(tab, ell) == want
+        s_geo = mpmath.e ** (-x * 256 * ell)
+        assert _stored_threshold(geo, ell) == int(mpmath.floor(s_geo * mpmath.mpf(2) ** 80))
 
 
-def _stored_threshold(tab, l: int) -> int:
+def _stored_threshold(tab, ell: int) -> int:
     """Reconstruct floor(S_l * 2**80) from the guide (top 16 bits) and low64 tables."""
     # top16 of threshold l: the bucket b with base[b] < l <= base[b] + amb[b]
-    b = int(np.flatnonzero((tab.base < l) & (l <= tab.base + tab.amb))[0])
-    return (b << 64) | int(tab.low64[l])
+    b = int(np.flatnonzero((tab.base < ell) & (ell <= tab.base + tab.amb))[0])
+    return (b << 64) | int(tab.low64[ell])
 
 
 class _ScriptedRng:
@@ -165,8 +165,8 @@ class _ScriptedRng:
 def _brute_outcome(survival_exact, u_lo: Fraction, u_hi: Fraction, n_thr: int) -> int:
     """#{l : U < S_l} for every U in [u_lo, u_hi) (asserting the interval decides it)."""
     count = 0
-    for l in range(1, n_thr + 1):
-        lo, hi = survival_exact(l)
+    for ell in range(1, n_thr + 1):
+        lo, hi = survival_exact(ell)
         if u_hi <= lo:
             count += 1
         else:
@@ -180,15 +180,15 @@ def test_tie_resolution_is_exact(extra_word: int) -> None:
     num, log2_den = 5, 8  # geometric table with x = 5/256
     tab = _digit_table("geometric", num, log2_den, 256)
     xfrac = Fraction(num, 2**log2_den)
-    l = 3
-    t80 = _stored_threshold(tab, l)
+    ell = 3
+    t80 = _stored_threshold(tab, ell)
     rng = _ScriptedRng([t80 >> 64], [t80 & (2**64 - 1)], [extra_word])
     got = int(tab.exact(np.array([t80 >> 64], dtype=np.uint16), rng)[0])
     prefix = (t80 << 64) | extra_word
     u_lo, u_hi = Fraction(prefix, 2**144), Fraction(prefix + 1, 2**144)
     want = _brute_outcome(lambda j: geometric_survival_fraction_bounds(xfrac, j, 400), u_lo, u_hi, tab.n_thr)
     assert got == want
-    assert got in (l - 1, l)
+    assert got in (ell - 1, ell)
     assert rng.extra == []  # exactly one extra word was drawn
 
 
@@ -307,7 +307,7 @@ def _survival(k: np.ndarray, x: float) -> np.ndarray:
 def test_sampler_tail_beyond_the_top_digit() -> None:
     """At x = 1/64 the top digit's "255 or more" outcome restarts the draw in 1.9% of draws. The chi-square above
     merges that tail into one bin, so a sampler whose support stopped at 255 (no restart: bounded noise, no pure
-    DP) passed it (review 48, T1). Exact binomial tests, each at ALPHA, of |Z| == 255, |Z| >= 256 and
+    DP) would pass it. Exact binomial tests, each at ALPHA, of |Z| == 255, |Z| >= 256 and
     |Z| >= 510 (expected about 58, 3,690 and 69 of 200,000)."""
     num, log2_den = 1, 6
     x = num / 2.0**log2_den
@@ -323,8 +323,8 @@ def test_sampler_tail_beyond_the_top_digit() -> None:
 @pytest.mark.parametrize("log2_den", [15, 21])
 def test_sampler_second_digit(log2_den: int) -> None:
     """The second base-256 digit of |Z|, (|Z| >> 8) & 255, against its exact law, where the sampler draws it from
-    its own truncated table (two truncated digits from scale 2**15 on): a table with the wrong ratio passed the
-    quantile test above (review 48, T1). Over each period of 65,536 the law decays by exp(-2) at 2**15 and by
+    its own truncated table (two truncated digits from scale 2**15 on): a table with the wrong ratio passes the
+    quantile test above. Over each period of 65,536 the law decays by exp(-2) at 2**15 and by
     exp(-1/32) at 2**21 (the randomizer's scale): P(d = j) = sum over blocks m of S(256 j + 65536 m) -
     S(256 j + 256 + 65536 m), summed in closed form."""
     num = 1

@@ -159,7 +159,8 @@ def test_worst_case_ratio_by_enumeration_small() -> None:
 
 
 def test_noise_is_calibrated_to_the_whole_report_not_one_record() -> None:
-    """Scale 2C/eps0 (seed 000's Algorithm 1 would use 2C/(m eps0) for m local records: far too little)."""
+    """Scale 2C/eps0 (the Algorithm 1 of seed 000, Chen, Cao, Ge, "Rényi DP in the shuffle model: enhanced
+    amplification bounds", ICASSP 2024, would use 2C/(m eps0) for m local records: far too little)."""
     eps0, clip = 2.0, 1.0
     r = DiscreteLaplaceRandomizer(eps0, clip, rng=ChaCha20Rng(b"\x09" * 32))
     assert r.noise_scale >= 2 * r.radius * r.gamma / eps0

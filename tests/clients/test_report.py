@@ -75,7 +75,7 @@ def test_expected_grid_and_types() -> None:
     with pytest.raises(ReportError, match="expected -4"):
         decode_report(p, expected_dim=5, expected_log2_grid=-4)
     with pytest.raises(ReportError, match="must be bytes"):
-        decode_report("text", expected_dim=5)  # type: ignore[arg-type]
+        decode_report("text", expected_dim=5)  # type: ignore[arg-type] - the wrong type on purpose
     with pytest.raises(ValueError, match="expected_dim"):
         decode_report(p, expected_dim=0)
     assert issubclass(ReportError, ValueError)

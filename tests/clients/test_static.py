@@ -12,7 +12,8 @@ import pytest
 
 from shuffledp import clients, server
 
-REPORT_PATH = ["app.py", "core.py", "messages.py", "noise.py", "randomizer.py", "report.py", "worktime.py"]
+REPORT_PATH = ["app.py", "core.py", "messages.py", "noise.py", "randomizer.py", "report.py", "validation.py",
+               "worktime.py"]
 
 
 _TORCH_SAMPLERS = {"manual_seed", "seed", "bernoulli", "normal", "multinomial", "poisson", "Generator"}
@@ -31,7 +32,7 @@ def _rng_uses(path: Path) -> list[str]:
             found.append(f"{node.value.id}.random")
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" \
                 and (node.attr.startswith("rand") or node.attr in _TORCH_SAMPLERS):
-            found.append(f"torch.{node.attr}")  # torch's global generator (review 51, N6)
+            found.append(f"torch.{node.attr}")  # torch's global generator
     return found
 
 
@@ -59,7 +60,7 @@ def test_sampling_draws_from_the_system_csprng(monkeypatch: pytest.MonkeyPatch) 
     calls = []
 
     class Spy(secrets.SystemRandom):
-        def sample(self, population, k, **kw):  # type: ignore[override]
+        def sample(self, population, k, **kw):  # type: ignore[override] - a spy that records k
             calls.append(k)
             return super().sample(population, k, **kw)
 

@@ -1,9 +1,9 @@
 """Fixtures for the server tests: a key directory, a REAL shuffler process, and a fake Grid.
 
 The fake Grid delivers each ``train.shuffled`` message to a per-node behaviour (honest, silent, refusing,
-garbage, tagged); its replies are pulled as with ``flwr.serverapp.Grid.push_messages`` / ``pull_messages``. Honest nodes run the
-clients package's pure core function (``shuffledp.clients.core.make_envelope``) on their digits partition, so what the
-server opens is what a real ClientApp sends.
+garbage, tagged); its replies are pulled as with ``flwr.serverapp.Grid.push_messages`` / ``pull_messages``. Honest nodes
+run the clients package's pure core function (``shuffledp.clients.core.make_envelope``) on their digits partition, so
+what the server opens is what a real ClientApp sends.
 """
 
 from __future__ import annotations
@@ -270,10 +270,10 @@ class Harness:
     service: Any
     K: int = K
     N: int = N_CLIENTS
-    silent: Behaviour = staticmethod(silent)  # type: ignore[assignment]
-    refusing: Behaviour = staticmethod(refusing)  # type: ignore[assignment]
-    garbage_envelope: Behaviour = staticmethod(garbage_envelope)  # type: ignore[assignment]
-    garbage_record: Behaviour = staticmethod(garbage_record)  # type: ignore[assignment]
+    silent: Behaviour = staticmethod(silent)  # type: ignore[assignment] - a staticmethod read as a Behaviour
+    refusing: Behaviour = staticmethod(refusing)  # type: ignore[assignment] - a staticmethod read as a Behaviour
+    garbage_envelope: Behaviour = staticmethod(garbage_envelope)  # type: ignore[assignment] - a staticmethod read as a Behaviour
+    garbage_record: Behaviour = staticmethod(garbage_record)  # type: ignore[assignment] - a staticmethod read as a Behaviour
     kit_envelope_reply: Any = staticmethod(envelope_reply)
 
     def honest(self) -> Behaviour:

@@ -42,7 +42,7 @@ def _run(tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
                 proc.kill()
                 out, err = proc.communicate()
             code, err = None, err + f"\n[test] timed out after {_TIMEOUT_SECONDS} s; the runner got SIGTERM"
-    return subprocess.CompletedProcess(argv, code, out, err)  # type: ignore[arg-type]
+    return subprocess.CompletedProcess(argv, code, out, err)  # type: ignore[arg-type] - code is None after a timeout
 
 
 def test_shuffledp_run_end_to_end(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_shuffledp_run_end_to_end(tmp_path: Path) -> None:
     assert out_dir is not None and out_dir.is_dir()
     report = json.loads((out_dir / "report.json").read_text())
     assert report["finished"] is True
-    # on failure, say what the run saw (one unexplained failure in session 2 left nothing to read)
+    # on failure, say what the run saw (a bare assertion leaves nothing to read)
     seen = f"rounds: {report['rounds']}\nstdout tail:\n{result.stdout[-3000:]}\nstderr tail:\n{result.stderr[-3000:]}"
     assert [r["round"] for r in report["rounds"]] == [1, 2], seen
     assert all(r["n_reports"] == 20 for r in report["rounds"]), seen  # every simulated client's envelope attested

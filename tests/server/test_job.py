@@ -82,7 +82,7 @@ def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
 
 
 def test_a_second_server_process_on_a_running_run_is_refused(tmp_path: Path, keys: Any, kit: Any) -> None:
-    # Review 40, F1: a resume (or a second flwr run with the same run-name) while the run still runs.
+    # a resume (or a second flwr run with the same run-name) while the run still runs
     import subprocess
     import sys
 
@@ -231,9 +231,9 @@ def test_run_job_uses_a_configured_remote_shuffler_over_mtls(
 def test_shuffler_connection_tunes_the_heap_for_its_message_limit(
     tmp_path: Path, keys: Any, kit: Any, monkeypatch: pytest.MonkeyPatch, tuning: bool
 ) -> None:
-    """run config heap-tuning: the ServerApp, which receives the fetched batch, applies shuffledp.shuffler.heap.tune_heap
-    with its channel's message limit, max(max-message-bytes, the packing size) + slack, before the client
-    connects (and not at all when the key is false)."""
+    """run config heap-tuning: the ServerApp, which receives the fetched batch, applies
+    shuffledp.shuffler.heap.tune_heap with its channel's message limit, max(max-message-bytes, the packing size) +
+    slack, before the client connects (and not at all when the key is false)."""
     import shuffledp.shuffler.heap
     from shuffledp.shuffler.service import message_limit
 
@@ -255,8 +255,8 @@ def test_shuffler_connection_tunes_the_heap_for_its_message_limit(
 
 
 def test_progress_lines_print_bounds_outward_and_survive_a_failed_evaluation() -> None:
-    # Review 40, F6: an upper bound printed to nearest could print below the bound; F3: a charged round whose
-    # evaluation failed (accuracy None) made the progress line raise, so report.json missed the charge.
+    # An upper bound printed to nearest could print below the bound; a charged round whose evaluation failed
+    # (accuracy None) must not make the progress line raise, or report.json would miss the charge.
     from shuffledp.server.job import format_progress
     from shuffledp.server.report import format_epsilon
     from shuffledp.server.rounds import RoundOutcome
@@ -285,8 +285,8 @@ def test_progress_lines_print_bounds_outward_and_survive_a_failed_evaluation() -
 def test_the_run_lock_on_a_filesystem_without_flock_warns_and_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Review 43, F4: flock fails with ENOLCK or EOPNOTSUPP on some network and FUSE mounts; that was a bare OSError
-    # for every run. It runs unlocked with a warning (the ledger still refuses a row that leaves a round out).
+    # flock fails with ENOLCK or EOPNOTSUPP on some network and FUSE mounts; rather than a bare OSError for every
+    # run, it runs unlocked with a warning (the ledger still refuses a row that leaves a round out).
     import errno
     import fcntl
 

@@ -86,13 +86,13 @@ def test_report_on_a_foreign_grid_is_counted_bad(h: Any) -> None:
 
     def rescaling_opener(inner: bytes, round_id: int) -> bytes:
         payload = opener(inner, round_id)
-        if not rescaling_opener.done:  # type: ignore[attr-defined]
-            rescaling_opener.done = True  # type: ignore[attr-defined]
+        if not rescaling_opener.done:  # type: ignore[attr-defined] - a flag kept on the function
+            rescaling_opener.done = True  # type: ignore[attr-defined] - a flag kept on the function
             rep = decode_report_full(payload, expected_dim=650)
             return encode_report(rep.ints, log2_grid=rep.log2_grid + 5, eps_used=rep.eps_used)
         return payload
 
-    rescaling_opener.done = False  # type: ignore[attr-defined]
+    rescaling_opener.done = False  # type: ignore[attr-defined] - a flag kept on the function
     engine = h.engine(cfg, h.grid([h.honest()] * h.N), open_inner=rescaling_opener)
     engine.restore()
     out = engine.run_round(1)
@@ -172,7 +172,7 @@ def test_a_reply_that_repeats_an_earlier_envelope_is_not_relayed_twice(h: Any) -
 
 
 def test_reports_that_fail_to_open_are_not_counted_as_cover(h: Any) -> None:
-    """Review 49, M2: a released report that fails to open came from a broken or malicious enrolled client (an
+    """A released report that fails to open came from a broken or malicious enrolled client (an
     honest one always opens), so it hid nobody. The ledger is charged the attested n (all were released), and the
     run also reports, and budgets with, the bound that leaves such reports out of each round's n. eps0 = 1, where
     n = 10 and n = 12 give clearly different bounds."""
@@ -209,9 +209,9 @@ def test_reports_that_fail_to_open_are_not_counted_as_cover(h: Any) -> None:
 
 def test_a_family_that_cannot_bound_the_no_cover_figure_stops_the_run_without_losing_the_round(
         h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review 51, M1: fmt refuses small n (at eps0 = 1, delta = 1e-5 it bounds n = 1000, not n = 100), so with many
-    bad reports the no-cover figure can be refused after the charge: that raised, and the charged round was
-    recorded as lost. Now the round is applied and the budget check stops the run before the next one, saying
+    """fmt refuses small n (at eps0 = 1, delta = 1e-5 it bounds n = 1000, not n = 100), so with many bad reports
+    the no-cover figure can be refused after the charge. That must not raise (the charged round would be
+    recorded as lost): the round is applied and the budget check stops the run before the next one, saying
     why. A stand-in with fmt's kind of refusal (below n = 11) keeps the test at 12 clients."""
     import shuffledp.server.rounds as rounds_module
     from shuffledp.accounting import RefusedError
@@ -222,7 +222,7 @@ def test_a_family_that_cannot_bound_the_no_cover_figure_stops_the_run_without_lo
         fmt.epsilon()
 
     class RefusesBelow11(ShuffleAccountant):
-        def _compute(self, family, rounds, delta):  # type: ignore[no-untyped-def]
+        def _compute(self, family, rounds, delta):
             if any(r.n < 11 for r in rounds):
                 raise RefusedError("holds only for n >= 11")
             return super()._compute(family, rounds, delta)
@@ -238,9 +238,9 @@ def test_a_family_that_cannot_bound_the_no_cover_figure_stops_the_run_without_lo
 
 
 def test_the_bad_count_of_a_round_lost_after_opening_survives_the_resume(h: Any) -> None:
-    """Review 51, L1: a round whose reports were opened (2 bad) but whose update was never checkpointed (here the
-    evaluation fails; a kill is the same) was rebuilt from the ledger with no bad reports, and the resumed run
-    lost its no-cover figure. The count is recorded as soon as the reports are opened."""
+    """A round whose reports were opened (2 bad) but whose update was never checkpointed (here the evaluation
+    fails; a kill is the same) must not be rebuilt from the ledger with no bad reports (the resumed run would
+    lose its no-cover figure): the count is recorded as soon as the reports are opened."""
     cfg = h.config(**{"eps0": 1.0})
     grid = h.grid([h.honest()] * (h.N - 2) + [h.inner_garbage()] * 2)
     engine = h.engine(cfg, grid)
@@ -410,8 +410,8 @@ def test_a_failure_after_the_charge_is_remembered_and_the_state_stays_resumable(
 
 
 def test_a_failing_attestation_record_after_the_charge_is_remembered_and_nothing_is_fetched(h: Any) -> None:
-    # Review 40, F2: the attestation hook (attestations.jsonl, e.g. a full disk) ran after the charge but outside
-    # the block that records a charged round, so the round id could be run again.
+    # the attestation hook (attestations.jsonl; it can fail, e.g. on a full disk) runs after the charge, inside
+    # the block that records a charged round, so the round id cannot be run again
     cfg = h.config()
     engine = h.engine(cfg, h.grid([h.honest()] * h.N))
     engine.restore()
@@ -432,8 +432,8 @@ def test_a_failing_attestation_record_after_the_charge_is_remembered_and_nothing
 
 
 def test_a_sealed_batch_that_fails_the_cross_check_is_on_record_and_never_fetched(h: Any, monkeypatch) -> None:
-    """Review 49, L2: attestations.jsonl is the record of every sealed batch; one whose attestation disagreed with
-    the submission raised before it was recorded."""
+    """attestations.jsonl is the record of every sealed batch, so one whose attestation disagrees with the
+    submission is recorded before the round raises."""
     import shuffledp.server.rounds as rounds_module
 
     engine = h.engine(h.config(), h.grid([h.honest()] * h.N))
@@ -453,8 +453,8 @@ def test_a_sealed_batch_that_fails_the_cross_check_is_on_record_and_never_fetche
 
 
 def test_a_fresh_run_in_a_key_epoch_the_shuffler_already_released_is_refused(h: Any) -> None:
-    # Review 40, F4: a new run directory with the same keys (key epoch) and shuffler started its accountant at 0
-    # although the epoch's earlier releases were charged to another run.
+    # a new run directory with the same keys (key epoch) and shuffler must not start its accountant at 0 when
+    # the epoch's earlier releases were charged to another run
     cfg = h.config(**{"min-reports": h.N + 1})  # round 1: below k, nothing sealed or released
     first = h.engine(cfg, h.grid([h.honest()] * h.N))
     assert first.restore() == 1 and first.run_round(1).status == "skipped"
@@ -473,7 +473,7 @@ def test_a_fresh_run_in_a_key_epoch_the_shuffler_already_released_is_refused(h: 
     fresh.store.close()
     resumed = h.engine(h.config(**{"run-name": "fresh-1"}), h.grid([h.honest()] * h.N))
     assert resumed.restore() == 3  # the run that spent the epoch resumes as before
-    # Review 49, M1: the first run has a checkpoint (its round 1 was skipped), so it is a resume, not a fresh
+    # the first run has a checkpoint (its round 1 was skipped), so it is a resume, not a fresh
     # start; but fresh-1 has released a batch of the epoch since, which the first run's accountant leaves out
     first.ledger.close()
     first.store.close()
@@ -593,7 +593,7 @@ def test_crash_before_the_ledger_uses_a_fresh_round_id_and_charges_nothing(h: An
     engine.store.close()
     resumed = h.engine(cfg, grid)
     assert resumed.restore() == 3  # round 2 was started (messages went out): its id is not reused
-    # review 49, L1: the used id is on record (it was missing from report.json), as nothing released or charged
+    # the used id is on record (in report.json too), as nothing released or charged
     assert [(o.round, o.status) for o in resumed.history] == [(1, "applied"), (2, "abandoned")]
     assert "before it was charged" in resumed.history[1].reason
     resumed.run(start_round=3)
@@ -607,9 +607,9 @@ def test_crash_before_the_ledger_uses_a_fresh_round_id_and_charges_nothing(h: An
 
 
 def test_rounds_that_released_nothing_stay_in_report_json_after_a_resume(h: Any, tmp_path: Path) -> None:
-    """Review 51, L2 and N7: a round stopped at its attested n (its id used, its batch sealed, never charged) and
-    a round abandoned in a crash are listed with the skipped rounds of report.json after a resume; before, the
-    stopped one was in neither 'skipped' nor 'stopped' once another process wrote the report."""
+    """A round stopped at its attested n (its id used, its batch sealed, never charged) and a round abandoned in
+    a crash are listed with the skipped rounds of report.json after a resume, also when another process writes
+    the report (the stopped one must be in 'skipped' or 'stopped')."""
     from shuffledp.server.job import RunPaths, write_outputs
 
     def bound(n: int) -> float:
@@ -634,7 +634,7 @@ def test_rounds_that_released_nothing_stay_in_report_json_after_a_resume(h: Any,
 
 
 def test_resume_counts_ledger_rows_without_a_batch_as_the_runs_own(h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review 51, N7: rows of a ledger written before batches were recorded have no key epoch; they count as this
+    """Rows of a ledger written before batches were recorded have no key epoch; they count as this
     run's charges, so such a run still resumes (the check can only miss another run's use, never refuse its own)."""
     engine = h.engine(h.config(), h.grid([h.honest()] * h.N))
     engine.restore()
@@ -738,7 +738,7 @@ def test_replies_are_streamed_as_they_arrive_with_placeholders_for_the_rest(h: A
         released.append(len(got))
         return got
 
-    grid.pull_messages = trickle  # type: ignore[method-assign]
+    grid.pull_messages = trickle  # type: ignore[method-assign] - the fake grid, patched
     engine = h.engine(h.config(), grid)
     out = engine.run_round(1)
     assert out.status == "applied", out.reason
@@ -758,7 +758,7 @@ def test_streamed_envelopes_are_sent_in_whole_packed_messages(h: Any) -> None:
 
     grid = h.grid([h.honest()] * h.N)
     pull = grid.pull_messages
-    grid.pull_messages = lambda ids: pull(list(ids)[:1])  # type: ignore[method-assign]  # one reply per poll
+    grid.pull_messages = lambda ids: pull(list(ids)[:1])  # type: ignore[method-assign] - the fake grid, patched  # one reply per poll
     engine = h.engine(h.config(), grid)
     sends: list[int] = []
     open_submit = engine.shuffler.open_submit
@@ -846,7 +846,7 @@ def test_messages_the_grid_could_not_push_get_no_slot(h: Any) -> None:
             ids[i] = ""
         return ids
 
-    grid.push_messages = lossy  # type: ignore[method-assign]
+    grid.push_messages = lossy  # type: ignore[method-assign] - the fake grid, patched
     engine = h.engine(h.config(), grid)
     out = engine.run_round(1)
     assert out.status == "applied", out.reason

@@ -31,18 +31,18 @@ def _ckpt(round_: int) -> Checkpoint:
 
 
 @pytest.fixture(params=["memory", "sqlite"])
-def store(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
+def store(request: pytest.FixtureRequest, tmp_path: Path):
     s = InMemoryCheckpointStore() if request.param == "memory" else SqliteCheckpointStore(tmp_path / "state.sqlite")
     yield s
     s.close()
 
 
-def test_empty_store(store) -> None:  # type: ignore[no-untyped-def]
+def test_empty_store(store) -> None:
     assert store.load() is None
     assert store.last_started() == 0
 
 
-def test_save_load_round_trip(store) -> None:  # type: ignore[no-untyped-def]
+def test_save_load_round_trip(store) -> None:
     store.save(_ckpt(2))
     store.save(_ckpt(3))
     got = store.load()
@@ -55,13 +55,13 @@ def test_save_load_round_trip(store) -> None:  # type: ignore[no-untyped-def]
     assert store.last_started() == 3  # a checkpoint of round r implies r was started
 
 
-def test_mark_started_is_monotone(store) -> None:  # type: ignore[no-untyped-def]
+def test_mark_started_is_monotone(store) -> None:
     store.mark_started(5)
     store.mark_started(4)
     assert store.last_started() == 5
 
 
-def test_unserialisable_state_is_refused_and_old_checkpoint_kept(store) -> None:  # type: ignore[no-untyped-def]
+def test_unserialisable_state_is_refused_and_old_checkpoint_kept(store) -> None:
     store.save(_ckpt(1))
     bad = _ckpt(2)
     bad.accountant = {"x": float("nan")}

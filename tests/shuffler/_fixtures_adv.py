@@ -1,8 +1,8 @@
 """Helpers for the adversarial, crash and permutation tests of the shuffler (no fixtures with side effects here).
 
 * :func:`craft_envelope` is an independent implementation of the envelope format documented in
-  ``docs/shuffler.md`` (versions 1 and 2), with knobs to build envelopes that ``shuffledp.shuffler.envelope.seal`` refuses to
-  produce: a signature by another key under an enrolled signer's public key, a wrong version byte inside the
+  ``docs/shuffler.md`` (versions 1 and 2), with knobs to build envelopes that ``shuffledp.shuffler.envelope.seal``
+  refuses to produce: a signature by another key under an enrolled signer's public key, a wrong version byte inside the
   outer layer, a signature over another binding, a short outer plaintext. Building honest envelopes with it and
   having the shuffler accept them is also a conformance check of the documented format.
 * :func:`write_service_config` writes a ``shuffledp shuffler serve`` TOML file for the conftest ``kit``.

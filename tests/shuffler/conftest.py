@@ -76,7 +76,7 @@ class Kit:
             expected_count=count,
         )
         kw.update(over)
-        return Header(**kw)  # type: ignore[arg-type]
+        return Header(**kw)  # type: ignore[arg-type] - any field overridden, bad values too
 
     def core_config(self, journal_dir: Path, **over: object) -> CoreConfig:
         kw: dict[str, object] = dict(
@@ -89,7 +89,7 @@ class Kit:
             max_envelope_bytes=1 << 20,
         )
         kw.update(over)
-        return CoreConfig(**kw)  # type: ignore[arg-type]
+        return CoreConfig(**kw)  # type: ignore[arg-type] - any field overridden, bad values too
 
     def client(self, address: str, *, tls: bool = True) -> ShufflerClient:
         return ShufflerClient(

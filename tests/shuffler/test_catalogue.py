@@ -1,7 +1,7 @@
 """Catalogue of hostile and malformed inputs against a real shuffler process (mTLS, 127.0.0.1, port 0).
 
-One shuffler subprocess (``shuffledp.shuffler.process.ShufflerProcess``) serves the whole module; every case uses its own
-round id. Each case is one of:
+One shuffler subprocess (``shuffledp.shuffler.process.ShufflerProcess``) serves the whole module; every case uses its
+own round id. Each case is one of:
 
 * a **drop**: the hostile envelopes ride in a batch with four honest reports. The attestation must count each
   hostile envelope under one specific reason (every other reason 0), the Stats counters must grow by exactly
@@ -36,7 +36,7 @@ from shuffledp.shuffler.client import ShufflerClient, ShufflerError
 from shuffledp.shuffler.envelope import ENVELOPE_OVERHEAD, ENVELOPE_VERSION, model_digest, seal
 from shuffledp.shuffler.service import message_limit
 
-from ._fixtures_adv import (  # noqa: TID252
+from ._fixtures_adv import (  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
     FETCH,
     SUBMIT,
     craft_envelope,
@@ -327,7 +327,7 @@ def bad_signature_enrolled_key_signed_by_another(ctx: Ctx) -> Drop:
 
 @case
 def signature_over_another_round(ctx: Ctx) -> Drop:
-    from ._fixtures_adv import doc_binding  # noqa: TID252
+    from ._fixtures_adv import doc_binding  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
 
     other = doc_binding(ctx.kit.key_epoch, ctx.r + 7, ctx.kit.digest)
     return _drop(ctx, [ctx.craft(4, sign_binding=other)], {"bad_signature": 1})

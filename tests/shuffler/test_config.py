@@ -109,7 +109,7 @@ def test_verify_threads_default_validation_and_reaches_the_core(tmp_path: Path, 
     from shuffledp.shuffler import core
     from shuffledp.shuffler.service import core_from_config
 
-    from .conftest import write_config  # noqa: TID252
+    from .conftest import write_config  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
 
     assert _load(tmp_path, BASE + TLS).verify_threads == 1 == core.CoreConfig.verify_threads
     assert cfgmod.MAX_VERIFY_THREADS == core.MAX_VERIFY_THREADS  # config mirrors core

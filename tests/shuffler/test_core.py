@@ -124,7 +124,8 @@ def test_replay_cache_on_report_id_is_persisted_across_restarts(kit, tmp_path: P
     assert _verify(kit, _run(core, kit, envs)).n_accepted == 4
     core.close()
     core = ShufflerCore(kit.core_config(jdir))  # cache rebuilt from the journal
-    again = [_seal_with_report_id(kit, monkeypatch, 0, rid, round_id=2)] + [kit.seal(i, round_id=2) for i in range(1, 4)]
+    again = [_seal_with_report_id(kit, monkeypatch, 0, rid, round_id=2)]
+    again += [kit.seal(i, round_id=2) for i in range(1, 4)]
     att = _verify(kit, _run(core, kit, again, round_id=2))
     assert att.dropped["replay"] == 1 and att.n_accepted == 3
     # same report id twice inside one batch (different clients) is also a replay
@@ -193,9 +194,9 @@ def test_mixed_lengths_reject_the_batch(core: ShufflerCore, kit) -> None:
 def test_an_unannounced_length_fixed_by_a_dropped_envelope_refuses_instead_of_sealing_empty_slots(
     core: ShufflerCore, kit
 ) -> None:
-    # Review 42, F1: without envelope_length, the first envelope that passes the public checks fixes the slots'
-    # length even if it is then dropped. Accepted reports of another length were not staged, yet counted: the
-    # batch was sealed (and charged) with slots holding zeros or a previous batch's bytes.
+    # Without envelope_length, the first envelope that passes the public checks fixes the slots' length even if it
+    # is then dropped. Accepted reports of another length are not staged, so they must refuse the batch rather than
+    # count: it would be sealed (and charged) with slots holding zeros or a previous batch's bytes.
     junk = kit.seal(0, size=64)[:-1] + bytes(40)  # the right prefix, another length; it does not open
     envs = [junk] + [kit.seal(i, size=64) for i in range(1, 5)]
     with pytest.raises(Refused) as info:
@@ -292,7 +293,9 @@ def test_logs_never_name_clients_or_reports(core: ShufflerCore, kit, caplog: pyt
     assert all(x.hex()[:16] not in text for x in core.read_batch(sealed.batch_id))
 
 
-def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(disk_core: ShufflerCore, kit, monkeypatch) -> None:
+def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(
+    disk_core: ShufflerCore, kit, monkeypatch
+) -> None:
     """Disk path: the staging file is zero-filled in offset order before any report is written to it, and not
     synced (the zeros only need to be dirty pages, so that writeback follows offset order); there is no sync while
     reports arrive; with dropped envelopes the holes are squeezed out in place."""
@@ -726,7 +729,8 @@ def test_refused_batches_release_their_staging_memory(core: ShufflerCore, kit, m
     assert list(core.journal.staging_dir.iterdir()) == [] and list(core.journal.batches_dir.iterdir()) == []
     # nothing was consumed: the same round seals once memory is available again
     monkeypatch.undo()
-    assert _verify(kit, _run(core, kit, [kit.seal(i, round_id=4) for i in range(kit.k)], round_id=4)).n_accepted == kit.k
+    envelopes = [kit.seal(i, round_id=4) for i in range(kit.k)]
+    assert _verify(kit, _run(core, kit, envelopes, round_id=4)).n_accepted == kit.k
 
 
 def test_memory_path_output_order_is_uniform(kit, tmp_path: Path, monkeypatch) -> None:
@@ -980,7 +984,7 @@ def test_direct_read_refused_at_the_first_read_falls_back_and_an_abandoned_fetch
 
 
 def test_fetch_reader_failures_neither_leak_descriptors_nor_hang(tmp_path: Path, monkeypatch) -> None:
-    """Review findings: a reader that cannot start (no thread, no memory) closes the O_DIRECT descriptor; an
+    """A reader that cannot start (no thread, no memory) closes the O_DIRECT descriptor; an
     unexpected exception on the reader thread reaches the consumer instead of leaving it waiting forever."""
     import os
     import secrets
@@ -1007,7 +1011,9 @@ def test_fetch_reader_failures_neither_leak_descriptors_nor_hang(tmp_path: Path,
 
     monkeypatch.setattr(coremod.os, "preadv", odd_failure)
     outcome: list = []
-    t = threading.Thread(target=lambda: outcome.append(pytest.raises(ValueError, list, coremod._read_output(path, 5, 3000))))
+    t = threading.Thread(
+        target=lambda: outcome.append(pytest.raises(ValueError, list, coremod._read_output(path, 5, 3000)))
+    )
     t.start()
     t.join(timeout=10)
     assert not t.is_alive() and outcome  # raised, did not hang
@@ -1033,7 +1039,7 @@ def test_slot_hashes_refuse_a_hash_of_the_wrong_length(core: ShufflerCore, kit, 
 def _hostile_mix(kit, round_id: int) -> list[bytes]:
     """Honest reports interleaved with every drop the post-decryption checks can produce, in an order where the
     first of two competing reports must win (replay, duplicate signer)."""
-    from ._fixtures_adv import craft_envelope  # noqa: TID252
+    from ._fixtures_adv import craft_envelope  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
 
     stranger = ed25519.Ed25519PrivateKey.generate().private_bytes_raw()
     forged = craft_envelope(
@@ -1119,7 +1125,8 @@ def test_pipelined_checks_accept_the_same_reports_at_the_same_slots_as_inline(ki
     assert att0.n_accepted == att1.n_accepted == 6
     expected_drops = {"replay": 1, "duplicate_signer": 1, "bad_signature": 1, "unknown_signer": 1, "malformed": 1,
                       "wrong_epoch": 1}
-    assert {k: v for k, v in att1.dropped.items() if v} == {k: v for k, v in att0.dropped.items() if v} == expected_drops
+    nonzero = [{k: v for k, v in att.dropped.items() if v} for att in (att1, att0)]
+    assert nonzero[0] == nonzero[1] == expected_drops
     # The first of the competing reports won, and the j-th accepted report went to slot perm[j]: accepted in
     # order honest[0..5] = envs[0, 1, 7, 8, 10, 11] to slots 7, 2, 11, 0, 5, 9; the squeezed output follows slot
     # order 0, 2, 5, 7, 9, 11, i.e. accepted #3, #1, #4, #0, #5, #2.
@@ -1171,8 +1178,12 @@ def test_only_large_envelopes_are_pipelined(core: ShufflerCore, kit, monkeypatch
     monkeypatch.setattr(coremod, "PIPELINE_MIN_JOB_BYTES", 256 << 10)
     submitted: list[int] = []
     real_submit = core.verify_pool.submit
-    monkeypatch.setattr(core.verify_pool, "submit",
-                        lambda fn, job: (submitted.extend(len(d.outer_plaintext) for d in job), real_submit(fn, job))[1])
+
+    def submit(fn, job):
+        submitted.extend(len(d.outer_plaintext) for d in job)
+        return real_submit(fn, job)
+
+    monkeypatch.setattr(core.verify_pool, "submit", submit)
     assert _verify(kit, _run(core, kit, [kit.seal(i) for i in range(4)])).n_accepted == 4
     assert submitted == []
     big = 300 << 10
@@ -1383,7 +1394,7 @@ def test_close_gives_up_on_a_batch_left_open_past_the_drain_timeout(kit, tmp_pat
         reopened.close()
 
 
-def _hold_commit_in_fsync(monkeypatch):  # type: ignore[no-untyped-def]
+def _hold_commit_in_fsync(monkeypatch):
     """Make a commit block in its first directory fsync: returns (entered, release) events."""
     import threading
 
@@ -1392,7 +1403,7 @@ def _hold_commit_in_fsync(monkeypatch):  # type: ignore[no-untyped-def]
     entered, release = threading.Event(), threading.Event()
     real_fsync_dir = coremod.fsync_dir
 
-    def slow_fsync_dir(path):  # type: ignore[no-untyped-def]
+    def slow_fsync_dir(path):
         entered.set()
         release.wait(10)
         return real_fsync_dir(path)
@@ -1454,7 +1465,7 @@ def test_close_waits_for_a_commit_in_its_fsyncs(kit, tmp_path: Path, monkeypatch
     committing.join(10)
     closer.join(10)
     monkeypatch.undo()
-    assert len(outcome) == 1 and outcome[0].n == 4  # type: ignore[attr-defined]
+    assert len(outcome) == 1 and outcome[0].n == 4  # type: ignore[attr-defined] - a SealedBatch
     reopened = ShufflerCore(kit.core_config(tmp_path / "journal"))
     try:
         assert reopened.stats()["batches_sealed"] == 1
@@ -1471,8 +1482,8 @@ def _resident_bytes() -> int:
 def test_a_fresh_staging_buffer_is_faulted_in_before_any_report(
     core: ShufflerCore, kit, monkeypatch: pytest.MonkeyPatch, advice: str
 ) -> None:
-    # Review 42, F3: the first write to a page of a fresh buffer pays a page fault, so the time to accept a report
-    # said whether its (secret) slot shared a page with an earlier report's. The whole buffer is faulted in first.
+    # The first write to a page of a fresh buffer pays a page fault, so the time to accept a report would say
+    # whether its (secret) slot shares a page with an earlier report's. The whole buffer is faulted in first.
     import mmap
 
     import shuffledp.shuffler.core as core_mod
@@ -1497,9 +1508,9 @@ def test_a_fresh_staging_buffer_is_faulted_in_before_any_report(
 
 
 def test_failures_after_the_rename_leave_at_most_one_output_without_a_record(kit, tmp_path: Path, monkeypatch) -> None:
-    # Review 43, F1: a batch open when the journal failed still renamed its output into batches/, and an error
-    # between the rename and the append (here EIO from a directory fsync) left its output there while the
-    # shuffler kept serving. Two such outputs made the next start refuse as "records were lost".
+    # A batch open when the journal failed must not rename its output into batches/, and an error between the
+    # rename and the append (here EIO from a directory fsync) must not leave its output there while the shuffler
+    # keeps serving: two such outputs would make the next start refuse as "records were lost".
     import errno
 
     import shuffledp.shuffler.core as cmod
@@ -1507,7 +1518,7 @@ def test_failures_after_the_rename_leave_at_most_one_output_without_a_record(kit
     core = ShufflerCore(kit.core_config(tmp_path / "j"))
     real = cmod.fsync_dir
 
-    def flaky(path):  # noqa: ANN001, ANN202
+    def flaky(path):
         if Path(path) == core.journal.staging_dir:
             raise OSError(errno.EIO, "Input/output error")
         return real(path)
@@ -1541,7 +1552,7 @@ def test_failures_after_the_rename_leave_at_most_one_output_without_a_record(kit
 
 
 def test_a_prefault_that_finds_memory_short_refuses_the_batch(core: ShufflerCore, kit, monkeypatch) -> None:
-    # Review 43, F3: only EINVAL (a kernel without MADV_POPULATE_WRITE) falls back to the zero write; ENOMEM is a
+    # only EINVAL (a kernel without MADV_POPULATE_WRITE) falls back to the zero write; ENOMEM is a
     # staging_memory refusal, not a zero write that invites the OOM killer.
     import errno
 
@@ -1552,10 +1563,10 @@ def test_a_prefault_that_finds_memory_short_refuses_the_batch(core: ShufflerCore
             raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
     with pytest.raises(OSError) as info:
-        core_mod._prefault(ShortOfMemory())  # type: ignore[arg-type]
+        core_mod._prefault(ShortOfMemory())  # type: ignore[arg-type] - a stand-in buffer
     assert info.value.errno == errno.ENOMEM
 
-    def short(buf):  # noqa: ANN001, ANN202
+    def short(buf):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
     monkeypatch.setattr(core_mod, "_prefault", short)

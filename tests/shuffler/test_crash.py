@@ -29,7 +29,7 @@ from shuffledp.shuffler.envelope import ENVELOPE_VERSION
 from shuffledp.shuffler.process import ShufflerStartError
 from shuffledp.shuffler.service import core_from_config
 
-from ._fixtures_adv import (  # noqa: TID252
+from ._fixtures_adv import (  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
     FETCH,
     SUBMIT,
     envelope_enc,

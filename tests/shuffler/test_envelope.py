@@ -46,7 +46,7 @@ def _seal(keys: dict[str, bytes], payload: bytes = b"p" * 64, **over: object) ->
         model_digest=DIGEST,
     )
     kw.update(over)
-    return seal(payload, **kw)  # type: ignore[arg-type]
+    return seal(payload, **kw)  # type: ignore[arg-type] - keyword arguments of any type
 
 
 def _open(keys: dict[str, bytes], envelope: bytes, **over: object) -> env.OpenedReport:
@@ -54,7 +54,7 @@ def _open(keys: dict[str, bytes], envelope: bytes, **over: object) -> env.Opened
         shuffler_private_key=keys["shuffler_sk"], key_epoch=3, round_id=7, model_digest=DIGEST
     )
     kw.update(over)
-    return open_outer(envelope, **kw)  # type: ignore[arg-type]
+    return open_outer(envelope, **kw)  # type: ignore[arg-type] - keyword arguments of any type
 
 
 def test_round_trip_and_sizes(keys: dict[str, bytes]) -> None:
@@ -170,7 +170,7 @@ def test_parameter_validation(keys: dict[str, bytes]) -> None:
     with pytest.raises(ValueError, match="signing_key must be exactly 32 bytes"):
         _seal(keys, signing_key=b"x" * 31)
     with pytest.raises(TypeError, match="payload must be bytes"):
-        _seal(keys, payload="text")  # type: ignore[arg-type]
+        _seal(keys, payload="text")  # type: ignore[arg-type] - the wrong type on purpose
 
 
 def test_model_digest_properties() -> None:
@@ -180,7 +180,7 @@ def test_model_digest_properties() -> None:
     assert model_digest([]) != model_digest([b""])
     assert len(model_digest([b"x"])) == 32
     with pytest.raises(TypeError, match="chunk 1 must be bytes-like"):
-        model_digest([b"x", "text"])  # type: ignore[list-item]
+        model_digest([b"x", "text"])  # type: ignore[list-item] - the wrong type on purpose
     with pytest.raises(ValueError, match="not C-contiguous"):
         model_digest([a.T])
 

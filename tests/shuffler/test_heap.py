@@ -123,7 +123,7 @@ def test_not_glibc_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "1"])
 def test_bad_message_size_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="max_message_bytes must be a positive int"):
-        heap.tune_heap(bad)  # type: ignore[arg-type]
+        heap.tune_heap(bad)  # type: ignore[arg-type] - the wrong type on purpose
 
 
 @pytest.mark.parametrize("trim", [1 << 20, 1 << 31, 1 << 33])

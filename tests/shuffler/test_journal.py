@@ -214,8 +214,8 @@ def test_write_file_durably_tolerates_a_filesystem_that_cannot_sync_directories(
 
 
 def test_a_damaged_length_that_reaches_past_later_records_is_corruption_not_a_torn_tail(tmp_path: Path) -> None:
-    # Review 42, F2: a flipped high bit in the first record's length looked like a torn tail, and the open cut the
-    # whole journal (every binding, replay tag and release record) and started healthy.
+    # A flipped high bit in the first record's length looks like a torn tail; cutting there would erase the whole
+    # journal (every binding, replay tag and release record) and start healthy.
     sizes = _fill(tmp_path, 3)
     path = tmp_path / "journal.log"
     data = bytearray(path.read_bytes())
@@ -235,8 +235,8 @@ def test_a_damaged_length_that_reaches_past_later_records_is_corruption_not_a_to
 
 
 def test_lost_records_beside_sealed_outputs_refuse_the_start(tmp_path: Path) -> None:
-    # Review 42, F2: a missing journal, or one cut at a record boundary, looked like a clean start: every sealed
-    # output was quarantined and the bindings, replay cache and release records were forgotten.
+    # A missing journal, or one cut at a record boundary, must not look like a clean start: every sealed output
+    # would be quarantined and the bindings, replay cache and release records forgotten.
     j = Journal(tmp_path)
     for name in ("a", "b"):
         j.append({"type": "batch", "output": f"{name}.out"})

@@ -87,7 +87,7 @@ def test_kind_and_mode_checks(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a PEM public key"):
         keys.load_public_key(tmp_path / "junk.pub")
     with pytest.raises(ValueError, match="kind must be one of"):
-        keys.generate_keypair("rsa")  # type: ignore[arg-type]
+        keys.generate_keypair("rsa")  # type: ignore[arg-type] - the wrong type on purpose
 
 
 def test_enrolment_validation(tmp_path: Path) -> None:
@@ -109,8 +109,8 @@ def test_enrolment_validation(tmp_path: Path) -> None:
     (tmp_path / "i.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="not hex"):
         keys.load_enrolment(tmp_path / "i.json")
-    # keys libsodium refuses (shuffledp.shuffler.envelope checks signatures with it): the identity point, a point of order
-    # 8 and a point of mixed order (a + the order-8 point, outside the prime-order subgroup). OpenSSL parses all
+    # keys libsodium refuses (shuffledp.shuffler.envelope checks signatures with it): the identity point, a point of
+    # order 8 and a point of mixed order (a + the order-8 point, outside the prime-order subgroup). OpenSSL parses all
     # three, and its cofactorless check even accepts a forged signature under the identity key.
     ident = (1).to_bytes(32, "little")
     order8 = bytes.fromhex("c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a")

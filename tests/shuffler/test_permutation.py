@@ -50,7 +50,7 @@ from shuffledp.shuffler.attestation import DROP_REASONS
 from shuffledp.shuffler.core import ShufflerCore
 from shuffledp.shuffler.envelope import open_outer
 
-from ._fixtures_adv import (  # noqa: TID252
+from ._fixtures_adv import (  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
     FETCH,
     SUBMIT,
     envelope_enc,

@@ -10,7 +10,7 @@ import pytest
 
 from shuffledp.shuffler.process import ShufflerProcess, ShufflerStartError
 
-from .conftest import write_config  # noqa: TID252
+from .conftest import write_config  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
 
 
 def _proc(kit, cfg: Path) -> ShufflerProcess:
@@ -61,5 +61,6 @@ def test_module_cli_usage_and_config_errors(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "shuffledp.shuffler.cli", "shuffler", "serve", "--config", str(bad)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "missing required keys" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "shuffledp.shuffler.cli", "nonsense"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "shuffledp.shuffler.cli", "nonsense"], capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 2 and "usage" in r.stderr

@@ -291,7 +291,7 @@ def _service(kit, tmp_path, *, max_workers: int = 4, idle: float | None = None, 
     from shuffledp.shuffler.config import load_config
     from shuffledp.shuffler.service import build_server, core_from_config
 
-    from .conftest import write_config  # noqa: TID252
+    from .conftest import write_config  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
 
     path = write_config(kit, tmp_path / "shuffler.toml", **config)
     if idle is not None:  # top-level keys must come before the [tls] table
@@ -367,8 +367,8 @@ def _stop(server, core, chans) -> None:
 
 
 def test_a_stream_of_keepalives_cannot_hold_a_submit_slot_forever(kit, tmp_path) -> None:
-    """Review 42, F5: keepalives reset the idle timer, so a Submit that sent only keepalives held its slot with no
-    end. ``submit_max_duration`` bounds the whole stream (DEADLINE_EXCEEDED submit_duration) and frees the slot."""
+    """Keepalives reset the idle timer, so a Submit that sends only keepalives would hold its slot with no end.
+    ``submit_max_duration`` bounds the whole stream (DEADLINE_EXCEEDED submit_duration) and frees the slot."""
     import threading
     import time
 
@@ -596,7 +596,7 @@ def test_small_envelopes_travel_packed_even_with_a_tight_envelope_limit(kit, tmp
     from shuffledp.shuffler.core import BatchBuilder
     from shuffledp.shuffler.service import build_server, core_from_config, message_limit
 
-    from .conftest import write_config  # noqa: TID252
+    from .conftest import write_config  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
 
     max_envelope = 4096
     cfg = load_config(write_config(kit, tmp_path / "shuffler.toml", max_envelope_bytes=max_envelope))
@@ -604,7 +604,12 @@ def test_small_envelopes_travel_packed_even_with_a_tight_envelope_limit(kit, tmp
     server, port, _ = build_server(cfg, core, max_workers=4)
     jobs: list[int] = []
     real_add_many = BatchBuilder.add_many
-    monkeypatch.setattr(BatchBuilder, "add_many", lambda self, envs: (jobs.append(len(envs)), real_add_many(self, envs))[1])
+
+    def add_many(self, envs):
+        jobs.append(len(envs))
+        return real_add_many(self, envs)
+
+    monkeypatch.setattr(BatchBuilder, "add_many", add_many)
     try:
         address = f"127.0.0.1:{port}"
         envs = [kit.seal(i, size=1000) for i in range(kit.n_clients)]
@@ -681,7 +686,7 @@ def test_packing_follows_the_limit_each_peer_states(kit, running, tmp_path, monk
     assert [len(m) // per_item for m in legacy] == [4, 4]  # 4 x 60 KiB fit in 256 KiB, 5 do not
     assert all(len(m) <= wire.LEGACY_PACKED_MESSAGE_BYTES for m in legacy)
     assert [len(m) // per_item for m in fetched(message_limit(1 << 20))] == [8]
-    # no peer is packed below the legacy size: every version since 2026-11-22 accepts it, and a fetcher stating a
+    # no peer is packed below the legacy size: every peer accepts it, and a fetcher stating a
     # tiny limit must not make each item travel alone
     tiny = fetched(1)
     assert [len(m) // per_item for m in tiny] == [4, 4]
@@ -758,7 +763,7 @@ def test_the_idle_timeout_counts_only_time_spent_waiting_for_the_stream(kit, tmp
 
     real_finish = coremod.BatchBuilder.finish
 
-    def slow_finish(self):  # type: ignore[no-untyped-def]
+    def slow_finish(self):
         time.sleep(2.0)  # twice the idle timeout
         return real_finish(self)
 
@@ -775,8 +780,8 @@ def test_the_idle_timeout_counts_only_time_spent_waiting_for_the_stream(kit, tmp
 
 def test_a_large_message_gets_its_transfer_time_at_the_minimum_rate() -> None:
     """The stall clock of a Fetch message allows timeout + size / fetch_min_rate: a reader that is slow but
-    steady is not cancelled while gRPC pushes a message bigger than its flow-control window (the reviewer's
-    1 MB/s link with 6 MB reports was cancelled after 1 s), and a reader that stops still is, later."""
+    steady is not cancelled while gRPC pushes a message bigger than its flow-control window (a
+    1 MB/s link with 6 MB reports must not be cancelled after 1 s), and a reader that stops still is, later."""
     import time
 
     from shuffledp.shuffler.service import _IdleWatchdog
@@ -785,12 +790,12 @@ def test_a_large_message_gets_its_transfer_time_at_the_minimum_rate() -> None:
         cancelled: list[str] = []
 
         class _rpc_event:  # noqa: N801 - mirrors grpc's private attribute
-            class call:  # noqa: N801
+            class call:  # noqa: N801 - mirrors grpc's private attribute
                 @staticmethod
-                def cancel(code, details):  # type: ignore[no-untyped-def]
+                def cancel(code, details):
                     Ctx.cancelled.append(details)
 
-    dog = _IdleWatchdog(Ctx(), 0.2, "fetch_stall", "the peer took no message")  # type: ignore[arg-type]
+    dog = _IdleWatchdog(Ctx(), 0.2, "fetch_stall", "the peer took no message")  # type: ignore[arg-type] - a stand-in
     try:
         dog.wait_begins(6_000_000 / 6_000_000)  # a 6 MB message at a minimum rate of 6 MB/s: 1 s more
         time.sleep(0.6)
@@ -814,4 +819,4 @@ def test_worker_split_keeps_threads_for_health_and_is_validated() -> None:
     assert worker_split(10) == (4, 4)  # the service's default, as docs/shuffler.md states
     for bad in (RESERVED_WORKERS + 1, True, 8.0):
         with pytest.raises(ValueError, match="max_workers must be an integer"):
-            worker_split(bad)  # type: ignore[arg-type]
+            worker_split(bad)  # type: ignore[arg-type] - the wrong type on purpose

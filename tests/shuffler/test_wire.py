@@ -118,7 +118,7 @@ def test_a_batch_of_many_tiny_items_is_neither_walked_nor_materialised(monkeypat
     walked = 0
     real_field_at = wire._field_at
 
-    def counting_field_at(raw, pos, tag):  # type: ignore[no-untyped-def]
+    def counting_field_at(raw, pos, tag):
         nonlocal walked
         walked += 1
         return real_field_at(raw, pos, tag)
@@ -147,7 +147,7 @@ def test_a_large_non_canonical_message_is_refused_not_parsed(monkeypatch) -> Non
     from shuffledp.shuffler.core import Refused
     from shuffledp.shuffler.service import CANONICAL_ABOVE, _item_kind, _submit_request, batch_envelopes
 
-    def no_parser(raw):  # type: ignore[no-untyped-def]
+    def no_parser(raw):
         raise AssertionError("the generated parser was called")
 
     tiny = b"\x0a\x00" * ((CANONICAL_ABOVE + 2) // 2)
