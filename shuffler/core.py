@@ -935,6 +935,10 @@ class BatchBuilder:
         self._signers: set[bytes] = set()
         self.encs: set[bytes] = set()
         self.report_ids: set[bytes] = set()
+        #: the accepted inner ciphertexts' hashes and inner HPKE encapsulated keys: two enrolled signers wrapping
+        #: one inner ciphertext would be counted as two reports (the copy as cover) for one report the server opens
+        self._inner_hashes: set[bytes] = set()
+        self._inner_encs: set[bytes] = set()
         self._done = False
         self.staging_fd = -1
         self.staging_path: Path | None = None
@@ -1008,13 +1012,21 @@ class BatchBuilder:
         layer's overhead), whether or not it later opens and verifies. Raises :class:`Refused` (already aborted).
         """
         self.inner_length = inner_length
-        # The staging length counts as a length of the batch: without an announced envelope_length (legacy) the
-        # first envelope may be dropped after it fixed the slots' length, and accepted reports of another length
-        # are then not staged. They must refuse the batch (mixed_lengths), not seal slots that hold no report.
-        self._lengths.add(inner_length)
+        # Without an announced envelope_length (legacy) the first envelope may be dropped after it fixed the slots'
+        # length: _accept then stages anew at the first accepted report's length (_restage), so only the accepted
+        # reports' lengths decide whether the batch is mixed_lengths, wherever an odd envelope stands.
         self._start_staging()  # chooses memory or disk staging
         self._perm = self.draw_permutation(self.header.expected_count)  # allocated lazily
         self._slot_hashes = bytearray(32 * self.header.expected_count)
+
+    def _restage(self, inner_length: int) -> None:
+        """Legacy header only, before any report is accepted: the first accepted report's inner length differs
+        from the slots' (fixed by an envelope that was then dropped), so the staging and the permutation are made
+        anew at that length. Raises :class:`Refused` (already aborted) as :meth:`_begin_staging` does."""
+        self.release_buffer()
+        self.forget_permutation()
+        os.ftruncate(self.staging_fd, 0)
+        self._begin_staging(inner_length)
 
     def _start_staging(self) -> None:
         """Choose the staging path for this batch, then allocate: called once, from :meth:`_begin_staging`.
@@ -1236,11 +1248,19 @@ class BatchBuilder:
             self.drops["unknown_signer"] += 1
             return
         epoch = self.header.key_epoch
+        inner_enc = bytes(report.inner[: env.ENC_BYTES])
+        if not report.inner_hash:
+            raise RuntimeError("a verified report without its inner hash")  # verify() always sets it
         if (
             report.enc in self.encs
             or report.report_id in self.report_ids
             or report.enc in self.core._seen_enc.get(epoch, ())
             or report.report_id in self.core._seen_rid.get(epoch, ())
+            # an inner ciphertext (or its inner encapsulated key) already accepted in this batch, wrapped again by
+            # another enrolled signer: keep the first, so the attested count is one per distinct report. Across
+            # batches the inner layer is bound to its round id, so a copy of an earlier round's does not open.
+            or report.inner_hash in self._inner_hashes
+            or inner_enc in self._inner_encs
         ):
             self.drops["replay"] += 1
             return
@@ -1250,7 +1270,11 @@ class BatchBuilder:
         self._signers.add(report.signer_public_key)
         self.encs.add(report.enc)
         self.report_ids.add(report.report_id)
+        self._inner_hashes.add(report.inner_hash)
+        self._inner_encs.add(inner_enc)
         inner = report.inner
+        if len(inner) != self.inner_length and self.n_accepted == 0 and not self.header.envelope_length:
+            self._restage(len(inner))
         self._lengths.add(len(inner))
         if len(inner) == self.inner_length and self._perm is not None and self._slot_hashes is not None:
             # slots are fixed-size: the j-th accepted report goes to slot perm[j], at perm[j] * inner_length

@@ -58,17 +58,20 @@ def craft_envelope(
     report_id: bytes | None = None,
     truncate_outer_pt: int | None = None,
     version: int = 2,
+    inner: bytes | None = None,
 ) -> bytes:
     """Build an envelope of format ``version`` from the documented format, with optional deviations (see module
-    doc). The inner hash is SHA-256 for version 1 and BLAKE3 for version 2."""
+    doc). The inner hash is SHA-256 for version 1 and BLAKE3 for version 2. ``inner``: wrap this inner ciphertext
+    (another envelope's) instead of sealing ``payload``."""
     outer_version = version if outer_version is None else outer_version
     prefix_version = version if prefix_version is None else prefix_version
     bind = doc_binding(key_epoch, round_id, digest, version)
-    inner = _SUITE.encrypt(
-        payload,
-        x25519.X25519PublicKey.from_public_bytes(server_pk),
-        info=b"shuffledp/inner" + struct.pack(">BIQ", version, key_epoch, round_id),
-    )
+    if inner is None:
+        inner = _SUITE.encrypt(
+            payload,
+            x25519.X25519PublicKey.from_public_bytes(server_pk),
+            info=b"shuffledp/inner" + struct.pack(">BIQ", version, key_epoch, round_id),
+        )
     rid = secrets.token_bytes(16) if report_id is None else report_id
     sk = ed25519.Ed25519PrivateKey.from_private_bytes(signing_sk)
     message = (

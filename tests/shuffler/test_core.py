@@ -191,20 +191,63 @@ def test_mixed_lengths_reject_the_batch(core: ShufflerCore, kit) -> None:
     assert list(core.journal.batches_dir.iterdir()) == [] and list(core.journal.staging_dir.iterdir()) == []
 
 
-def test_an_unannounced_length_fixed_by_a_dropped_envelope_refuses_instead_of_sealing_empty_slots(
-    core: ShufflerCore, kit
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_without_an_announced_length_an_odd_dropped_envelope_is_only_a_drop_wherever_it_stands(
+    core: ShufflerCore, kit, where: str
 ) -> None:
     # Without envelope_length, the first envelope that passes the public checks fixes the slots' length even if it
-    # is then dropped. Accepted reports of another length are not staged, so they must refuse the batch rather than
-    # count: it would be sealed (and charged) with slots holding zeros or a previous batch's bytes.
+    # is then dropped. A junk envelope of another length sent first must not refuse the honest batch: the staging
+    # is made anew at the first accepted report's length, and every accepted report is in its slot.
     junk = kit.seal(0, size=64)[:-1] + bytes(40)  # the right prefix, another length; it does not open
-    envs = [junk] + [kit.seal(i, size=64) for i in range(1, 5)]
+    honest = [kit.seal(i, size=64) for i in range(1, 5)]
+    envs = {"first": [junk] + honest, "middle": honest[:2] + [junk] + honest[2:], "last": honest + [junk]}[where]
+    sealed = _run(core, kit, envs)
+    att = _verify(kit, sealed)
+    assert att.n_accepted == 4 and sum(att.dropped.values()) == 1
+    assert sorted(_payloads(core, kit, sealed)) == sorted(kit.payload(i, 64) for i in range(1, 5))
+    assert list(core.journal.staging_dir.iterdir()) == []
+
+
+def test_without_an_announced_length_accepted_reports_of_two_lengths_still_refuse(core: ShufflerCore, kit) -> None:
+    junk = kit.seal(0, size=64)[:-1] + bytes(40)
+    envs = [junk] + [kit.seal(i, size=64) for i in range(1, 4)] + [kit.seal(4, size=65)]
     with pytest.raises(Refused) as info:
         _run(core, kit, envs)
     assert (info.value.code, info.value.reason) == ("invalid_argument", "mixed_lengths")
-    assert list(core.journal.batches_dir.iterdir()) == []
-    # the honest reports alone still seal, after the junk's refusal left the binding unused
-    assert _run(core, kit, envs[1:]).n == 4
+    assert list(core.journal.batches_dir.iterdir()) == [] and list(core.journal.staging_dir.iterdir()) == []
+
+
+def _rewrap(kit, envelope: bytes, *, signer: int, tamper_tail: bool = False) -> bytes:
+    """``envelope``'s inner ciphertext (its last byte flipped with ``tamper_tail``) in a new outer layer signed by
+    enrolled client ``signer``."""
+    from ._fixtures_adv import craft_envelope  # noqa: TID252 - a helper module next to the tests (not a package)
+
+    opened = open_outer(envelope, shuffler_private_key=kit.shuffler_sk, key_epoch=kit.key_epoch, round_id=1,
+                        model_digest=kit.digest)
+    inner = bytes(opened.inner)
+    if tamper_tail:
+        inner = inner[:-1] + bytes([inner[-1] ^ 1])
+    return craft_envelope(b"", server_pk=kit.server_pk, shuffler_pk=kit.shuffler_pk, signing_sk=kit.client_sks[signer],
+                          key_epoch=kit.key_epoch, round_id=1, digest=kit.digest, inner=inner)
+
+
+def test_two_signers_wrapping_one_inner_ciphertext_count_once(core: ShufflerCore, kit) -> None:
+    """Two enrolled signers (colluders, or one device enrolled twice) wrap the same inner ciphertext: the copy is
+    a replay drop, the first is kept, and the attested count is the number of distinct reports."""
+    envs = [kit.seal(i, size=64) for i in range(6)]
+    copy = _rewrap(kit, envs[0], signer=6)  # another enrolled signer, the same inner ciphertext
+    sealed = _run(core, kit, envs + [copy])
+    att = _verify(kit, sealed)
+    assert att.n_accepted == 6 and att.dropped["replay"] == 1
+    payloads = _payloads(core, kit, sealed)
+    assert len(payloads) == 6 and len(set(payloads)) == 6
+
+
+def test_an_inner_ciphertext_with_a_reused_encapsulated_key_is_a_replay(core: ShufflerCore, kit) -> None:
+    envs = [kit.seal(i, size=64) for i in range(6)]
+    copy = _rewrap(kit, envs[0], signer=6, tamper_tail=True)  # same inner HPKE enc, other ciphertext bytes
+    att = _verify(kit, _run(core, kit, envs + [copy]))
+    assert att.n_accepted == 6 and att.dropped["replay"] == 1
 
 
 @pytest.mark.parametrize(

@@ -820,3 +820,30 @@ def test_worker_split_keeps_threads_for_health_and_is_validated() -> None:
     for bad in (RESERVED_WORKERS + 1, True, 8.0):
         with pytest.raises(ValueError, match="max_workers must be an integer"):
             worker_split(bad)  # type: ignore[arg-type] - the wrong type on purpose
+
+
+def test_two_enrolled_clients_wrapping_one_report_cannot_stop_the_run(kit, tmp_path) -> None:
+    """A real shuffler process: two enrolled clients (colluders, or one device enrolled twice) submit the same inner
+    ciphertext under their own signatures. The copy is dropped as a replay, the attested count is the number of
+    distinct reports, and the batch is fetched (before, the fetch raised on the repeated inner ciphertext and a
+    resubmission without the copy was refused as binding_used, so every round could be stopped)."""
+    from shuffledp.shuffler.envelope import open_outer
+
+    from ._fixtures_adv import craft_envelope, process, write_service_config  # noqa: TID252 - helpers beside the tests
+
+    envs = [kit.seal(i) for i in range(6)]
+    inner = bytes(open_outer(envs[0], shuffler_private_key=kit.shuffler_sk, key_epoch=kit.key_epoch, round_id=1,
+                             model_digest=kit.digest).inner)
+    copy = craft_envelope(b"", server_pk=kit.server_pk, shuffler_pk=kit.shuffler_pk, signing_sk=kit.client_sks[6],
+                          key_epoch=kit.key_epoch, round_id=1, digest=kit.digest, inner=inner)
+    shuffler = process(kit, write_service_config(kit, tmp_path / "shuffler.toml"))
+    shuffler.start()
+    try:
+        with kit.client(shuffler.address) as c:
+            att = c.submit(round_id=1, key_epoch=kit.key_epoch, model_digest=kit.digest, envelopes=envs + [copy])
+            assert att.n_accepted == 6 and att.n_received == 7 and att.dropped["replay"] == 1
+            opened = [open_inner(x, server_private_key=kit.server_sk, key_epoch=kit.key_epoch, round_id=1)
+                      for x in c.fetch_all(att)]
+            assert sorted(opened) == sorted(kit.payload(i) for i in range(6))
+    finally:
+        shuffler.stop()
