@@ -13,21 +13,22 @@ no-shuffle baseline (plain noisy reports averaged, not private against the serve
   (partition, model, clip, exact discrete Laplace, encoding) and reply with the plain encoded report.
 
 Round wall time = the sum of the server's own per-round phase timings (``RoundOutcome.seconds`` from the run's
-``state.sqlite`` checkpoint history for the product, ``baseline_rounds.json`` for the baseline): from the start
-of node selection to the end of central evaluation, same boundaries in both. Not included in either: the
-product's per-round checkpoint / report writes after evaluation. Round 1 is excluded (Ray actor start-up and
-the first-round 3 s node settle dominate it; its times are printed). The product streams each poll's envelopes
-to the shuffler while it collects (``shuffledp.server.rounds``), so the shuffler's verification is inside ``collect`` and
-``submit`` is only the end of the stream (seal, fsync, attestation). Seal runs inside the clients (part of
-``collect``); its cost is estimated by a microbenchmark: N x t_seal / 2 actors.
+``state.sqlite`` checkpoint history for the product, ``baseline_rounds.json`` for the baseline): from the start of
+node selection to the end of central evaluation, same boundaries in both. Not included in either: the product's
+per-round checkpoint / report writes after evaluation. Round 1 is excluded (Ray actor start-up and the first-round
+3 s node settle dominate it; its times are printed). The product streams each poll's envelopes to the shuffler while
+it collects (``shuffledp.server.rounds``), so the shuffler's verification is inside ``collect`` and ``submit`` is
+only the end of the stream (seal, fsync, attestation). Seal runs inside the clients (part of ``collect``); its cost
+is estimated by a microbenchmark: N x t_seal / 2 actors.
 
 Configurations are interleaved A B A B ... (``--repeats``) so that background load hits both equally.
 
 ``--paired`` (recommended): whole launches of Flower's simulation land on different speed levels (one baseline
-launch ran 7.2-7.7 s rounds, the next 9.2-9.9 s), which swamps a 10% effect when whole launches are alternated.
-With ``--paired`` each launch runs the benchmark app in paired mode: every product round (``shuffledp.server.job.run_job``:
-shuffler, accountant, ledger, checkpoint) is followed by one plain round on the same nodes, and the overhead is
-computed over these pairs (mean ratio with a bootstrap 90% interval, and the median of per-pair ratios).
+launch ran 7.2-7.7 s rounds, the next 9.2-9.9 s), which swamps a 10% effect when whole launches are alternated. With
+``--paired`` each launch runs the benchmark app in paired mode: every product round
+(``shuffledp.server.job.run_job``: shuffler, accountant, ledger, checkpoint) is followed by one plain round on the
+same nodes, and the overhead is computed over these pairs (mean ratio with a bootstrap 90% interval, and the median
+of per-pair ratios).
 ``--plain-seal`` (with ``--paired``) makes the plain clients also seal and discard their report, which isolates
 the server side's share.
 
@@ -44,19 +45,17 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from shuffledp.deploy import runner as runner
+from shuffledp.deploy.flower import run_config_arg
+
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE_APP = Path(__file__).resolve().parent / "noshuffle_app"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from shuffledp.deploy import runner as runner
 
 COMMON = {"budget-epsilon": float("inf")}  # both systems; a small N must not be stopped by the budget
 
@@ -67,7 +66,7 @@ def run_shuffled(n: int, rounds: int, out: Path, name: str, log: Path) -> list[d
 
     os.environ["SHUFFLEDP_FLWR_HOME"] = str(out / f".flwr-{name}")
     argv = ["run", "--clients", str(n), "--rounds", str(rounds), "--run-name", name, "--output-dir", str(out)]
-    argv += ["--run-config", " ".join(f"{k}={runner._toml_value(v)}" for k, v in COMMON.items())]
+    argv += ["--run-config", run_config_arg(COMMON)]
     with open(log, "w") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
         code = runner.main(argv)
     if code != 0:
@@ -150,8 +149,9 @@ def paired_main(args: argparse.Namespace, out: Path) -> int:
             tp = [sum(r["seconds"].values()) for r in product]
             tb = [sum(r["seconds"].values()) for r in plain]
             pairs.extend(zip(tp[1:], tb[1:]))  # round 1 of each: Ray start-up / first-round settle
-            print(f"... {name}: product {', '.join(f'{t:.2f}' for t in tp)} s | plain {', '.join(f'{t:.2f}' for t in tb)}"
-                  f" s (whole launch {time.monotonic() - t0:.0f} s)", flush=True)
+            print(f"... {name}: product {', '.join(f'{t:.2f}' for t in tp)} s | "
+                  f"plain {', '.join(f'{t:.2f}' for t in tb)} s (whole launch {time.monotonic() - t0:.0f} s)",
+                  flush=True)
             (out / f"paired-{n}.json").write_text(json.dumps({"pairs": pairs}, indent=1) + "\n")
         a = np.array(pairs)
         ratio = a[:, 0] / a[:, 1] - 1.0
@@ -169,7 +169,8 @@ def paired_main(args: argparse.Namespace, out: Path) -> int:
 
 
 def seal_seconds(repeat: int = 300) -> float:
-    """Seconds per ``shuffledp.shuffler.envelope.seal`` of one d=650 report (two HPKE layers + Ed25519), this process."""
+    """Seconds per ``shuffledp.shuffler.envelope.seal`` of one d=650 report (two HPKE layers + Ed25519), this
+    process."""
     import numpy as np
 
     from shuffledp.clients.core import PinnedSettings, make_payload

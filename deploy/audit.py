@@ -1,12 +1,13 @@
 """``shuffledp audit``: set the shuffler's record of released batches against the server's privacy ledgers.
 
-The server charges its accountant, and appends the ledger row, *before* it fetches a batch (shuffledp.server.rounds); the
-shuffler journals a release record before the first byte of a batch leaves it (shuffledp.shuffler.core, ``record_release``).
-So every batch the shuffler released must have a ledger row charged with exactly its attested count. A released
-batch without one is privacy spent off the books; that, a count that differs, a row that names another batch, or
-an attestation that does not verify is a **violation** (exit code 1). A ledger row whose batch was never
-released (the server crashed between charge and fetch, or the fetch failed) over-charges, which is safe, and is
-only noted; so is a sealed batch that was never released (nothing left the shuffler).
+The server charges its accountant, and appends the ledger row, *before* it fetches a batch
+(shuffledp.server.rounds); the shuffler journals a release record before the first byte of a batch leaves it
+(shuffledp.shuffler.core, ``record_release``). So every batch the shuffler released must have a ledger row charged
+with exactly its attested count. A released batch without one is privacy spent off the books; that, a count that
+differs, a row that names another batch, or an attestation that does not verify is a **violation** (exit code 1). A
+ledger row whose batch was never released (the server crashed between charge and fetch, or the fetch failed)
+over-charges, which is safe, and is only noted; so is a sealed batch that was never released (nothing left the
+shuffler).
 
 The inputs come from two parties, which the trust model assumes do not collude:
 
@@ -31,8 +32,8 @@ editing its statement too is the same as deleting the line from the listing, whi
 bit and ``released_at`` are the shuffler operator's statement (they are not signed).
 
 **Matching.** The server records with each ledger row the key epoch and batch id of the batch it charged (from
-the verified attestation; ``shuffledp.accounting.ledger``, table ``batches``). A row is matched to the listing's batch of
-its (key epoch, round), and a different batch id there is a violation, so a listing of another run cannot pass
+the verified attestation; ``shuffledp.accounting.ledger``, table ``batches``). A row is matched to the listing's
+batch of its (key epoch, round), and a different batch id there is a violation, so a listing of another run cannot pass
 for this one. A ledger written before rows recorded their batch is matched by round number alone, in the one
 audited epoch that no other ledger charged (audit it alone with ``--key-epoch`` if that is ambiguous), and the
 report notes it.
@@ -82,9 +83,15 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
+        """Whether the audit found no violation."""
         return not self.violations
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (what ``shuffledp audit`` prints).
+
+        Returns:
+            ``ok``, the audited key epochs, counts, violations and notes.
+        """
         return {
             "ok": self.ok,
             "key_epochs": list(self.key_epochs),
@@ -252,8 +259,8 @@ def audit(
     """Check that every released batch of the audited key epochs was charged with its attested count.
 
     Args:
-        ledgers: ledger name (e.g. its path) -> its rows, as :meth:`shuffledp.accounting.ledger.Ledger.rows` returns them
-            (``round``, ``n_reports`` and, for rounds recorded with their batch, ``key_epoch`` and ``batch_id``).
+        ledgers: ledger name (e.g. its path) -> its rows, as :meth:`shuffledp.accounting.ledger.Ledger.rows` returns
+            them (``round``, ``n_reports`` and, for rounds recorded with their batch, ``key_epoch`` and ``batch_id``).
             One ledger per run, so one per key epoch.
         releases: the shuffler's listing, as :func:`read_releases` returns it.
         key_epochs: the epochs to audit; None (the default) audits every epoch in the listing. Released batches

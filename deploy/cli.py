@@ -8,7 +8,7 @@ grpc, and ``shuffledp shuffler serve`` never imports torch or flwr.
     shuffledp shuffler ...       -> shuffledp.shuffler.cli
     shuffledp keys ...           -> shuffledp.shuffler.cli
     shuffledp run|resume ...     -> shuffledp.deploy.runner
-    shuffledp deploy ...         -> shuffledp.deploy.local
+    shuffledp deploy ...         -> shuffledp.deploy.deploy_cli
     shuffledp audit ...          -> shuffledp.deploy.audit
 """
 
@@ -25,7 +25,7 @@ _ROUTES: dict[str, str] = {
     "keys": "shuffledp.shuffler.cli",
     "run": "shuffledp.deploy.runner",
     "resume": "shuffledp.deploy.runner",
-    "deploy": "shuffledp.deploy.local",
+    "deploy": "shuffledp.deploy.deploy_cli",
     "audit": "shuffledp.deploy.audit",
 }
 

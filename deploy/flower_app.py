@@ -40,7 +40,8 @@ def app_table() -> dict[str, Any]:
     try:
         return dict(tomllib.loads(APP_TABLE.read_text())["tool"]["flwr"]["app"])
     except (OSError, KeyError, tomllib.TOMLDecodeError) as exc:
-        raise AppNotFoundError(f"the installed shuffledp has no readable {APP_TABLE.name} ({exc}); reinstall it") from exc
+        raise AppNotFoundError(f"the installed shuffledp has no readable {APP_TABLE.name} ({exc}); "
+                               "reinstall it") from exc
 
 
 def _app_of(directory: Path) -> dict[str, Any] | None:

@@ -1,6 +1,6 @@
 """Per-party key generation for a deployment: each party makes its own secrets on its own host.
 
-``shuffledp deploy keys --out DIR --nodes N`` (:func:`shuffledp.deploy.local.create_deploy_keys`) writes every
+``shuffledp deploy keys --out DIR --nodes N`` (:func:`shuffledp.deploy.keys.create_deploy_keys`) writes every
 party's secrets into one directory, which suits one-operator tests only: whoever holds that directory holds
 both HPKE private keys and can link every report to its sender. ``--party`` splits the same layout by who keeps
 what (deploy/README.md, "Keys and who keeps them"), and only public files and a certificate signing request
@@ -27,28 +27,26 @@ check``) uses to verify that the directory holds what its party needs and **no o
 
 from __future__ import annotations
 
-import json
 import os
 import stat
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shuffledp.deploy.local import (
-    DeployError,
+from shuffledp.deploy.bundle import bundle_key_paths, device_node_config
+from shuffledp.deploy.errors import DeployError, DeployUsageError
+from shuffledp.deploy.flower import write_toml
+from shuffledp.deploy.keys import (
+    DEFAULT_KEY_EPOCH,
     DeployKeys,
-    DeployUsageError,
-    _check_int,
-    _write_file,
-    bundle_key_paths,
-    device_node_config,
     staged_directory,
     superlink_names,
     supernode_keypair,
+    write_manifest,
+    write_new_file,
     write_superlink_tls,
-    write_toml,
 )
+from shuffledp.deploy.validation import check_int
 
 __all__ = [
     "PARTIES",
@@ -73,8 +71,8 @@ DEVICE_FILES = {
     "supernode_pub": "supernode.pub",
 }
 
-# Secrets by party, as paths relative to a directory (DeployKeys / shuffledp.shuffler.keys.KeyDirectory layout); a party's
-# directory must hold none of another party's.
+# Secrets by party, as paths relative to a directory (DeployKeys / shuffledp.shuffler.keys.KeyDirectory layout); a
+# party's directory must hold none of another party's.
 _SECRETS = {
     "server": ("server/hpke.key", "superlink/ca.key", "superlink/superlink.key", "superlink/superexec.secret",
                "tls/serverapp.key"),
@@ -105,20 +103,19 @@ _SOURCE = {
 }
 
 
-def _write_manifest(root: Path, party: str, **fields: Any) -> None:
-    doc = {"format": "shuffledp-deploy/v1", "party": party, **fields,
-           "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    _write_file(root / "deploy.json", (json.dumps(doc, indent=1) + "\n").encode(), 0o644)
-
-
 def create_server_keys(out: str | os.PathLike[str], *, sans: Sequence[str] = ()) -> DeployKeys:
     """The server operator's keys, made on the server's host (``deploy keys --party server``).
 
     Writes the server's HPKE key pair (the inner layer of every report is sealed to it), the SuperLink's own CA
     and TLS certificate (SANs ``localhost``, ``127.0.0.1`` and ``sans``), the SuperExec shared secret, and the
     ServerApp's mTLS key with a certificate signing request for the shuffler operator to answer
-    (:func:`sign_serverapp_request`). Raises DeployError for a directory that already holds files or a bad SAN;
-    the directory is made whole or not at all.
+    (:func:`sign_serverapp_request`). The directory is made whole or not at all.
+
+    Returns:
+        The paths of the new directory.
+
+    Raises:
+        DeployUsageError: a directory that already holds files, or a bad SAN.
     """
     names = superlink_names(sans)
     with staged_directory(out) as root:
@@ -139,12 +136,12 @@ def _write_server_keys(root: Path, names: list[str]) -> None:
     shuffler_keys.save_private_key(root / "server" / "hpke.key", sk, "x25519")
     shuffler_keys.save_public_key(paths.server_public_key, pk, "x25519")
     csr, key = tls.create_csr("serverapp")
-    _write_file(paths.serverapp_key, key, 0o600)
-    _write_file(root / "tls" / "serverapp.csr", csr, 0o644)
-    _write_manifest(root, "server", **{"superlink-sans": names})
+    write_new_file(paths.serverapp_key, key, 0o600)
+    write_new_file(root / "tls" / "serverapp.csr", csr, 0o644)
+    write_manifest(root, "server", **{"superlink-sans": names})
 
 
-def create_shuffler_keys(out: str | os.PathLike[str], *, k: int, key_epoch: int = 0,
+def create_shuffler_keys(out: str | os.PathLike[str], *, k: int, key_epoch: int = DEFAULT_KEY_EPOCH,
                          sans: Sequence[str] = ()) -> DeployKeys:
     """The shuffler operator's keys, made on the shuffler's host (``deploy keys --party shuffler``).
 
@@ -152,18 +149,24 @@ def create_shuffler_keys(out: str | os.PathLike[str], *, k: int, key_epoch: int 
     certificate (SANs ``localhost``, ``127.0.0.1`` and ``sans``) and ``shuffler.toml`` with release threshold
     ``k``. The enrolment file is made by ``shuffledp keys enrol`` from the devices' ``client.pub``; the service
     refuses to start until ``k`` clients are enrolled.
+
+    Returns:
+        The paths of the new directory.
+
+    Raises:
+        DeployUsageError: a bad ``k``, key epoch or SAN, or a directory that already holds files.
     """
     from shuffledp.shuffler import keys as shuffler_keys
 
-    k = _check_int("--k", k, 1, 1_000_000)
-    key_epoch = _check_int("--key-epoch", key_epoch, 0, 2**32 - 1)
+    k = check_int("--k", k, 1, 1_000_000)
+    key_epoch = check_int("--key-epoch", key_epoch, 0, 2**32 - 1)
     names = superlink_names(sans)
     with staged_directory(out) as root:
         try:
             shuffler_keys.init_shuffler_keys(root, k=k, key_epoch=key_epoch, shuffler_sans=tuple(names))
         except ValueError as exc:
             raise DeployUsageError(f"cannot create the shuffler's keys: {exc}") from exc
-        _write_manifest(root, "shuffler", **{"shuffler-sans": names, "key-epoch": key_epoch, "k": k})
+        write_manifest(root, "shuffler", **{"shuffler-sans": names, "key-epoch": key_epoch, "k": k})
     return DeployKeys(Path(out))
 
 
@@ -173,17 +176,23 @@ def create_device_keys(out: str | os.PathLike[str], node: int) -> Path:
     ``client.key`` signs its envelopes (Ed25519; ``client.pub`` goes to the enrolment authority, which enrols it
     as ``client-<node>``) and ``supernode.key`` authenticates its SuperNode to the SuperLink (ECDSA P-384;
     ``supernode.pub`` is registered with ``flwr supernode register``). ``deploy bundle --device`` later adds the
-    public files the device pins and its node config. Returns the directory.
+    public files the device pins and its node config.
+
+    Returns:
+        The new directory.
+
+    Raises:
+        DeployUsageError: a bad ``node``, or a directory that already holds files.
     """
     from shuffledp.shuffler import keys as shuffler_keys
 
-    node = _check_int("--node", node, 0, 2**31 - 1)
+    node = check_int("--node", node, 0, 2**31 - 1)
     with staged_directory(out) as root:
         shuffler_keys.create_client_key(root, "client")  # client.key (0600) and client.pub
         private, public = supernode_keypair()
-        _write_file(root / DEVICE_FILES["supernode_key"], private, 0o600)
-        _write_file(root / DEVICE_FILES["supernode_pub"], public, 0o644)
-        _write_manifest(root, "device", node=node, **{"client-id": shuffler_keys.client_id(node)})
+        write_new_file(root / DEVICE_FILES["supernode_key"], private, 0o600)
+        write_new_file(root / DEVICE_FILES["supernode_pub"], public, 0o644)
+        write_manifest(root, "device", node=node, **{"client-id": shuffler_keys.client_id(node)})
     return Path(out)
 
 
@@ -197,8 +206,15 @@ def complete_device_bundle(device_dir: str | os.PathLike[str], *, nodes: int, su
     ``superlink_ca`` is the server operator's ``superlink/ca.crt`` and ``server_public_key`` its
     ``public/server_hpke.pub``; ``shuffler_public_key`` is the shuffler operator's ``public/shuffler_hpke.pub``.
     Each is checked to be what it claims (a CA certificate, X25519 public keys) before anything is written.
-    ``limits_and_data`` are :func:`shuffledp.deploy.local.device_node_config`'s. Only the parsed public objects are
-    written (never the rest of a file), and all four files are written or none. Raises DeployError.
+    ``limits_and_data`` are :func:`shuffledp.deploy.bundle.device_node_config`'s. Only the parsed public objects are
+    written (never the rest of a file), and all four files are written or none.
+
+    Returns:
+        The device's directory, now with a bundle's layout.
+
+    Raises:
+        DeployUsageError: a bad setting, or a directory already (partly) completed; DeployError: not a device's
+            directory, or a public file that is not what it claims.
     """
     root = Path(device_dir)
     doc = DeployKeys(root).load_manifest()
@@ -226,7 +242,7 @@ def complete_device_bundle(device_dir: str | os.PathLike[str], *, nodes: int, su
     written: list[Path] = []
     try:
         for name, data in contents.items():
-            _write_file(root / name, data, 0o644)
+            write_new_file(root / name, data, 0o644)
             written.append(root / name)
         write_toml(root / "node-config.toml", config)
     except BaseException:
@@ -271,8 +287,13 @@ def sign_serverapp_request(shuffler_dir: str | os.PathLike[str], csr: str | os.P
 
     Only the request's public key is used (CN ``serverapp``, client authentication only, whatever the request
     asks), signed with the shuffler's mTLS CA key (``tls/ca.key`` of ``shuffler_dir``). Writes ``out`` (never
-    overwriting); hand it back with ``tls/ca.crt``. Raises DeployError for a bad request or a directory without
-    the CA key.
+    overwriting); hand it back with ``tls/ca.crt``.
+
+    Returns:
+        The certificate's path, ``out``.
+
+    Raises:
+        DeployError: a bad request, or a directory without the CA key; DeployUsageError: ``out`` exists.
     """
     from shuffledp.shuffler import tls
     from shuffledp.shuffler.keys import KeyDirectory
@@ -294,7 +315,7 @@ def sign_serverapp_request(shuffler_dir: str | os.PathLike[str], csr: str | os.P
     dest = Path(out)
     if dest.exists():
         raise DeployUsageError(f"{dest} already exists; a certificate is never overwritten")
-    _write_file(dest, cert, 0o644)
+    write_new_file(dest, cert, 0o644)
     return dest
 
 
@@ -309,6 +330,12 @@ def check_party_directory(root: str | os.PathLike[str]) -> list[str]:
     with CN ``serverapp`` for client authentication), that the shuffler has at least ``k`` clients enrolled, and
     that a device pins two different HPKE keys. A one-directory layout (``party`` ``all``) is reported as such.
     This is a check of files, not of who has copies elsewhere.
+
+    Returns:
+        One line per problem.
+
+    Raises:
+        DeployError: no valid ``deploy.json``, or one naming an unknown party.
     """
     base = Path(root)
     doc = DeployKeys(base).load_manifest()
@@ -439,6 +466,9 @@ def public_fingerprints(root: str | os.PathLike[str]) -> dict[str, str]:
 
     The hand-overs between parties need authenticity: the receiver compares these over a second channel (a call,
     a signed message) with what the sender's ``deploy check`` printed.
+
+    Returns:
+        ``{relative path: hex SHA-256}``, sorted by path.
     """
     import hashlib
 

@@ -27,89 +27,65 @@ round is recorded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
-import tomllib
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from shuffledp.deploy.local import free_port
+from shuffledp.deploy.errors import DeployError, DeployUsageError
+from shuffledp.deploy.flower import (
+    CONNECTION_NAME,
+    RUN_CONFIG_RULE,
+    flower_bin,
+    flower_env,
+    free_port,
+    parse_run_config_args,
+    run_config_arg,
+    start_superlink,
+    write_flower_config,
+)
 from shuffledp.deploy.flower_app import AppNotFoundError, find_app_dir
+from shuffledp.deploy.processes import ProcessGroup
+from shuffledp.deploy.processes import alive as _alive
+from shuffledp.deploy.processes import descendants as _descendants
 from shuffledp.deploy.watchdog import DeployWatchdog, Kind, WatchdogError
 from shuffledp.server.report import bad_reports_note, epsilon_label, format_epsilon
 
-__all__ = ["main", "RUNNER_FILE"]
+__all__ = ["main", "RUNNER_FILE", "RunnerError"]
 
 RUNNER_FILE = "runner.json"
-CONNECTION = "shuffledp-local"
 _NOISE = ("FutureWarning", "warnings.warn(", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO")
 
 
-class RunnerError(RuntimeError):
+class RunnerError(DeployError):
     """The job could not be started or did not finish; the message says why and what to do."""
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
-
-
-def _parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """``k=v`` pairs (TOML values, as ``flwr run --run-config``) into a dict; strings may be unquoted."""
-    out: dict[str, Any] = {}
-    for item in items:
-        for token in shlex.split(item):
-            if "=" not in token:
-                raise RunnerError(f"--run-config expects key=value pairs, got {token!r}")
-            key, raw = token.split("=", 1)
-            key = key.strip()
-            try:
-                out[key] = tomllib.loads(f"v = {raw}")["v"]
-            except tomllib.TOMLDecodeError:
-                out[key] = raw
-    return out
-
-
 def _flower_env(flwr_home: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "FLWR_HOME": str(flwr_home),
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
-            # one OpenBLAS thread in every process of the run (see server/app.py: a fork during a multi-threaded
-            # matrix product hangs OpenBLAS for good)
-            "OPENBLAS_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    return env
+    """The environment of the run's SuperLink and ``flwr run``: :func:`shuffledp.deploy.flower.flower_env`, with
+    Ray told to keep the accelerator variables and Python's output unbuffered (the progress is relayed live)."""
+    return flower_env(flwr_home, {**os.environ, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", "PYTHONUNBUFFERED": "1"})
 
 
 class _SuperLink:
     """A private ``flower-superlink --simulation`` on a free port; stopped (with its process group) on exit."""
 
-    def __init__(self, flwr_home: Path, cwd: Path, env: Mapping[str, str]) -> None:
+    def __init__(self, flwr_home: Path, cwd: Path) -> None:
         self.flwr_home = flwr_home
         self.cwd = cwd
-        self.env = dict(env)
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = flwr_home / "superlink.log"
         self.watchdog: DeployWatchdog | None = None
+        self.group: ProcessGroup | None = None
         self._named: set[int] = set()
         self._adopter_stop = threading.Event()
         self._adopter: threading.Thread | None = None
@@ -134,122 +110,60 @@ class _SuperLink:
                 return
 
     def __enter__(self) -> _SuperLink:
-        self.flwr_home.mkdir(parents=True, exist_ok=True)
-        (self.flwr_home / "config.toml").write_text(
-            "\n".join(
-                [
-                    "# written by `shuffledp run`: a private SuperLink for this run",
-                    "[superlink]",
-                    f'default = "{CONNECTION}"',
-                    f"[superlink.{CONNECTION}]",
-                    f'address = "127.0.0.1:{self.port}"',
-                    "insecure = true",
-                    "",
-                ]
-            )
-        )
-        command = [
-            "flower-superlink",
-            "--insecure",
-            "--simulation",
-            "--isolation",
-            "subprocess",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--database",
-            str(self.flwr_home / "state.db"),
-            "--disable-runtime-dependency-installation",
-        ]
+        write_flower_config(self.flwr_home, f"127.0.0.1:{self.port}", None)
         try:
             # first: nothing is started that it would not stop
             self.watchdog = DeployWatchdog(grace_seconds=10.0, owner="shuffledp run")
         except WatchdogError as exc:
             raise RunnerError(str(exc)) from None
-        log = open(self.log_path, "ab")
+        self.group = ProcessGroup(grace_seconds=15.0, watchdog=self.watchdog)
+        self._adopter = threading.Thread(target=self._adopt, name="shuffledp-adopt", daemon=True)
         try:
-            self.proc = subprocess.Popen(
-                command, cwd=str(self.cwd), env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
-            self.watchdog.watch(self.proc.pid, Kind.GROUP)
+            start_superlink(self.group, None, self.flwr_home, _flower_env(self.flwr_home), self.log_path,
+                            port=self.port, ready_timeout=60.0, simulation=True, flwr_home=self.flwr_home,
+                            cwd=self.cwd, adopt=False)
+            self.proc = self.group.find("flower-superlink")
+            self._adopter.start()
         except BaseException:
             self.stop()
             raise
-        finally:
-            log.close()
-        self._adopter = threading.Thread(target=self._adopt, name="shuffledp-adopt", daemon=True)
-        self._adopter.start()
-        self._wait_ready(timeout=60.0)
         return self
 
-    def _wait_ready(self, timeout: float) -> None:
-        import urllib.error
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RunnerError(f"flower-superlink exited with code {self.proc.returncode}; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=0.5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RunnerError(f"flower-superlink did not become ready within {timeout:.0f} s; see {self.log_path}")
-
     def stop(self) -> None:
-        """SIGTERM the SuperLink's process group, wait, then end any of its descendants still running.
+        """SIGTERM the SuperLink's process group, wait, SIGKILL what is left of it, then end any of its
+        descendants still running.
 
         Descendants (``flower-superexec``, ``flwr-simulation``, Ray's processes) may have left the SuperLink's
         process group; they are found by walking ``/proc`` from the SuperLink's pid before it is signalled,
         and each is ended by its own pid.
         """
         self._adopter_stop.set()
-        if self._adopter is not None:
+        if self._adopter is not None and self._adopter.is_alive():
             self._adopter.join(5.0)
-        if self.proc is None:
+        if self.group is None:
             self._close_watchdog()
             return
-        descendants = _descendants(self.proc.pid)
-        pgid = self.proc.pid  # start_new_session: the SuperLink leads its own process group
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(15.0)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(5.0)
+        below = [] if self.proc is None else _descendants(self.proc.pid)
+        self.group.stop_all()  # SIGTERM, up to 15 s, SIGKILL; the watchdog forgets the reaped group
         deadline = time.monotonic() + 20.0
-        alive = [pid for pid in descendants if _alive(pid)]
+        alive = [pid for pid in below if _alive(pid)]
         while alive and time.monotonic() < deadline:  # let Ray and the simulation shut down on their own first
             time.sleep(0.5)
             alive = [pid for pid in alive if _alive(pid)]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in alive:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
             time.sleep(1.0)
             alive = [pid for pid in alive if _alive(pid)]
             if not alive:
                 break
         if self.watchdog is not None:
-            self.watchdog.forget(pgid, Kind.GROUP)  # reaped: the number may be reused from now on
             for pid in sorted(self._named):
                 if not _alive(pid):  # a named process still running (one that appeared late) is left to it
                     self.watchdog.forget(pid, Kind.PROCESS)
         self.proc = None
+        self.group = None
         self._close_watchdog()
 
     def _close_watchdog(self) -> None:
@@ -261,53 +175,6 @@ class _SuperLink:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _children_map() -> dict[int, list[int]]:
-    """ppid -> child pids, from /proc (Linux); empty where /proc is not available."""
-    children: dict[int, list[int]] = {}
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return children
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # the command name (field 2) may contain spaces; the fields after its closing ')' are space-separated
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 1:
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    return children
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` in the process tree (children, grandchildren, ...)."""
-    children = _children_map()
-    out: list[int] = []
-    stack = list(children.get(pid, []))
-    while stack:
-        child = stack.pop()
-        out.append(child)
-        stack.extend(children.get(child, []))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return state[state.rfind(")") + 2 :].split()[0] != "Z"
 
 
 def _progress_line(row: Mapping[str, Any]) -> str:
@@ -390,15 +257,15 @@ def _relay(proc: subprocess.Popen[str], log_file: Path) -> None:
 def _launch(project: Path, out_dir: Path, spec: Mapping[str, Any], *, flwr_home: Path) -> int:
     """Start the SuperLink, run the app with the recorded spec, relay its output; return flwr's exit code."""
     env = _flower_env(flwr_home)
-    run_config = " ".join(f"{k}={_toml_value(v)}" for k, v in spec["run_config"].items())
+    run_config = run_config_arg(spec["run_config"])
     federation = f"num-supernodes={int(spec['clients'])} client-resources-num-cpus=1"
     command = [
-        "flwr", "run", str(project), CONNECTION,
+        flower_bin("flwr"), "run", str(project), CONNECTION_NAME,
         "--run-config", run_config,
         "--federation-config", federation,
         "--stream",
     ]
-    with _SuperLink(flwr_home, project, env) as superlink:
+    with _SuperLink(flwr_home, project) as superlink:
         proc = subprocess.Popen(
             command, cwd=str(project), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             stdin=subprocess.DEVNULL,
@@ -438,7 +305,7 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-name", default=None, help="name of outputs/<run> (default: run-<UTC time>)")
     p.add_argument("--output-dir", default="outputs", help="parent folder of the run's outputs (default outputs)")
     p.add_argument("--run-config", action="append", default=[], metavar="K=V",
-                   help="further run-config overrides, as for `flwr run --run-config` (repeatable)")
+                   help=f"further run-config overrides: {RUN_CONFIG_RULE}")
     return p
 
 
@@ -453,7 +320,7 @@ def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
     from shuffledp.server.config import DEFAULTS, ConfigError, parse_run_config
 
     ns = _run_parser().parse_args(list(argv))
-    overrides = _parse_overrides(ns.run_config)
+    overrides = parse_run_config_args(ns.run_config)
     if ns.rounds is not None:
         overrides["num-server-rounds"] = ns.rounds
     if ns.eps0 is not None:
@@ -524,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         project, out_dir, spec = _start(args[1:]) if args[0] == "run" else _resume(args[1:])
     except SystemExit as exc:  # argparse
         return int(exc.code) if isinstance(exc.code, int) else 2
-    except RunnerError as exc:
+    except (RunnerError, DeployUsageError) as exc:
         sys.stderr.write(f"shuffledp {args[0]}: {exc}\n")
         return 2
     flwr_home = Path(os.environ.get("SHUFFLEDP_FLWR_HOME") or project / ".flwr")
@@ -537,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout.flush()
     try:
         code = _launch(project, out_dir, spec, flwr_home=flwr_home)
-    except RunnerError as exc:
+    except DeployError as exc:
         sys.stderr.write(f"shuffledp {args[0]}: {exc}\n")
         return 1
     except KeyboardInterrupt:

@@ -3,7 +3,7 @@
 ``deploy local`` starts the SuperLink, the SuperNodes (each with its ``flower-superexec`` and ``flwr-clientapp``
 children), the ServerApp executor of ``--isolation process`` and the ``flwr log`` follower each in its own process
 group; it adopts the session in which the SuperLink starts its own ServerApp executor (``flower-superexec`` and
-its ``flwr-serverapp``; see :meth:`shuffledp.deploy.local.ProcessGroup.adopt_sessions`); the shuffler service is a
+its ``flwr-serverapp``; see :meth:`shuffledp.deploy.processes.ProcessGroup.adopt_sessions`); the shuffler service is a
 plain child. Its ``finally`` blocks stop them all, but nothing of ``deploy local`` runs after a SIGKILL (or a
 crash, or an ``os._exit``), and every one of them would go on running, the run included.
 

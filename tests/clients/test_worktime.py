@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from shuffledp.clients.worktime import time_worst_case, worst_case_models
-from shuffledp.deploy import local as dc
+from shuffledp.deploy.bundle import create_device_bundle
+from shuffledp.deploy.deploy_cli import main
+from shuffledp.deploy.keys import create_deploy_keys
 
 
 @pytest.mark.parametrize(("features", "limit"), [(10, 1_000_000), (64, 5_000), (784, 1_000_000), (3, 40)])
@@ -36,8 +38,8 @@ def test_worst_case_models_refuse_what_cannot_fit() -> None:
 
 def test_time_worst_case_runs_the_pinned_limits_on_the_devices_data(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    keys = dc.create_deploy_keys(tmp_path / "keys", 4)
-    bundle = dc.create_device_bundle(keys, 2, tmp_path / "b", eps0=2.0, clip_l1=1.0, reply_floor=3600,
+    keys = create_deploy_keys(tmp_path / "keys", 4)
+    bundle = create_device_bundle(keys, 2, tmp_path / "b", eps0=2.0, clip_l1=1.0, reply_floor=3600,
                                      max_local_epochs=2, min_batch_size=50, max_model_parameters=3_000,
                                      data={"pca-components": 0})
     node = tomllib.loads((bundle / "node-config.toml").read_text())
@@ -52,13 +54,13 @@ def test_time_worst_case_runs_the_pinned_limits_on_the_devices_data(tmp_path: Pa
                                                                      result["models"].values()))
     assert result["covered"] is True and result["reply_floor_s"] == 3600.0
     # the CLI: the same measurement as JSON; a floor that does not cover it is said on stderr
-    low = dc.create_device_bundle(keys, 1, tmp_path / "low", eps0=2.0, clip_l1=1.0, max_local_epochs=1,
+    low = create_device_bundle(keys, 1, tmp_path / "low", eps0=2.0, clip_l1=1.0, max_local_epochs=1,
                                   min_batch_size=100, max_model_parameters=1_000)
-    assert dc.main(["deploy", "time-work", "--node-config", str(low / "node-config.toml"), "--repeat", "1"]) == 0
+    assert main(["deploy", "time-work", "--node-config", str(low / "node-config.toml"), "--repeat", "1"]) == 0
     out = capsys.readouterr()
     assert '"covered": false' in out.out and "the reply-floor (off) does not cover" in out.err
     (tmp_path / "server.toml").write_text('num-server-rounds = 3\n')
-    assert dc.main(["deploy", "time-work", "--node-config", str(tmp_path / "server.toml")]) == 1
+    assert main(["deploy", "time-work", "--node-config", str(tmp_path / "server.toml")]) == 1
     assert "pins no eps0" in capsys.readouterr().err
-    assert dc.main(["deploy", "time-work", "--node-config", str(low / "node-config.toml"), "--repeat", "0"]) == 1
+    assert main(["deploy", "time-work", "--node-config", str(low / "node-config.toml"), "--repeat", "0"]) == 1
     assert "repeat must be an int in [1, 100]" in capsys.readouterr().err

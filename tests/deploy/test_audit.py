@@ -28,7 +28,8 @@ def _line(round_id: int, n: int, *, released: bool = True, epoch: int = 0, sign_
     batch_id = bytes([round_id + 16 * epoch]) * 16
     statement = Attestation.build_statement(
         batch_id=batch_id, protocol_version=1, key_epoch=epoch, round_id=round_id, model_digest=b"\0" * 32, k=2,
-        n_received=max(n, sign_n or 0), n_accepted=n if sign_n is None else sign_n, inner_length=64, output_digest=b"\1" * 32,
+        n_received=max(n, sign_n or 0), n_accepted=n if sign_n is None else sign_n, inner_length=64,
+        output_digest=b"\1" * 32,
         dropped={r: 0 for r in DROP_REASONS},
     )
     return {"batch_id": batch_id.hex(), "key_epoch": epoch, "round_id": round_id, "n": n,
@@ -170,8 +171,8 @@ def test_a_relabelled_epoch_cannot_hide_a_released_batch() -> None:
 
 
 def test_a_relabelled_line_with_a_broken_signature_is_still_caught() -> None:
-    # Review 37, F1: a line outside the scope whose unsigned epoch was relabelled *and* whose signature was broken
-    # verified with no key given and was only noted, so the released batch it hid passed with exit 0.
+    # a line outside the scope whose unsigned epoch was relabelled *and* whose signature was broken must not pass
+    # as merely noted when no key is given: the released batch it hides would then pass with exit 0.
     for signature in ("00" * 64, _line(1, 10)["signature"]):  # zeros, or another line's signature
         hidden = _line(2, 9) | {"key_epoch": 7, "signature": signature}
         for kwargs in ({"verify_key": _PK_RAW}, {"epoch_keys": {0: _PK_RAW}}, {}):

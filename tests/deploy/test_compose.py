@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from shuffledp.deploy import local as dc
+from shuffledp.deploy.bundle import create_device_bundle
+from shuffledp.deploy.keys import DeployKeys, create_deploy_keys
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 COMPOSE = DEPLOY / "compose.yml"
@@ -43,9 +44,9 @@ def compose() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def env_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("compose")
-    keys = dc.create_deploy_keys(root / "keys", 2, sans=["superlink", "proxy", "shuffler"])
+    keys = create_deploy_keys(root / "keys", 2, sans=["superlink", "proxy", "shuffler"])
     for i in (0, 1):
-        dc.create_device_bundle(keys, i, root / "devices" / f"node-{i}", eps0=4.0, clip_l1=1.0, prefix="/device")
+        create_device_bundle(keys, i, root / "devices" / f"node-{i}", eps0=4.0, clip_l1=1.0, prefix="/device")
     return {"SHUFFLEDP_KEYS": str(keys.root), "SHUFFLEDP_DEVICES": str(root / "devices")}
 
 
@@ -183,7 +184,8 @@ def test_build_contexts_dockerfiles_and_copy_sources(compose: dict[str, Any]) ->
                 assert service["image"] == PROXY_IMAGE
                 continue
             # must reuse an image another service builds
-            assert any(s.get("build") and s.get("image") == service["image"] for s in compose["services"].values()), name
+            with_build = [s for s in compose["services"].values() if s.get("build")]
+            assert any(s.get("image") == service["image"] for s in with_build), name
             continue
         context = (DEPLOY / build["context"]).resolve()
         assert context.is_dir(), f"{name}: build context {context} does not exist"
@@ -262,7 +264,7 @@ def test_compose_configs_are_accepted(env_dirs: dict[str, str]) -> None:
     from shuffledp.server.config import parse_run_config
     from shuffledp.shuffler.config import load_config
 
-    keys = dc.DeployKeys(Path(env_dirs["SHUFFLEDP_KEYS"]))
+    keys = DeployKeys(Path(env_dirs["SHUFFLEDP_KEYS"]))
     conf = load_config(keys.compose_shuffler_config)
     assert conf.address == "0.0.0.0:7070" and conf.tls is not None and conf.tls.client_common_names == ("serverapp",)
     overrides = tomllib.loads(keys.compose_run_config.read_text())
@@ -299,8 +301,9 @@ def _import_without(blocked: list[str], code: str) -> subprocess.CompletedProces
 
 def test_shuffler_image_needs_only_its_four_dependencies() -> None:
     """Dockerfile.shuffler installs cryptography, grpcio, grpcio-health-checking and protobuf only."""
-    code = ("import shuffledp.shuffler.cli, shuffledp.shuffler.service, shuffledp.shuffler.core, shuffledp.shuffler.journal, shuffledp.shuffler.config, "
-            "shuffledp.shuffler.keys, shuffledp.shuffler.tls, shuffledp.shuffler.attestation, shuffledp.shuffler.envelope\n"
+    code = ("import shuffledp.shuffler.cli, shuffledp.shuffler.service, shuffledp.shuffler.core, "
+            "shuffledp.shuffler.journal, shuffledp.shuffler.config, shuffledp.shuffler.keys, shuffledp.shuffler.tls, "
+            "shuffledp.shuffler.attestation, shuffledp.shuffler.envelope\n"
             "from shuffledp.deploy.cli import main\n"
             "raise SystemExit(main(['shuffler', 'serve', '--help']))\n")
     res = _import_without(["numpy", "scipy", "torch", "flwr", "sklearn", "matplotlib", "dp_accounting", "ray"], code)
@@ -311,6 +314,7 @@ def test_shuffler_image_needs_only_its_four_dependencies() -> None:
 def test_client_image_dependencies_suffice_for_the_clientapp() -> None:
     """Dockerfile.client installs flwr, numpy, cryptography, scikit-learn and CPU PyTorch (no Ray, no
     matplotlib, no dp-accounting)."""
-    code = "import shuffledp.clients.app, shuffledp.clients.core, shuffledp.clients.data, shuffledp.clients.models\nprint(shuffledp.clients.app.app)\n"
+    code = ("import shuffledp.clients.app, shuffledp.clients.core, shuffledp.clients.data, shuffledp.clients.models\n"
+            "print(shuffledp.clients.app.app)\n")
     res = _import_without(["matplotlib", "dp_accounting", "ray"], code)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from shuffledp.deploy import local as dc
+from shuffledp.deploy.errors import DeployError
+from shuffledp.deploy.keys import create_deploy_keys
+from shuffledp.deploy.local import LocalDeployment, run_local
+from shuffledp.deploy.processes import tail
+from shuffledp.deploy.timeline import format_report
 
 pytestmark = pytest.mark.e2e
 
@@ -47,11 +51,11 @@ def test_local_deployment_three_nodes_two_rounds(tmp_path: Path) -> None:
     from shuffledp.accounting.bounds import epsilon as epsilon_bound
 
     work = tmp_path / "work"
-    cfg = dc.LocalDeployment(nodes=3, rounds=2, workdir=work, eps0=4.0, clip_l1=1.0, timeout=600,
+    cfg = LocalDeployment(nodes=3, rounds=2, workdir=work, eps0=4.0, clip_l1=1.0, timeout=600,
                              reply_timeout=240)
-    result = dc.run_local(cfg)
-    print(dc.format_report(result))  # shown with -s; the figures quoted in deploy/README.md come from here
-    assert result.status == "finished:completed", dc.tail(work / "logs" / "superlink.log", 40)
+    result = run_local(cfg)
+    print(format_report(result))  # shown with -s; the figures quoted in deploy/README.md come from here
+    assert result.status == "finished:completed", tail(work / "logs" / "superlink.log", 40)
     assert result.report is not None
     rounds = result.report["rounds"]
     assert [r["round"] for r in rounds] == [1, 2]
@@ -80,8 +84,8 @@ def test_local_deployment_three_nodes_two_rounds(tmp_path: Path) -> None:
     # a second run with the same keys (the same key epoch, whose batches were released above) is refused once the
     # shuffler answers, before any SuperNode starts or anything is submitted
     again = tmp_path / "again"
-    with pytest.raises(dc.DeployError, match=r"already released 2 batch\(es\) of key epoch 0"):
-        dc.run_local(dc.LocalDeployment(nodes=3, rounds=1, workdir=again, keys_dir=work / "keys", timeout=120))
+    with pytest.raises(DeployError, match=r"already released 2 batch\(es\) of key epoch 0"):
+        run_local(LocalDeployment(nodes=3, rounds=1, workdir=again, keys_dir=work / "keys", timeout=120))
     assert not (again / "supernodes").exists() and not (again / "run-config.toml").exists()
     assert _wait_gone(str(again)) == [] and _wait_gone(str(work)) == []
 
@@ -90,8 +94,8 @@ def test_process_isolation_as_in_the_compose_file(tmp_path: Path) -> None:
     """The SuperLink with ``--isolation process`` and a separate ``flower-superexec`` holding the SuperExec secret
     (the ``superlink``/``serverapp`` services of deploy/compose.yml, as local processes)."""
     work = tmp_path / "work"
-    result = dc.run_local(dc.LocalDeployment(nodes=2, rounds=1, workdir=work, isolation="process", timeout=600))
-    assert result.status == "finished:completed", dc.tail(work / "logs" / "serverapp-executor.log", 40)
+    result = run_local(LocalDeployment(nodes=2, rounds=1, workdir=work, isolation="process", timeout=600))
+    assert result.status == "finished:completed", tail(work / "logs" / "serverapp-executor.log", 40)
     assert result.report is not None and [r["n_reports"] for r in result.report["rounds"]] == [2]
     # the ServerApp ran under the separate executor, not under a SuperExec the SuperLink spawned itself
     assert "Starting Flower SuperExec" not in (work / "logs" / "superlink.log").read_text()
@@ -102,12 +106,12 @@ def test_process_isolation_as_in_the_compose_file(tmp_path: Path) -> None:
 def test_failure_after_start_stops_every_process(tmp_path: Path) -> None:
     """The SuperLink is up when the shuffler fails to start (a corrupt key): the error names the step and the
     SuperLink is stopped."""
-    keys = dc.create_deploy_keys(tmp_path / "keys", 2, k=2)
+    keys = create_deploy_keys(tmp_path / "keys", 2, k=2)
     hpke = keys.root / "shuffler" / "hpke.key"
     hpke.write_bytes(b"-----BEGIN PRIVATE KEY-----\nbroken\n-----END PRIVATE KEY-----\n")
     work = tmp_path / "work"
-    with pytest.raises(dc.DeployError, match="the shuffler service did not start"):
-        dc.run_local(dc.LocalDeployment(nodes=2, rounds=1, workdir=work, keys_dir=keys.root))
+    with pytest.raises(DeployError, match="the shuffler service did not start"):
+        run_local(LocalDeployment(nodes=2, rounds=1, workdir=work, keys_dir=keys.root))
     assert "Uvicorn running on" in (work / "logs" / "superlink.log").read_text()  # it had started
     assert _wait_gone(str(work)) == [] and _wait_gone(str(keys.root)) == []
 
@@ -125,8 +129,9 @@ def test_ctrl_c_and_sigterm_stop_every_process(tmp_path: Path, sig: signal.Signa
     work = tmp_path / "work"
     # 100 rounds (about 50 s here), so the run is still going when the signal arrives. Two CI runs that saw exit
     # code 0 were started in the background, with SIGINT ignored: see _sigint_as_in_a_foreground_job
-    proc = subprocess.Popen([sys.executable, "-m", "shuffledp.deploy.cli", "deploy", "local", "--nodes", "2", "--rounds", "100",
-                             "--workdir", str(work)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "shuffledp.deploy.cli", "deploy", "local", "--nodes", "2",
+                             "--rounds", "100", "--workdir", str(work)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
                             preexec_fn=_sigint_as_in_a_foreground_job)
     try:
         deadline = time.monotonic() + 120

@@ -27,13 +27,25 @@ from pathlib import Path
 
 import pytest
 
-from shuffledp.deploy import local as dc
+from shuffledp.deploy.bundle import node_config
+from shuffledp.deploy.errors import DeployError
+from shuffledp.deploy.flower import (
+    flower_env,
+    free_port,
+    register_supernode,
+    start_superlink,
+    start_supernode,
+    write_flower_config,
+    write_toml,
+)
+from shuffledp.deploy.keys import DeployKeys, create_deploy_keys
+from shuffledp.deploy.processes import ProcessGroup, kill_group, log_contains, wait_for
 
 CONF = Path(__file__).resolve().parents[2] / "deploy" / "proxy.nginx.conf"
 NGINX = shutil.which("nginx")
 
 
-def render(text: str, *, keys: dc.DeployKeys, upstream: str, fleet_port: int, control_port: int,
+def render(text: str, *, keys: DeployKeys, upstream: str, fleet_port: int, control_port: int,
            tmp: Path) -> str:
     """The proxy config with the container-only values replaced; each must occur exactly as often as expected,
     so that a change of the file that this test would no longer cover fails here."""
@@ -73,13 +85,13 @@ def test_config_static_properties() -> None:
 
 @dataclass
 class Proxied:
-    keys: dc.DeployKeys
+    keys: DeployKeys
     root: Path
     superlink: str
     fleet: int
     control: int
     superlink_log: Path
-    group: dc.ProcessGroup
+    group: ProcessGroup
 
 
 def _listening(port: int) -> bool:
@@ -97,13 +109,13 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
                     "PATH): deploy/proxy.nginx.conf cannot be run here")
     root = tmp_path_factory.mktemp("proxy")
     # as for compose: the SuperLink's certificate names `superlink` (what the proxy verifies) and `proxy`
-    keys = dc.create_deploy_keys(root / "keys", 2, k=1, sans=["superlink", "proxy"])
-    group = dc.ProcessGroup(grace_seconds=5)
+    keys = create_deploy_keys(root / "keys", 2, k=1, sans=["superlink", "proxy"])
+    group = ProcessGroup(grace_seconds=5)
     try:
         superlink_log = root / "superlink.log"
-        address = dc.start_superlink(group, keys, root / "superlink", dict(os.environ), superlink_log,
+        address = start_superlink(group, keys, root / "superlink", dict(os.environ), superlink_log,
                                      isolation="process")
-        fleet, control = dc.free_port(), dc.free_port()
+        fleet, control = free_port(), free_port()
         nginx_dir = root / "nginx"
         nginx_dir.mkdir()
         conf = nginx_dir / "proxy.conf"
@@ -112,7 +124,7 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
         # -e: the error log before the config is read (the compiled-in path may not be writable by this user)
         group.start("nginx", [NGINX, "-e", "stderr", "-p", str(nginx_dir), "-c", str(conf), "-g", "daemon off;"],
                     log=root / "nginx.log", env=dict(os.environ))
-        dc._wait_for(lambda: _listening(fleet) and _listening(control), 30, "nginx to listen", group)
+        wait_for(lambda: _listening(fleet) and _listening(control), 30, "nginx to listen", group)
         yield Proxied(keys, root, address, fleet, control, superlink_log, group)
     finally:
         started = [p.popen for p in group.procs]
@@ -123,7 +135,7 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
 def _logged_since(p: Proxied, offset: int, needle: str) -> str:
     """The SuperLink's log after ``offset``, once it holds ``needle`` (uvicorn writes the access line as the
     response starts; waited for a few seconds at most)."""
-    dc._wait_for(lambda: needle in p.superlink_log.read_text()[offset:], 10, f"{needle!r} in the SuperLink log",
+    wait_for(lambda: needle in p.superlink_log.read_text()[offset:], 10, f"{needle!r} in the SuperLink log",
                  p.group, interval=0.05)
     return p.superlink_log.read_text()[offset:]
 
@@ -151,30 +163,30 @@ def _request(p: Proxied, port: int, method: str, path: str, headers: dict[str, s
 def test_register_through_control_port_only(proxied: Proxied, tmp_path: Path) -> None:
     p = proxied
     base_env = dict(os.environ)
-    via_fleet = dc.flower_env(tmp_path / "fleet-home", base_env)
-    dc.write_flower_config(tmp_path / "fleet-home", f"127.0.0.1:{p.fleet}", p.keys.superlink_ca_cert)
-    with pytest.raises(dc.DeployError, match="403 Forbidden"):  # flwr says success false (and exits 0)
-        dc.register_supernode(via_fleet, p.keys.supernode_pub(1))
+    via_fleet = flower_env(tmp_path / "fleet-home", base_env)
+    write_flower_config(tmp_path / "fleet-home", f"127.0.0.1:{p.fleet}", p.keys.superlink_ca_cert)
+    with pytest.raises(DeployError, match="403 Forbidden"):  # flwr says success false (and exits 0)
+        register_supernode(via_fleet, p.keys.supernode_pub(1))
     assert "/v1/control/register-node" not in p.superlink_log.read_text()
 
-    via_control = dc.flower_env(tmp_path / "control-home", base_env)
-    dc.write_flower_config(tmp_path / "control-home", f"127.0.0.1:{p.control}", p.keys.superlink_ca_cert)
-    node_id = dc.register_supernode(via_control, p.keys.supernode_pub(0))
+    via_control = flower_env(tmp_path / "control-home", base_env)
+    write_flower_config(tmp_path / "control-home", f"127.0.0.1:{p.control}", p.keys.superlink_ca_cert)
+    node_id = register_supernode(via_control, p.keys.supernode_pub(0))
     assert int(node_id) > 0
     assert p.superlink_log.read_text().count('"POST /v1/control/register-node HTTP/1.1" 200') == 1
 
     # (b) the registered node, pointed at the fleet port, is activated: its signed requests pass the proxy
     logs = tmp_path / "logs"
-    conf = dc.write_toml(tmp_path / "node-0.toml", dc.node_config(p.keys, 0, 2, eps0=1.0, clip_l1=1.0))
-    node = dc.start_supernode(p.group, p.keys, 0, f"127.0.0.1:{p.fleet}", conf, tmp_path / "node-0", base_env,
+    conf = write_toml(tmp_path / "node-0.toml", node_config(p.keys, 0, 2, eps0=1.0, clip_l1=1.0))
+    node = start_supernode(p.group, p.keys, 0, f"127.0.0.1:{p.fleet}", conf, tmp_path / "node-0", base_env,
                               logs / "supernode-0.log", max_retries=1)
-    dc._wait_for(lambda: dc._log_contains(logs / "supernode-0.log", "SuperNode ID"), 90,
+    wait_for(lambda: log_contains(logs / "supernode-0.log", "SuperNode ID"), 90,
                  "the SuperNode behind the proxy to be activated", p.group)
     assert f"SuperNode ID: {node_id}" in (logs / "supernode-0.log").read_text()
     assert f"Activated node_id={node_id}" in p.superlink_log.read_text()
     assert node.poll() is None
     # stopped here, so that its Fleet calls do not mix with the requests the tests below look for in the log
-    dc._kill_group(node, None, 10)
+    kill_group(node, None, 10)
     p.group.forget(node)
 
 

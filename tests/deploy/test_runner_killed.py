@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shuffledp.deploy.runner import _alive, _descendants
+from shuffledp.deploy.processes import alive, descendants
 
 pytestmark = pytest.mark.e2e
 
@@ -31,15 +31,15 @@ def test_a_killed_runner_leaves_nothing_running(tmp_path: Path) -> None:
             assert runner.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         time.sleep(1.0)  # the watchdog learns of new processes every 0.5 s
-        below = _descendants(runner.pid)
+        below = descendants(runner.pid)
         commands = " ".join(_command(pid) for pid in below)
         assert "flower-superlink" in commands and "flwr-simulation" in commands and "ray" in commands, commands
         runner.kill()
         runner.wait(10)
         deadline = time.monotonic() + 40  # the watchdog's SIGTERM, 10 s of grace, then SIGKILL
-        while [pid for pid in below if _alive(pid)] and time.monotonic() < deadline:
+        while [pid for pid in below if alive(pid)] and time.monotonic() < deadline:
             time.sleep(0.5)
-        left = {pid: _command(pid) for pid in below if _alive(pid)}
+        left = {pid: _command(pid) for pid in below if alive(pid)}
         assert left == {}, left
         assert "shuffledp run (pid" in log.read_text()  # the watchdog said what it did
     finally:  # whatever the outcome, leave nothing behind for the next test
@@ -47,7 +47,7 @@ def test_a_killed_runner_leaves_nothing_running(tmp_path: Path) -> None:
             os.killpg(runner.pid, signal.SIGKILL)
             runner.wait()
         for pid in below if "below" in locals() else []:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

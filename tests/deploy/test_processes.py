@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from shuffledp.deploy import local as dc
+from shuffledp.deploy import processes
+from shuffledp.deploy.processes import ProcessGroup, alive, descendants, wait_for
 from shuffledp.deploy.watchdog import DeployWatchdog, Kind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,13 +46,14 @@ CHILD = ("import os, signal, subprocess, sys, time\n"
 PARENT = """
 import os, sys, time
 from pathlib import Path
-from shuffledp.deploy import local as dc
+from shuffledp.deploy import processes, shuffler_service
+from shuffledp.deploy.keys import create_deploy_keys
 from shuffledp.deploy.watchdog import DeployWatchdog
 work, mode, child, grandchild = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-keys = dc.create_deploy_keys(work / "keys", 1)
+keys = create_deploy_keys(work / "keys", 1)
 try:
-    with dc._stop_on_signals() as signals, DeployWatchdog(grace_seconds=1) as watchdog:
-        group = dc.ProcessGroup(grace_seconds=1.5, watchdog=watchdog)
+    with processes.stop_on_signals() as signals, DeployWatchdog(grace_seconds=1) as watchdog:
+        group = processes.ProcessGroup(grace_seconds=1.5, watchdog=watchdog)
         shuffler = None
         try:
             leaders = [group.start(f"child {i}", [sys.executable, "-c", child, str(work / f"child-{i}"), grandchild,
@@ -60,7 +62,7 @@ try:
             while not (work / "child-0.session").exists():
                 time.sleep(0.02)
             (work / "adopted").write_text(repr(group.adopt_sessions(leaders[0])))
-            shuffler = dc.start_shuffler(keys, work / "shuffler.log", watchdog=watchdog)
+            shuffler = shuffler_service.start_shuffler(keys, work / "shuffler.log", watchdog=watchdog)
             (work / "shuffler").write_text(str(shuffler.proc.pid))
             (work / "watchdog").write_text(str(watchdog.process.pid))
             (work / "ready").touch()
@@ -70,9 +72,9 @@ try:
             signals.stopping()
             group.stop_all()
             if shuffler is not None:
-                dc._stop_shuffler(shuffler, watchdog)
+                shuffler_service.stop_shuffler(shuffler, watchdog)
             (work / "stopped").touch()
-except dc._Interrupted:
+except processes.Interrupted:
     sys.exit(143)
 except KeyboardInterrupt:
     sys.exit(130)
@@ -202,7 +204,7 @@ def test_watchdog_never_signals_a_group_it_was_told_is_stopped(tmp_path: Path) -
             p.wait()
     # ProcessGroup forgets each group it stops, so after stop_all nothing is left for the watchdog to signal
     with DeployWatchdog(grace_seconds=1) as watchdog:
-        group = dc.ProcessGroup(grace_seconds=1, watchdog=watchdog)
+        group = processes.ProcessGroup(grace_seconds=1, watchdog=watchdog)
         group.start("child", [sys.executable, "-c", CHILD, str(tmp_path / "child"), GRANDCHILD, ""],
                     log=tmp_path / "child.log", env=dict(os.environ))
         _wait_until(lambda: (tmp_path / "child.grand").exists(), 10, "the grandchild")
@@ -233,3 +235,68 @@ def test_watchdog_signals_an_adopted_group_only_while_its_leader_lives(tmp_path:
         leader.wait()
         if member and _running(member):
             os.kill(member, signal.SIGKILL)
+
+
+def test_process_group_stops_the_whole_group(tmp_path: Path) -> None:
+    import os
+    import sys
+
+    group = ProcessGroup(grace_seconds=2)
+    # a parent that ignores SIGTERM and starts a child: both must be gone after stop_all
+    script = ("import signal, subprocess, sys, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              "open(sys.argv[1], 'w').write(str(c.pid))\n"
+              "time.sleep(60)\n")
+    pidfile = tmp_path / "child.pid"
+    popen = group.start("sleeper", [sys.executable, "-c", script, str(pidfile)], log=tmp_path / "s.log",
+                        env=dict(os.environ))
+    wait_for(pidfile.exists, 20, "the child", group)
+    child = int(pidfile.read_text())
+    group.stop_all()
+    assert popen.poll() is not None
+    assert _dead_within(child, 5.0), "the child in the process group survived stop_all"
+
+
+def _dead_within(pid: int, seconds: float) -> bool:
+    """True once ``pid`` no longer runs (gone, or a zombie waiting for init to reap it)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_descendants_are_found_and_ended_by_pid() -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+         "'import time; time.sleep(60)']); time.sleep(60)"],
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        found: list[int] = []
+        while time.monotonic() < deadline and not found:
+            found = descendants(parent.pid)
+            time.sleep(0.1)
+        assert len(found) == 1 and alive(found[0])
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    grandchild = found[0]
+    assert alive(grandchild)  # orphaned, still running: exactly what stop() has to clean up
+    import os
+
+    os.kill(grandchild, signal.SIGTERM)
+    for _ in range(100):
+        if not alive(grandchild):
+            break
+        time.sleep(0.05)
+    assert not alive(grandchild)

@@ -16,8 +16,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from shuffledp.deploy import party_keys as dk
-from shuffledp.deploy.local import DeployError, DeployKeys, create_deploy_keys
-from shuffledp.deploy.local import main as deploy_main
+from shuffledp.deploy.deploy_cli import main as deploy_main
+from shuffledp.deploy.errors import DeployError
+from shuffledp.deploy.keys import DeployKeys, create_deploy_keys
 from shuffledp.shuffler import envelope, tls
 from shuffledp.shuffler import keys as shuffler_keys
 from shuffledp.shuffler.client import ShufflerClient
@@ -253,7 +254,7 @@ def test_the_per_party_flow_through_the_command_line(tmp_path: Path, capsys: pyt
 
 
 def test_what_travels_is_checked_by_content_not_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Review 46: a public file with a private key appended, a secret under another name, a server certificate
+    """A public file with a private key appended, a secret under another name, a server certificate
     in the ServerApp's place, too few enrolled clients, one key pinned twice, an encrypted key."""
     server, shuffler, devices = _parties(tmp_path, nodes=2)
     device = devices[0]
