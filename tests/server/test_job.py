@@ -152,7 +152,8 @@ def test_killed_run_resumes_with_each_round_in_the_ledger_exactly_once(tmp_path:
     import sys
     import time
 
-    from shuffledp.deploy.runner import _alive, _descendants
+    from shuffledp.deploy.processes import alive as _alive
+    from shuffledp.deploy.processes import descendants as _descendants
 
     rounds = 4
     script = _CHILD.format(testdir=str(Path(__file__).parent), keys=str(keys.d.root), tmp=str(tmp_path), rounds=rounds)
