@@ -31,6 +31,7 @@ from shuffledp.clients.validation import require_int
 __all__ = [
     "DATASETS",
     "Dataset",
+    "check_data_available",
     "load_data",
     "load_digits_dataset",
     "load_mnist",
@@ -167,12 +168,40 @@ def _find_idx(raw_dir: Path, stem: str) -> Path:
     raise FileNotFoundError(f"MNIST file {stem}[.gz] not found in {raw_dir} (expected torchvision's raw layout)")
 
 
-@functools.lru_cache(maxsize=4)
-def _load_mnist_cached(root: str, pca_components: int | None) -> Dataset:
-    base = Path(root)
+def _mnist_raw_dir(base: Path) -> Path:
+    """Where the IDX files are expected: ``base/MNIST/raw``, else ``base/raw``, else ``base`` itself."""
     raw_dir = base / "MNIST" / "raw"
     if not raw_dir.is_dir():
         raw_dir = base / "raw" if (base / "raw").is_dir() else base
+    return raw_dir
+
+
+def check_data_available(name: str, data_dir: str | None) -> None:
+    """Check, without loading anything, that :func:`load_data` can find the files of dataset ``name``: the bundled
+    ``digits`` always; ``mnist`` needs ``data_dir`` with its four IDX files (``[.gz]``) in torchvision's raw layout.
+
+    Raises:
+        ValueError: unknown dataset, or ``mnist`` without ``data_dir``.
+        FileNotFoundError: ``data_dir`` is not a directory, or an MNIST file is missing (the message names it).
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(repr(d) for d in DATASETS)}")
+    if name == "digits":
+        return
+    if not data_dir:
+        raise ValueError("dataset 'mnist' needs data-dir (a folder with MNIST/raw/*-ubyte[.gz])")
+    base = Path(data_dir).expanduser()
+    if not base.is_dir():
+        raise FileNotFoundError(f"data-dir {str(base)!r} is not a directory (dataset 'mnist' needs a folder with "
+                                "MNIST/raw/*-ubyte[.gz])")
+    raw_dir = _mnist_raw_dir(base)
+    for stem in _MNIST_FILES.values():
+        _find_idx(raw_dir, stem)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_mnist_cached(root: str, pca_components: int | None) -> Dataset:
+    raw_dir = _mnist_raw_dir(Path(root))
     parts = {k: read_idx(_find_idx(raw_dir, v)) for k, v in _MNIST_FILES.items()}
     _check_mnist_parts(parts, raw_dir)
     x_tr = parts["x_train"].reshape(len(parts["x_train"]), -1).astype(np.float64) / 255.0

@@ -14,9 +14,11 @@ grpc, and ``shuffledp shuffler serve`` never imports torch or flwr.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
 _ROUTES: dict[str, str] = {
     "account": "shuffledp.accounting.cli",
@@ -29,7 +31,7 @@ _ROUTES: dict[str, str] = {
     "audit": "shuffledp.deploy.audit",
 }
 
-_USAGE = """usage: shuffledp <command> [...]
+_USAGE = """usage: shuffledp <command> [...]   (shuffledp --version: the installed version)
 
 commands:
   account    privacy accounting for the shuffle model (epsilon, delta, renyi, calibrate, compare, plot)
@@ -43,6 +45,14 @@ commands:
 """
 
 
+def version() -> str:
+    """The installed shuffledp's version (its distribution metadata), or ``unknown`` when it is not installed."""
+    try:
+        return metadata.version("shuffledp")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch ``shuffledp <command> ...`` to the module that owns the command.
 
@@ -53,9 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in {"-h", "--help", "help"}:
         sys.stdout.write(_USAGE)
         return 0 if args else 2
+    if args[0] in {"-V", "--version", "version"}:
+        sys.stdout.write(f"shuffledp {version()}\n")
+        return 0
     module_name = _ROUTES.get(args[0])
     if module_name is None:
-        sys.stderr.write(f"shuffledp: unknown command {args[0]!r}; expected one of {sorted(_ROUTES)}\n")
+        close = difflib.get_close_matches(args[0], list(_ROUTES), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        sys.stderr.write(f"shuffledp: unknown command {args[0]!r}; {hint}the commands are {', '.join(_ROUTES)} "
+                         "(shuffledp --help says what each does)\n")
         return 2
     module = importlib.import_module(module_name)
     return int(module.main(args))

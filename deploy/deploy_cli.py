@@ -59,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     Returns:
         It, with one sub-parser per sub-command.
     """
-    top = argparse.ArgumentParser(prog="shuffledp deploy", description=__doc__.split("\n\n")[0])
+    top = argparse.ArgumentParser(prog="shuffledp deploy", description=__doc__.split("\n\n")[0].replace("``", ""))
     sub = top.add_subparsers(dest="action", required=True)
     k = sub.add_parser("keys", help="create the keys and certificates of a deployment (all, or one party's)")
     k.add_argument("--out", required=True, type=Path, help="new (empty) directory for the keys")
@@ -128,8 +128,8 @@ def parser() -> argparse.ArgumentParser:
     tw.add_argument("--repeat", type=int, default=3, help="timed repetitions per model shape (default 3)")
 
     loc = sub.add_parser("local", help="run a TLS deployment with N SuperNodes on this machine")
-    loc.add_argument("--nodes", type=int, default=3)
-    loc.add_argument("--rounds", type=int, default=2)
+    loc.add_argument("--nodes", type=int, default=3, help="number of SuperNodes (simulated devices; default 3)")
+    loc.add_argument("--rounds", type=int, default=2, help="number of rounds (run config num-server-rounds; default 2)")
     loc.add_argument("--workdir", type=Path, default=None,
                      help="directory for keys, logs, the database and outputs (default: a new temp directory)")
     loc.add_argument("--keys", type=Path, default=None, help="use keys from `shuffledp deploy keys` instead")

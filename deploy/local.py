@@ -127,7 +127,7 @@ class LocalDeployment:
                 raise DeployUsageError(f"--run-config {key} is set by deploy local itself ({OWNED_RUN_CONFIG[key]}); "
                                        "an override would contradict what the nodes pin or how the deployment is "
                                        "wired")
-        self.data_settings()
+        self.check_run_config()
 
     def app(self, write_in: Path | None = None) -> Path | None:
         """The Flower app directory ``flwr run`` is pointed at.
@@ -153,6 +153,30 @@ class LocalDeployment:
             return find_app_dir(write_in=write_in)
         except AppNotFoundError:
             return None
+
+    def check_run_config(self) -> None:
+        """Check the run config the ServerApp will read (the app's defaults, ``--run-config`` on top) as the
+        ServerApp would, and that the data it names is on this machine, before anything starts.
+
+        Raises:
+            DeployUsageError: an unknown key, a bad value or missing data; the message says which and what is
+                allowed.
+        """
+        from shuffledp.clients.data import check_data_available
+        from shuffledp.server.config import ConfigError, parse_run_config
+
+        settings = self.data_settings()
+        app = Path(self.app_dir).resolve() if self.app_dir is not None else self.app()
+        try:
+            defaults = app_table().get("config", {}) if app is None else run_config_defaults(app)
+            parse_run_config({**defaults, **self.run_config})
+            check_data_available(str(settings.get("dataset", "digits")), str(settings.get("data-dir") or "") or None)
+        except AppNotFoundError as exc:
+            raise DeployUsageError(f"cannot read the run-config defaults of {app}: {exc}") from None
+        except ConfigError as exc:
+            raise DeployUsageError(f"--run-config: {exc}") from None
+        except (ValueError, FileNotFoundError) as exc:
+            raise DeployUsageError(f"--run-config: {exc} (run config 'dataset' and 'data-dir')") from None
 
     def data_settings(self) -> dict[str, object]:
         """The data settings every SuperNode pins, so that the devices read what the run's dataset and PCA say.

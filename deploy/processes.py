@@ -30,6 +30,7 @@ __all__ = [
     "signal_group",
     "kill_group",
     "session_children",
+    "start_time",
     "descendants",
     "alive",
     "tail",
@@ -52,6 +53,17 @@ def _stat_fields(pid: int | str) -> list[str] | None:
         return None
     fields = text[text.rfind(")") + 1:].split()
     return fields if len(fields) >= 4 else None
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22): with the pid, it names one
+    process, not a later one that reuses the pid.
+
+    Returns:
+        The start time, or None if the process is gone or /proc cannot be read.
+    """
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 def _processes() -> Iterator[tuple[int, list[str]]]:

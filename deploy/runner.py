@@ -40,6 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from shuffledp.deploy.console import ProgressWatcher, RunConsole, is_shown
 from shuffledp.deploy.errors import DeployError, DeployUsageError
 from shuffledp.deploy.flower import (
     CONNECTION_NAME,
@@ -53,11 +54,10 @@ from shuffledp.deploy.flower import (
     write_flower_config,
 )
 from shuffledp.deploy.flower_app import AppNotFoundError, find_app_dir
-from shuffledp.deploy.processes import ProcessGroup
+from shuffledp.deploy.processes import ProcessGroup, start_time
 from shuffledp.deploy.processes import alive as _alive
 from shuffledp.deploy.processes import descendants as _descendants
 from shuffledp.deploy.watchdog import DeployWatchdog, Kind, WatchdogError
-from shuffledp.server.report import bad_reports_note, epsilon_label, format_epsilon
 
 __all__ = ["main", "RUNNER_FILE", "RunnerError"]
 
@@ -86,14 +86,17 @@ class _SuperLink:
         self.log_path = flwr_home / "superlink.log"
         self.watchdog: DeployWatchdog | None = None
         self.group: ProcessGroup | None = None
-        self._named: set[int] = set()
+        #: processes named to the watchdog: pid -> start time (a pid alone could be reused by then)
+        self._named: dict[int, int | None] = {}
+        #: set on Ctrl-C/SIGTERM: stop everything at once instead of letting the simulation shut down on its own
+        self.interrupted = False
         self._adopter_stop = threading.Event()
         self._adopter: threading.Thread | None = None
 
     def watch_process(self, pid: int) -> None:
         """Name one more process (``flwr run``) to the watchdog, so that it is stopped should this one die."""
         if self.watchdog is not None and pid not in self._named:
-            self._named.add(pid)
+            self._named[pid] = start_time(pid)
             self.watchdog.watch(pid, Kind.PROCESS)
 
     def _adopt(self) -> None:
@@ -130,12 +133,14 @@ class _SuperLink:
         return self
 
     def stop(self) -> None:
-        """SIGTERM the SuperLink's process group, wait, SIGKILL what is left of it, then end any of its
-        descendants still running.
+        """Stop the SuperLink's process group and every process below it, then close the watchdog with nothing
+        left for it to stop.
 
-        Descendants (``flower-superexec``, ``flwr-simulation``, Ray's processes) may have left the SuperLink's
-        process group; they are found by walking ``/proc`` from the SuperLink's pid before it is signalled,
-        and each is ended by its own pid.
+        The processes below the SuperLink (``flower-superexec``, ``flwr-simulation``, Ray's) leave its process
+        group, and Ray's are re-parented once their parent exits, so they are the union of what is below the
+        SuperLink now and every process named to the watchdog that is still the same process (pid and start
+        time). After a normal end they get 20 s to exit on their own (Ray shuts down cleanly); after Ctrl-C or
+        SIGTERM they are signalled with the SuperLink at once. What is left then gets SIGTERM, then SIGKILL.
         """
         self._adopter_stop.set()
         if self._adopter is not None and self._adopter.is_alive():
@@ -143,28 +148,40 @@ class _SuperLink:
         if self.group is None:
             self._close_watchdog()
             return
-        below = [] if self.proc is None else _descendants(self.proc.pid)
+        below = set() if self.proc is None else set(_descendants(self.proc.pid))
+        below |= {pid for pid, started in self._named.items() if started is not None and start_time(pid) == started}
+        if self.interrupted:
+            for pid in below:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
         self.group.stop_all()  # SIGTERM, up to 15 s, SIGKILL; the watchdog forgets the reaped group
-        deadline = time.monotonic() + 20.0
-        alive = [pid for pid in below if _alive(pid)]
-        while alive and time.monotonic() < deadline:  # let Ray and the simulation shut down on their own first
-            time.sleep(0.5)
-            alive = [pid for pid in alive if _alive(pid)]
+        deadline = time.monotonic() + (5.0 if self.interrupted else 20.0)
+        alive = [pid for pid in below if self._same(pid)]
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.25)
+            alive = [pid for pid in alive if self._same(pid)]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in alive:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             time.sleep(1.0)
-            alive = [pid for pid in alive if _alive(pid)]
+            alive = [pid for pid in alive if self._same(pid)]
             if not alive:
                 break
         if self.watchdog is not None:
             for pid in sorted(self._named):
-                if not _alive(pid):  # a named process still running (one that appeared late) is left to it
+                if not self._same(pid):  # anything still running (it survived SIGKILL) is left to the watchdog
                     self.watchdog.forget(pid, Kind.PROCESS)
         self.proc = None
         self.group = None
         self._close_watchdog()
+
+    def _same(self, pid: int) -> bool:
+        """Whether ``pid`` still runs and, if it was named to the watchdog, is still that process."""
+        if not _alive(pid):
+            return False
+        started = self._named.get(pid)
+        return started is None or start_time(pid) == started
 
     def _close_watchdog(self) -> None:
         """Close the watchdog's pipe: it stops whatever named process is still running (normally none) and
@@ -177,84 +194,28 @@ class _SuperLink:
         self.stop()
 
 
-def _progress_line(row: Mapping[str, Any]) -> str:
-    return (
-        f"[shuffledp] round {row['round']}: {row['n_reports']} reports (attested), accuracy "
-        f"{_fmt(row.get('accuracy'))}, loss {_fmt(row.get('loss'))}, epsilon so far {_epsilon(row)} "
-        f"({epsilon_label(row.get('family', ''), row.get('kind', ''))}, delta {_fmt(row.get('delta'))})"
-        + bad_reports_note(int(row.get("n_bad_reports") or 0), row.get("epsilon_if_bad_gave_no_cover"),
-                           str(row.get("kind", "")))
-    )
+def _relay(proc: subprocess.Popen[str], log_file: Path, console: RunConsole) -> list[str]:
+    """Write Flower's streamed output to ``log_file``; show only what :func:`is_shown` keeps.
 
-
-def _fmt(value: Any) -> str:
-    return "n/a" if value is None else f"{float(value):.4g}"
-
-
-def _epsilon(row: Mapping[str, Any]) -> str:
-    """The round's cumulative epsilon, rounded outward for a bound (an upper bound never prints below itself)."""
-    value = row.get("epsilon")
-    return "n/a" if value is None else format_epsilon(float(value), str(row.get("kind", "")))
-
-
-class _ProgressWatcher:
-    """Prints one line per finished round as soon as ``report.json`` records it.
-
-    Flower's log stream (``flwr run --stream``) lags behind the ServerApp, sometimes by many rounds, so the
-    per-round lines come from the run's own report instead (the streamed copies are not repeated).
+    Returns:
+        The ServerApp's ``[shuffledp] done`` lines, printed by the caller after the last round.
     """
-
-    def __init__(self, report: Path) -> None:
-        import threading
-
-        self.report = report
-        self.seen: set[int] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="shuffledp-progress", daemon=True)
-
-    def __enter__(self) -> _ProgressWatcher:
-        self.poll()  # rounds already done (resume) are not announced again
-        self._thread.start()
-        return self
-
-    def poll(self, *, announce: bool = False) -> None:
-        try:
-            doc = json.loads(self.report.read_text())
-        except (OSError, json.JSONDecodeError):
-            return
-        events = [(int(r["round"]), _progress_line(r)) for r in doc.get("rounds", [])]
-        events += [(int(s["round"]), f"[shuffledp] round {s['round']}: skipped - {s['reason']}")
-                   for s in doc.get("skipped", [])]
-        for number, line in sorted(events):
-            if number not in self.seen:
-                self.seen.add(number)
-                if announce:
-                    sys.stdout.write(line + "\n")
-                    sys.stdout.flush()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(1.0):
-            self.poll(announce=True)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
-        self.poll(announce=True)
-
-
-def _relay(proc: subprocess.Popen[str], log_file: Path) -> None:
     if proc.stdout is None:
         raise RunnerError("the flwr process has no output pipe")
+    done: list[str] = []
     with open(log_file, "a", encoding="utf-8") as log:
         for line in proc.stdout:
             log.write(line)
-            if any(noise in line for noise in _NOISE) or line.startswith("[shuffledp] round "):
-                continue
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            log.flush()
+            text = line.rstrip("\n")
+            if text.startswith("[shuffledp] done"):
+                done.append(text)
+            elif is_shown(text) and not any(noise in text for noise in _NOISE):
+                console.line(text)
+    return done
 
 
-def _launch(project: Path, out_dir: Path, spec: Mapping[str, Any], *, flwr_home: Path) -> int:
+def _launch(project: Path, out_dir: Path, spec: Mapping[str, Any], *, flwr_home: Path, console: RunConsole) -> int:
     """Start the SuperLink, run the app with the recorded spec, relay its output; return flwr's exit code."""
     env = _flower_env(flwr_home)
     run_config = run_config_arg(spec["run_config"])
@@ -265,6 +226,7 @@ def _launch(project: Path, out_dir: Path, spec: Mapping[str, Any], *, flwr_home:
         "--federation-config", federation,
         "--stream",
     ]
+    console.phase("starting the Flower SuperLink")
     with _SuperLink(flwr_home, project) as superlink:
         proc = subprocess.Popen(
             command, cwd=str(project), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -272,10 +234,21 @@ def _launch(project: Path, out_dir: Path, spec: Mapping[str, Any], *, flwr_home:
         )
         try:
             superlink.watch_process(proc.pid)
-            with _ProgressWatcher(out_dir / "report.json"):
-                _relay(proc, out_dir / "flower.log")
-                return proc.wait()
+            watcher = ProgressWatcher(out_dir / "report.json", console)
+            with watcher:
+                first = max([0, *watcher.seen]) + 1
+                console.phase(f"starting the simulation (Flower, Ray) and round {first}/{console.total}")
+                done = _relay(proc, out_dir / "flower.log", console)
+                code = proc.wait()
+            for line in done:
+                console.line(line)
+            return code
         except BaseException:
+            console.close()
+            sys.stderr.write(f"shuffledp: stopping the simulation, the SuperLink and the shuffler (logs in "
+                             f"{out_dir / 'flower.log'}) ...\n")
+            sys.stderr.flush()
+            superlink.interrupted = True
             proc.terminate()
             try:
                 proc.wait(10)
@@ -312,19 +285,22 @@ def _run_parser() -> argparse.ArgumentParser:
 def _resume_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shuffledp resume", description="continue a killed run from its checkpoint")
     p.add_argument("run", help="the run's name under --output-dir, or the path of its folder")
-    p.add_argument("--output-dir", default="outputs")
+    p.add_argument("--output-dir", default="outputs", help="parent folder of the run's outputs (default outputs)")
     return p
 
 
 def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
+    from shuffledp.clients.data import check_data_available
     from shuffledp.server.config import DEFAULTS, ConfigError, parse_run_config
 
     ns = _run_parser().parse_args(list(argv))
     overrides = parse_run_config_args(ns.run_config)
-    if ns.rounds is not None:
-        overrides["num-server-rounds"] = ns.rounds
-    if ns.eps0 is not None:
-        overrides["eps0"] = ns.eps0
+    for flag, key, value in (("--rounds", "num-server-rounds", ns.rounds), ("--eps0", "eps0", ns.eps0)):
+        if value is None:
+            continue
+        if key in overrides:
+            raise RunnerError(f"{flag} {value:g} and --run-config {key}={overrides[key]} both set {key}; give one")
+        overrides[key] = value
     if ns.clients < 1:
         raise RunnerError(f"--clients must be >= 1, got {ns.clients}")
     run_name = ns.run_name or overrides.get("run-name") or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
@@ -340,6 +316,10 @@ def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
         cfg = parse_run_config(overrides)  # validate before anything is created
     except ConfigError as exc:
         raise RunnerError(str(exc)) from None
+    try:  # the ServerApp and the simulated clients read the data from this machine: check it is there now
+        check_data_available(cfg.dataset, cfg.data_dir or None)
+    except (ValueError, FileNotFoundError) as exc:
+        raise RunnerError(f"{exc} (run config 'dataset' and 'data-dir')") from None
     if cfg.min_reports > ns.clients:
         raise RunnerError(
             f"run config 'min-reports' ({cfg.min_reports}) is more than --clients ({ns.clients}): no round could "
@@ -380,12 +360,41 @@ def _app_dir(out_dir: Path) -> Path:
         raise RunnerError(str(exc)) from None
 
 
+def _platform_problem() -> str | None:
+    """Why this machine cannot supervise a run (``/proc`` and ``os.pidfd_open`` are Linux's), or None."""
+    if sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and Path("/proc/self/stat").is_file():
+        return None
+    return (f"needs Linux (it supervises Flower's processes through /proc and os.pidfd_open; this is "
+            f"{sys.platform}). On macOS or Windows run it in a Linux container or WSL2; `shuffledp account`, "
+            "`keys` and `shuffler serve` work anywhere")
+
+
+def _total_rounds(spec: Mapping[str, Any]) -> int:
+    from shuffledp.server.config import DEFAULTS
+
+    return int(spec["run_config"].get("num-server-rounds", DEFAULTS["num-server-rounds"]))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _journal_of(spec: Mapping[str, Any], out_dir: Path) -> Path:
+    """The shuffler's journal of a run that ``shuffledp run`` started (``<keys>/journal``, as its shuffler.toml
+    says)."""
+    return Path(spec["run_config"].get("keys-dir") or out_dir / "keys") / "journal"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``argv[0]`` is ``"run"`` or ``"resume"``; returns the exit code (0: the run finished or stopped at its
     budget; 1: it failed; 2: usage or configuration error)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in ("run", "resume"):
         sys.stderr.write("usage: shuffledp run [options] | shuffledp resume RUN\n")
+        return 2
+    problem = _platform_problem()
+    if problem is not None:
+        sys.stderr.write(f"shuffledp {args[0]}: {problem}\n")
         return 2
     try:
         project, out_dir, spec = _start(args[1:]) if args[0] == "run" else _resume(args[1:])
@@ -394,36 +403,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RunnerError, DeployUsageError) as exc:
         sys.stderr.write(f"shuffledp {args[0]}: {exc}\n")
         return 2
+    journal = _journal_of(spec, out_dir)
+    if args[0] == "resume" and _finished(out_dir)[0]:
+        sys.stdout.write(f"[shuffledp] {out_dir.name} already finished; nothing to resume. Outputs: {out_dir}; the "
+                         f"shuffler's journal (for shuffledp audit): {journal}\n")
+        return 0
     flwr_home = Path(os.environ.get("SHUFFLEDP_FLWR_HOME") or project / ".flwr")
 
     def _interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C
-    sys.stdout.write(f"[shuffledp] {args[0]}: {spec['clients']} simulated clients, outputs in {out_dir}\n")
-    sys.stdout.flush()
+    total = _total_rounds(spec)
+    console = RunConsole(total)
+    console.line(f"[shuffledp] {args[0]} {out_dir.name}: {_plural(int(spec['clients']), 'simulated client')}, "
+                 f"{_plural(total, 'round')}; outputs in {out_dir}")
     try:
-        code = _launch(project, out_dir, spec, flwr_home=flwr_home)
+        code = _launch(project, out_dir, spec, flwr_home=flwr_home, console=console)
     except DeployError as exc:
+        console.close()
         sys.stderr.write(f"shuffledp {args[0]}: {exc}\n")
         return 1
     except KeyboardInterrupt:
+        console.close()
         sys.stderr.write(
             f"shuffledp {args[0]}: interrupted; the SuperLink and the simulation were stopped. Continue the run "
             f"with `shuffledp resume {out_dir}`\n"
         )
         return 130
     finally:
+        console.close()
         signal.signal(signal.SIGTERM, previous)
     ok, why = _finished(out_dir)
     if not ok:
         sys.stderr.write(
-            f"shuffledp {args[0]}: the run failed ({why}; flwr exit code {code}); see {out_dir / 'flower.log'}. "
-            f"Continue it with `shuffledp resume {out_dir}`\n"
+            f"shuffledp {args[0]}: the run failed ({why}; flwr exit code {code}). The end of "
+            f"{out_dir / 'flower.log'}:\n{_log_tail(out_dir / 'flower.log')}\n"
+            f"Continue it with `shuffledp resume {out_dir}` once the cause is fixed\n"
         )
         return 1
+    sys.stdout.write(f"[shuffledp] the shuffler's journal (for shuffledp audit): {journal}\n")
     sys.stdout.write(f"[shuffledp] outputs: {out_dir}\n")
     return 0
+
+
+def _log_tail(path: Path, lines: int = 25) -> str:
+    """The last ``lines`` lines of ``path`` that are not Flower's or Ray's routine chatter."""
+    from shuffledp.deploy.processes import tail
+
+    return "\n".join(f"  {line}" for line in tail(path, lines).splitlines())
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,7 +21,7 @@ from typing import IO, Any
 from shuffledp.server.report import epsilon_label
 
 __all__ = ["DeployResult", "FileTailer", "LogFollower", "round_timings", "server_history", "server_round_ends",
-           "merge_server_seconds", "format_report"]
+           "merge_server_seconds", "format_report", "failure_reason"]
 
 
 @dataclass
@@ -261,6 +261,26 @@ def merge_server_seconds(rows: list[dict[str, float]], history: Sequence[Mapping
 
 
 
+_REASON_MARKS = ("ERROR", "Error", "Traceback", "Exception", "[shuffledp]")
+
+
+def failure_reason(run_log: Path, lines: int = 12) -> list[str]:
+    """What the run's log (``flwr log`` of the run) says went wrong: its last error lines and the ServerApp's own
+    ``[shuffledp]`` lines, indented, under a heading naming the log.
+
+    Returns:
+        The lines, or none if the log is missing or says nothing of the kind.
+    """
+    try:
+        text = run_log.read_text(errors="replace")
+    except OSError:
+        return []
+    found = [line.rstrip() for line in text.splitlines()[-200:] if any(mark in line for mark in _REASON_MARKS)]
+    if not found:
+        return []
+    return [f"why (the end of {run_log}):"] + [f"  {line}" for line in found[-lines:]]
+
+
 def format_report(result: DeployResult) -> str:
     """The per-round table and timing breakdown printed at the end of ``deploy local``.
 
@@ -268,6 +288,8 @@ def format_report(result: DeployResult) -> str:
         The text, lines joined by newlines.
     """
     lines = [f"run {result.run_id}: {result.status}"]
+    if result.status != "finished:completed":
+        lines += failure_reason(result.workdir / "logs" / "run.log")
     if result.report is None:
         lines.append("no report.json was written (see the logs in " + str(result.workdir / "logs") + ")")
         return "\n".join(lines)

@@ -25,7 +25,8 @@ def _shuffler_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the shuffler service until SIGTERM")
     s.add_argument("--config", required=True, help="TOML config file (see docs/shuffler.md)")
     s.add_argument("--port-file", help="write the bound port here once serving (for port 0)")
-    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="logging threshold of the service (default INFO)")
     j = sub.add_parser(
         "journal",
         help="list the sealed batches in a journal and whether each was released (fetched); reads only, so it is "
@@ -80,15 +81,17 @@ def _keys_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("init", help="create a complete key directory (see docs/interfaces.md)")
     s.add_argument("--out", required=True, help="directory to create (must not hold keys already)")
     s.add_argument("--clients", type=int, required=True, help="number of clients to enrol (ids client-0..N-1)")
-    s.add_argument("--key-epoch", type=int, default=0)
+    s.add_argument("--key-epoch", type=int, default=0,
+                   help="key epoch the keys belong to (default 0; rotate keys by using a new epoch)")
     s.add_argument("--k", type=int, default=None, help="release threshold (default min(N, max(2, N // 2)))")
-    s.add_argument("--max-envelope-bytes", type=int, default=None)
+    s.add_argument("--max-envelope-bytes", type=int, default=None,
+                   help="largest envelope the shuffler accepts, written to its config (default: the config's default)")
     c = sub.add_parser("client", help="make one client's Ed25519 signing key pair (run on the device)")
     c.add_argument("--out", required=True, help="directory for ID.key (0600) and ID.pub")
-    c.add_argument("--client-id", required=True)
+    c.add_argument("--client-id", required=True, help="the client's identifier in the enrolment")
     e = sub.add_parser("enrol", help="add a client's public key to the enrolment file (shuffler operator)")
     e.add_argument("--enrolment", required=True, help="enrolment.json (created if missing)")
-    e.add_argument("--client-id", required=True)
+    e.add_argument("--client-id", required=True, help="the identifier to enrol the client's public key under")
     e.add_argument("--public-key", required=True, help="the client's Ed25519 public key (PEM, from keys client)")
     return p
 

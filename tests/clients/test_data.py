@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from shuffledp.clients.data import (
+    check_data_available,
     load_data,
     load_digits_dataset,
     load_mnist,
@@ -164,6 +165,21 @@ def test_mnist_uncompressed_and_missing(tmp_path) -> None:
         load_mnist(tmp_path / "plain", pca_components=5000)
     with pytest.raises(ValueError, match=r"pca_components must be in \[1, 20\]"):
         load_mnist(tmp_path / "plain", pca_components=21)  # 20 held-out rows bound the PCA fit
+
+
+def test_data_availability_is_checked_without_loading(tmp_path) -> None:
+    check_data_available("digits", None)
+    _write_tiny_mnist(tmp_path / "ok")
+    check_data_available("mnist", str(tmp_path / "ok"))
+    with pytest.raises(ValueError, match="needs data-dir"):
+        check_data_available("mnist", "")
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        check_data_available("mnist", str(tmp_path / "nowhere"))
+    (tmp_path / "ok" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(FileNotFoundError, match="t10k-labels-idx1-ubyte"):
+        check_data_available("mnist", str(tmp_path / "ok"))
+    with pytest.raises(ValueError, match="unknown dataset 'cifar'; allowed: 'digits', 'mnist'"):
+        check_data_available("cifar", None)
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,6 @@ def test_a_non_editable_install_runs_one_round_from_another_directory(tmp_path: 
     run = subprocess.run([str(env_dir / "bin" / "shuffledp"), "run", "--clients", "20", "--rounds", "1"],
                          cwd=elsewhere, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
-    assert "[shuffledp] round 1: 20 reports (attested)" in run.stdout, run.stdout[-3000:]
+    assert "[shuffledp] round 1/1: 20 reports (attested)" in run.stdout, run.stdout[-3000:]
     [out] = list((elsewhere / "outputs").iterdir())
     assert (out / "report.json").is_file() and (out / "flower-app" / "pyproject.toml").is_file()

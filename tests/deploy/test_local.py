@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shuffledp.deploy.errors import DeployError
+from shuffledp.deploy.errors import DeployError, DeployUsageError
 from shuffledp.deploy.local import LocalDeployment
 
 
@@ -44,3 +44,14 @@ def test_a_used_workdir_and_run_config_keys_the_deployment_sets_are_refused(tmp_
     LocalDeployment(run_config={"local-epochs": 2}).validate()  # keys the deployment leaves alone pass
 
 
+
+
+def test_a_bad_run_config_or_missing_data_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """What the ServerApp would refuse after the deployment started is refused by validate(), saying why."""
+    with pytest.raises(DeployUsageError, match=r"unknown run config keys \['nosuch'\]; known keys: \[.*'eps0'"):
+        LocalDeployment(run_config={"nosuch": 1}).validate()
+    with pytest.raises(DeployUsageError, match="'local-epochs' must be an integer"):
+        LocalDeployment(run_config={"local-epochs": "many"}).validate()
+    with pytest.raises(DeployUsageError, match="is not a directory.*'dataset' and 'data-dir'"):
+        LocalDeployment(run_config={"dataset": "mnist", "data-dir": str(tmp_path / "none")}).validate()
+    LocalDeployment(run_config={"local-epochs": 1, "batch-size": 16}).validate()

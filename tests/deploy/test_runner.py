@@ -36,3 +36,45 @@ def test_usage_errors_exit_2_and_create_nothing(tmp_path: Path, capsys: pytest.C
     assert runner.main(["bogus"]) == 2
 
 
+
+
+def test_errors_found_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing MNIST folder, a flag given twice (once through --run-config) and an unknown key are refused with
+    exit code 2 before keys, outputs or Flower are created."""
+    argv = ["run", "--output-dir", str(tmp_path), "--run-config", f"dataset=mnist data-dir={tmp_path / 'none'}"]
+    assert runner.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is not a directory" in err and "'dataset' and 'data-dir'" in err and "Traceback" not in err
+    assert runner.main(["run", "--output-dir", str(tmp_path), "--run-config", "eps0=2", "--eps0", "3"]) == 2
+    assert "--eps0 3 and --run-config eps0=2 both set eps0; give one" in capsys.readouterr().err
+    assert runner.main(["run", "--output-dir", str(tmp_path), "--rounds", "2", "--run-config",
+                        "num-server-rounds=3"]) == 2
+    assert "both set num-server-rounds" in capsys.readouterr().err
+    assert runner.main(["run", "--output-dir", str(tmp_path), "--run-config", "nosuch=1"]) == 2
+    assert "nosuch" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_other_platforms_are_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner.sys, "platform", "darwin")
+    assert runner.main(["run", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "needs Linux" in err and "this is darwin" in err and "shuffledp account" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resuming_a_finished_run_starts_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "done-run"
+    run.mkdir()
+    (run / runner.RUNNER_FILE).write_text(json.dumps({"clients": 3, "run_config": {"keys-dir": str(run / "keys")}}))
+    (run / "report.json").write_text(json.dumps({"finished": True}))
+
+    def no_launch(*args: object, **kwargs: object) -> int:
+        raise AssertionError("a finished run was launched again")
+
+    monkeypatch.setattr(runner, "_launch", no_launch)
+    assert runner.main(["resume", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "already finished; nothing to resume" in out and str(run / "keys" / "journal") in out

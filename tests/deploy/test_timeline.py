@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shuffledp.deploy import timeline as tl
 from shuffledp.deploy.timeline import (
     DeployResult,
     FileTailer,
@@ -81,3 +82,17 @@ def test_file_tailer_stamps_new_lines(tmp_path: Path) -> None:
     assert [(k, line) for _, k, line in tailer.events] == [("a", "one"), ("a", "two"), ("a", "INFO three")]
     times = [t for t, _, _ in tailer.events]
     assert times == sorted(times)
+
+
+def test_a_failed_run_says_why_from_its_log(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "run.log").write_text("INFO : Starting\nINFO : chatter\nERROR : ServerApp raised an exception\n"
+                                  "Traceback (most recent call last):\nValueError: model too large\n")
+    result = tl.DeployResult(status="finished:failed", run_id="7", report=None, report_path=None, timings={},
+                             workdir=tmp_path)
+    text = tl.format_report(result)
+    assert f"why (the end of {logs / 'run.log'}):" in text
+    assert "  ERROR : ServerApp raised an exception" in text and "  ValueError: model too large" in text
+    assert "chatter" not in text
+    assert tl.failure_reason(tmp_path / "missing.log") == []
