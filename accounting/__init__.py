@@ -1,10 +1,15 @@
 """shuffledp accounting: privacy accounting for the shuffle model of differential privacy.
 
-This module is deliberately light: it defines the three names of the contract (``Bound``, ``RefusedError``,
-``FAMILIES``) and imports nothing beyond the standard library. The numerical work lives in
-:mod:`shuffledp.accounting.bounds` (the dispatcher), :mod:`shuffledp.accounting.literature` (the published bounds),
-:mod:`shuffledp.accounting.rdp` (Renyi accounting), :mod:`shuffledp.accounting.clones` and :mod:`shuffledp.accounting.pld` (the exact clone
-analysis and privacy-loss-distribution composition) and :mod:`shuffledp.accounting.mechanisms` (randomizer descriptions).
+This module is deliberately light: it holds the names of the contract (``Bound``, ``RefusedError``, ``FAMILIES``)
+and imports nothing beyond the standard library and two standard-library-only modules of its own:
+:mod:`shuffledp.accounting.core` (limits, kinds, ``RefusedError``) and :mod:`shuffledp.accounting.families` (the
+registry of bound families, one object per family; its numerical modules load on first use). The numerical work
+lives in :mod:`shuffledp.accounting.bounds` (the public functions), :mod:`shuffledp.accounting.families` (each
+family's formulas and refusal rule), :mod:`shuffledp.accounting.literature` (the published bounds),
+:mod:`shuffledp.accounting.rdp` (Renyi accounting), :mod:`shuffledp.accounting.clones` and
+:mod:`shuffledp.accounting.pld` (the exact clone analysis and privacy-loss-distribution composition),
+:mod:`shuffledp.accounting.composition` (the PLDs the families share) and :mod:`shuffledp.accounting.mechanisms`
+(randomizer descriptions). Parameters are checked by :mod:`shuffledp.accounting.validation`.
 
 Kinds of a :class:`Bound`:
 
@@ -22,57 +27,12 @@ from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, ROUND_FLOOR, ROUND_HALF_EVEN, Context, Decimal
 from typing import Any
 
+from shuffledp.accounting.core import EPS0_MAX, KIND_WORDS, KINDS, N_MAX, RefusedError
+from shuffledp.accounting.families import FAMILIES, FAMILY_KINDS
+
 __all__ = [
     "Bound", "RefusedError", "FAMILIES", "KINDS", "KIND_WORDS", "FAMILY_KINDS", "EPS0_MAX", "N_MAX", "format_bound",
 ]
-
-#: Largest eps0 any bound accepts (e^100 ~ 2.7e43 keeps every formula in range); events and bounds share it.
-EPS0_MAX = 100.0
-#: Largest number of shuffled reports per round the exact clone analysis accepts.
-N_MAX = 10**9
-
-#: Bound families accepted by :mod:`shuffledp.accounting.bounds` (``"girgis-lower"`` is accepted as well where a
-#: lower bound of Girgis et al. is meaningful, i.e. for Renyi divergences).
-FAMILIES: tuple[str, ...] = (
-    "clones",
-    "clones-focs",
-    "ccg-gdp",
-    "ccg-rdp",
-    "girgis",
-    "fmt",
-    "rr-lower",
-    "canonical-gdp",
-    "no-shuffle",
-)
-
-KINDS: tuple[str, ...] = ("upper", "approximate", "lower")
-
-#: How each kind is named next to a printed number ("epsilon 4.18 (clones, upper bound)").
-KIND_WORDS: Mapping[str, str] = {"upper": "upper bound", "approximate": "approximation", "lower": "lower bound"}
-
-#: The kind of every family (including ``girgis-lower``).
-FAMILY_KINDS: Mapping[str, str] = {
-    "clones": "upper",
-    "clones-focs": "upper",
-    "ccg-gdp": "approximate",
-    "ccg-rdp": "approximate",
-    "girgis": "upper",
-    "girgis-lower": "lower",
-    "fmt": "upper",
-    "rr-lower": "lower",
-    "canonical-gdp": "approximate",
-    "no-shuffle": "upper",
-}
-
-
-class RefusedError(ValueError):
-    """A bound family refuses these parameters.
-
-    Raised when the parameters are valid numbers but lie outside the region where the family's formula holds
-    (e.g. FMT'21 Theorem 3.1 outside ``eps0 <= log(n / (16 log(2/delta)))``), or when a CLT approximation is
-    asked for where it is known to be unsafe and ``allow_approximate`` was not given. The message says why
-    and what would be accepted.
-    """
 
 
 @dataclass(frozen=True)

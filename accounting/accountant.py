@@ -2,7 +2,8 @@
 
 :class:`ShuffleAccountant` mirrors the shape of Flower's ``PrivacyAccountant`` protocol (``compose``,
 ``would_exceed``, ``state_dict``/``load_state_dict``) and of Google ``dp_accounting`` (events kept apart from
-accountants: a :class:`~shuffledp.accounting.events.ShuffleRound` says what happened, the accountant says what it costs).
+accountants: a :class:`~shuffledp.accounting.events.ShuffleRound` says what happened, the accountant says what it
+costs).
 
 Every round is kept, so rounds may differ in ``n`` and ``eps0``; the cumulative privacy loss is recomputed from
 the whole history with :func:`shuffledp.accounting.bounds.epsilon_for_rounds`, which composes privacy loss distributions
@@ -18,13 +19,13 @@ reason, never as a number.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from shuffledp.accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError, bounds
 from shuffledp.accounting.events import ShuffleRound
+from shuffledp.accounting.validation import check_delta, check_real, check_rounds
 
 __all__ = ["ShuffleAccountant", "Refusal", "GUARANTEE_FAMILIES", "STATE_FORMAT", "STATE_VERSION"]
 
@@ -56,15 +57,6 @@ class Refusal:
     def kind(self) -> str:
         """Always ``"refused"``."""
         return "refused"
-
-
-def _check_delta(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number in (0, 1), got {value!r}")
-    result = float(value)
-    if not math.isfinite(result) or not 0.0 < result < 1.0:
-        raise ValueError(f"{name} must be a real number in (0, 1), got {result!r}")
-    return result
 
 
 def _revalidated(event: ShuffleRound) -> ShuffleRound:
@@ -110,7 +102,7 @@ class ShuffleAccountant:
         *,
         allow_approximate: bool = False,
     ) -> None:
-        self._target_delta = _check_delta("target_delta", target_delta)
+        self._target_delta = check_delta(target_delta, "target_delta")
         self._family = _check_family("family", family)
         if self._family not in GUARANTEE_FAMILIES:
             raise ValueError(
@@ -178,14 +170,13 @@ class ShuffleAccountant:
         """
         if not isinstance(event, ShuffleRound):
             raise TypeError(f"compose takes a ShuffleRound, got {type(event).__name__}")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        count = check_rounds(count, "count")
         event = _revalidated(event)  # before any state changes: a rejected round leaves the history intact
         self._rounds.extend([event] * count)
 
     # -- queries -----------------------------------------------------------------------------------------------
     def _delta_or_target(self, delta: float | None) -> float:
-        return self._target_delta if delta is None else _check_delta("delta", delta)
+        return self._target_delta if delta is None else check_delta(delta)
 
     def _compute(self, family: str, rounds: Sequence[ShuffleRound], delta: float) -> Bound:
         if not rounds:
@@ -244,13 +235,10 @@ class ShuffleAccountant:
         """
         if not isinstance(event, ShuffleRound):
             raise TypeError(f"would_exceed takes a ShuffleRound, got {type(event).__name__}")
-        if isinstance(budget_epsilon, bool) or not isinstance(budget_epsilon, numbers.Real):
-            raise TypeError(f"budget_epsilon must be a real number > 0, got {budget_epsilon!r}")
-        budget = float(budget_epsilon)
+        budget = check_real("budget_epsilon", budget_epsilon, "a real number > 0 (or inf)")
         if math.isnan(budget) or budget <= 0.0:
             raise ValueError(f"budget_epsilon must be a real number > 0 (or inf), got {budget!r}")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        count = check_rounds(count, "count")
         prospective = (*self._rounds, *([_revalidated(event)] * count))
         result = self._cached(self._family, self._target_delta, prospective)
         if isinstance(result, Refusal):

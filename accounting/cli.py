@@ -35,7 +35,7 @@ _KIND_MEANING = {
 }
 
 
-#: What a calibrated eps0 means, by the kind of the family that calibrated it (review 41, F2: the epsilon
+#: What a calibrated eps0 means, by the kind of the family that calibrated it (the epsilon
 #: meanings above read backwards for an eps0: from an upper bound the eps0 is the *safe* side, from a lower bound
 #: it is a limit that is not itself safe).
 _CALIBRATED_MEANING = {

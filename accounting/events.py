@@ -8,35 +8,17 @@ them), a :class:`ShuffleRound` only says *what was released*: ``n`` shuffled rep
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
 from dataclasses import dataclass
 from typing import Any
 
-from shuffledp.accounting import EPS0_MAX, N_MAX
+from shuffledp.accounting.validation import check_eps0, check_n
 
 __all__ = ["ShuffleRound"]
 
 
 def _as_report_count(value: Any) -> int:
-    """Return ``value`` as a Python int >= 1, or raise ``ValueError``/``TypeError`` saying what is allowed."""
-    if isinstance(value, bool):
-        raise TypeError(f"n (number of attested reports) must be an integer >= 1, got the boolean {value!r}")
-    try:
-        count = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"n (number of attested reports) must be an integer >= 1, got {type(value).__name__} {value!r}"
-        ) from None
-    if count < 1:
-        raise ValueError(f"n (number of attested reports) must be an integer >= 1, got {count}")
-    if count > N_MAX:
-        raise ValueError(
-            f"n (number of attested reports) must be <= {N_MAX:,} (N_MAX, the largest n the exact clone "
-            f"analysis accepts), got {count}"
-        )
-    return int(count)
+    """Return ``value`` as a Python int in [1, N_MAX], or raise ``ValueError``/``TypeError`` saying what is allowed."""
+    return check_n(value, "n (number of attested reports)")
 
 
 def _as_local_epsilon(value: Any) -> float:
@@ -45,13 +27,7 @@ def _as_local_epsilon(value: Any) -> float:
     The upper limit is the one every bound enforces (:data:`accounting.EPS0_MAX`): a round the bounds would
     reject must never enter an accountant, where it would make every later query fail.
     """
-    allowed = f"a finite real number > 0 and <= {EPS0_MAX:g} (EPS0_MAX, the largest eps0 any bound accepts)"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"eps0 (local randomizer epsilon) must be {allowed}, got {value!r}")
-    eps0 = float(value)
-    if not math.isfinite(eps0) or not 0.0 < eps0 <= EPS0_MAX:
-        raise ValueError(f"eps0 (local randomizer epsilon) must be {allowed}, got {eps0!r}")
-    return eps0
+    return check_eps0(value, "eps0 (local randomizer epsilon)")
 
 
 @dataclass(frozen=True, slots=True)

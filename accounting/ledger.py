@@ -32,170 +32,38 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
-import numbers
-import operator
 import os
 import sqlite3
 import tempfile
 import urllib.parse
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from shuffledp.accounting.ledger_schema import (
+    BATCH_ID_BYTES,
+    BATCH_KEYS,
+    BATCHES_SCHEMA,
+    KINDS,
+    LEDGER_FORMAT,
+    LEDGER_SCHEMA_VERSION,
+    ROW_KEYS,
+    SCHEMA,
+    TRIGGER_NAMES,
+    LedgerError,
+    check_batch,
+    check_int,
+    rollback,
+    trigger_statements,
+    utc_now,
+    validate_record,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from shuffledp.accounting.accountant import ShuffleAccountant
 
 __all__ = ["Ledger", "LedgerError", "LEDGER_FORMAT", "LEDGER_SCHEMA_VERSION", "KINDS", "BATCH_ID_BYTES"]
-
-LEDGER_FORMAT = "shuffledp.ledger"
-LEDGER_SCHEMA_VERSION = 1
-KINDS = ("upper", "approximate", "lower", "refused")
-_ROW_KEYS = ("round", "time", "n_reports", "eps0", "mechanism", "delta", "default_family")
-_BATCH_KEYS = ("key_epoch", "batch_id")
-
-_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS meta (
-    key   TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS rounds (
-    round          INTEGER PRIMARY KEY CHECK (typeof(round) = 'integer' AND round >= 0),
-    time           TEXT    NOT NULL,
-    n_reports      INTEGER NOT NULL CHECK (typeof(n_reports) = 'integer' AND n_reports >= 1),
-    eps0           REAL    NOT NULL CHECK (eps0 > 0),
-    mechanism      TEXT    NOT NULL CHECK (length(mechanism) > 0),
-    delta          REAL    NOT NULL CHECK (delta > 0 AND delta < 1),
-    default_family TEXT    NOT NULL
-);
-CREATE TABLE IF NOT EXISTS epsilons (
-    round  INTEGER NOT NULL REFERENCES rounds(round),
-    family TEXT    NOT NULL,
-    value  REAL,
-    kind   TEXT    NOT NULL CHECK (kind IN ({", ".join(repr(k) for k in KINDS)})),
-    reason TEXT,
-    PRIMARY KEY (round, family),
-    CHECK ((kind = 'refused') = (value IS NULL))
-);
-"""
-
-# Separate from _SCHEMA because a ledger written before it existed gets it on its next writable open.
-_BATCHES_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS batches (
-    round     INTEGER PRIMARY KEY REFERENCES rounds(round),
-    key_epoch INTEGER NOT NULL CHECK (typeof(key_epoch) = 'integer' AND key_epoch BETWEEN 0 AND {2**32 - 1}),
-    batch_id  TEXT    NOT NULL CHECK (length(batch_id) = 32 AND batch_id NOT GLOB '*[^0-9a-f]*')
-)
-"""
-BATCH_ID_BYTES = 16  # the shuffler's batch ids (shuffledp.shuffler.core) are 16 random bytes
-
-_TRIGGERS = """
-CREATE TRIGGER IF NOT EXISTS {table}_no_update BEFORE UPDATE ON {table}
-BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: UPDATE on {table} is refused'); END;
-CREATE TRIGGER IF NOT EXISTS {table}_no_delete BEFORE DELETE ON {table}
-BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: DELETE on {table} is refused'); END;
-CREATE TRIGGER IF NOT EXISTS {table}_no_replace BEFORE INSERT ON {table}
-WHEN EXISTS (SELECT 1 FROM {table} WHERE {key_match})
-BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: a second INSERT of a {table} key is refused'); END;
-"""
-# Primary key of each table, for the no-replace trigger: ``INSERT OR REPLACE`` deletes the old row without firing
-# DELETE triggers (SQLite fires them on REPLACE only with recursive_triggers on, a per-connection setting), so
-# only a BEFORE INSERT check on the key keeps a recorded row from being swapped.
-_TABLE_KEYS = {
-    "meta": "key = NEW.key",
-    "rounds": "round = NEW.round",
-    "epsilons": "round = NEW.round AND family = NEW.family",
-    "batches": "round = NEW.round",
-}
-
-
-# A round's batch row is written in the round's own transaction (:meth:`Ledger.append`), so it names the last
-# recorded round. The trigger refuses any other: an earlier round (every round of a ledger written before the table
-# existed) cannot be given a batch afterwards, nor can a future round be pre-seeded. (The last round, if recorded
-# without a batch, still can: a stricter check, e.g. "before its epsilons", would refuse an older shuffledp's
-# appends, which write the batch row last.)
-_BATCH_IN_ROUND_TRIGGER = """
-CREATE TRIGGER IF NOT EXISTS batches_last_round BEFORE INSERT ON batches
-WHEN NEW.round IS NOT (SELECT MAX(round) FROM rounds)
-BEGIN SELECT RAISE(ABORT, 'the shuffledp ledger is append-only: a batch is recorded with its round, not after'); END;
-"""
-_TRIGGER_NAMES = frozenset({f"{table}_no_replace" for table in _TABLE_KEYS} | {"batches_last_round"})
-
-
-def _trigger_statements() -> list[str]:
-    """The append-only triggers of every table, one CREATE TRIGGER IF NOT EXISTS statement each."""
-    statements = []
-    for table, key_match in _TABLE_KEYS.items():
-        for statement in _TRIGGERS.format(table=table, key_match=key_match).split("END;"):
-            if statement.strip():
-                statements.append(statement + "END;")
-    return [*statements, _BATCH_IN_ROUND_TRIGGER.strip()]
-
-
-def _rollback(conn: sqlite3.Connection) -> None:
-    """Roll back the open transaction, if SQLite has not already ended it: after some errors (SQLITE_FULL,
-    SQLITE_IOERR, ...) it has, and an unconditional ROLLBACK would raise "no transaction is active" and hide the
-    error that caused it."""
-    if conn.in_transaction:
-        conn.execute("ROLLBACK")
-
-
-class LedgerError(ValueError):
-    """A ledger operation was refused: a bad record, a duplicate or out-of-order round, or a foreign file."""
-
-
-def _utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
-
-
-_SQLITE_INT_MAX = 2**63 - 1  # SQLite's INTEGER is a signed 64-bit integer
-
-
-def _check_int(name: str, value: Any, minimum: int, maximum: int = _SQLITE_INT_MAX) -> int:
-    allowed = f"an integer in [{minimum}, {maximum}]" + (" (SQLite's INTEGER)" if maximum == _SQLITE_INT_MAX else "")
-    if isinstance(value, bool):
-        raise LedgerError(f"{name} must be {allowed}, got the boolean {value!r}")
-    try:
-        result = operator.index(value)
-    except TypeError:
-        raise LedgerError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}") from None
-    if not minimum <= result <= maximum:
-        raise LedgerError(f"{name} must be {allowed}, got {result}")
-    return int(result)
-
-
-def _check_batch(key_epoch: Any, batch_id: Any) -> tuple[int, str] | None:
-    """Validate an (optional) charged batch: a u32 key epoch and a 16-byte batch id; returns (epoch, hex)."""
-    if key_epoch is None and batch_id is None:
-        return None
-    if key_epoch is None or batch_id is None:
-        raise LedgerError("key_epoch and batch_id name the charged batch together: give both or neither, got "
-                          f"key_epoch={key_epoch!r}, batch_id={batch_id!r}")
-    epoch = _check_int("key_epoch", key_epoch, 0, 2**32 - 1)  # a u32, as in the envelope binding
-    if isinstance(batch_id, str):
-        try:
-            raw = bytes.fromhex(batch_id)
-        except ValueError:
-            raise LedgerError(f"batch_id must be {BATCH_ID_BYTES} bytes or their hex, got {batch_id!r}") from None
-    elif isinstance(batch_id, (bytes, bytearray)):
-        raw = bytes(batch_id)
-    else:
-        raise LedgerError(f"batch_id must be bytes or a hex string, got {type(batch_id).__name__}")
-    if len(raw) != BATCH_ID_BYTES:
-        raise LedgerError(f"batch_id must be {BATCH_ID_BYTES} bytes, got {len(raw)}")
-    return epoch, raw.hex()
-
-
-def _check_real(name: str, value: Any, *, low: float, high: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise LedgerError(f"{name} must be a finite real number, got {value!r}")
-    result = float(value)
-    bounds = f"> {low}" if high is None else f"in ({low}, {high})"
-    if not math.isfinite(result) or result <= low or (high is not None and result >= high):
-        raise LedgerError(f"{name} must be a finite real number {bounds}, got {result!r}")
-    return result
-
 
 class Ledger:
     """Append-only SQLite ledger of one row per round (see the module docstring for the schema).
@@ -281,23 +149,23 @@ class Ledger:
                 raise LedgerError(f"{str(self.path)!r} is an empty database, not a shuffledp ledger")
             conn.execute("BEGIN IMMEDIATE")
             try:
-                for statement in _SCHEMA.split(";"):
+                for statement in SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)
-                conn.execute(_BATCHES_SCHEMA)
-                for statement in _trigger_statements():
+                conn.execute(BATCHES_SCHEMA)
+                for statement in trigger_statements():
                     conn.execute(statement)
                 conn.executemany(
                     "INSERT OR IGNORE INTO meta(key, value) VALUES (?, ?)",
                     [
                         ("format", LEDGER_FORMAT),
                         ("schema_version", str(LEDGER_SCHEMA_VERSION)),
-                        ("created", _utc_now()),
+                        ("created", utc_now()),
                     ],
                 )
                 conn.execute("COMMIT")
             except BaseException:
-                _rollback(conn)
+                rollback(conn)
                 raise
             tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not {"meta", "rounds", "epsilons"} <= tables:
@@ -312,22 +180,22 @@ class Ledger:
             )
         triggers = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
         if not self.read_only and (
-            "batches" not in tables or not _TRIGGER_NAMES <= triggers
+            "batches" not in tables or not TRIGGER_NAMES <= triggers
         ):
             # A ledger written before the batches table or the no-replace triggers existed gets them now. A
             # read-only file cannot, and need not: nothing can be appended to it through this connection either.
             try:
                 conn.execute("BEGIN IMMEDIATE")
-                conn.execute(_BATCHES_SCHEMA)
-                for statement in _trigger_statements():
+                conn.execute(BATCHES_SCHEMA)
+                for statement in trigger_statements():
                     conn.execute(statement)
                 conn.execute("COMMIT")
             except sqlite3.OperationalError as exc:
-                _rollback(conn)
+                rollback(conn)
                 if "readonly" not in str(exc):
                     raise LedgerError(f"cannot add the append-only triggers to {str(self.path)!r}: {exc}") from exc
             except BaseException:
-                _rollback(conn)
+                rollback(conn)
                 raise
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         self._has_batches = "batches" in tables  # False only for a read-only ledger written before the table
@@ -388,7 +256,7 @@ class Ledger:
                 the ledger's rounds are not ``composes``. Nothing is written in that case and every round already
                 stored is untouched.
         """
-        record = self._validate(
+        record = validate_record(
             round=round,
             n_reports=n_reports,
             eps0=eps0,
@@ -402,7 +270,7 @@ class Ledger:
         )
         if self.read_only:
             raise LedgerError(f"the ledger {str(self.path)!r} was opened read-only: nothing can be appended")
-        batch = _check_batch(key_epoch, batch_id)
+        batch = check_batch(key_epoch, batch_id)
         if batch is not None and not self._has_batches:
             raise LedgerError(f"the ledger {str(self.path)!r} has no batches table (a read-only ledger written by an "
                               "older shuffledp): it cannot record a round's batch")
@@ -434,7 +302,7 @@ class Ledger:
             conn.execute(
                 "INSERT INTO rounds(round, time, n_reports, eps0, mechanism, delta, default_family) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                tuple(record[key] for key in _ROW_KEYS),
+                tuple(record[key] for key in ROW_KEYS),
             )
             if batch is not None:  # the batches_last_round trigger allows only the round just inserted
                 conn.execute("INSERT INTO batches(round, key_epoch, batch_id) VALUES (?, ?, ?)",
@@ -448,17 +316,17 @@ class Ledger:
             )
             conn.execute("COMMIT")
         except sqlite3.IntegrityError as exc:  # a constraint or trigger of the file refused it (e.g. an edited file)
-            _rollback(conn)
+            rollback(conn)
             raise LedgerError(f"the ledger {str(self.path)!r} refused round {record['round']}: {exc}") from exc
         except BaseException:
-            _rollback(conn)
+            rollback(conn)
             raise
 
     def record(
         self,
         accountant: ShuffleAccountant,
         *,
-        round: int,  # noqa: A002
+        round: int,  # noqa: A002 - "round" is the column's name in the contract
         mechanism: str,
         key_epoch: int | None = None,
         batch_id: bytes | str | None = None,
@@ -506,85 +374,6 @@ class Ledger:
         )
         return self.row(round)
 
-    @staticmethod
-    def _validate(
-        *,
-        round: int,  # noqa: A002
-        n_reports: int,
-        eps0: float,
-        mechanism: str,
-        delta: float,
-        epsilons: Mapping[str, float | None],
-        kinds: Mapping[str, str],
-        default_family: str,
-        reasons: Mapping[str, str],
-        time: datetime | None,
-    ) -> dict[str, Any]:
-        record: dict[str, Any] = {
-            "round": _check_int("round", round, 0),
-            "n_reports": _check_int("n_reports", n_reports, 1),
-            "eps0": _check_real("eps0", eps0, low=0.0),
-            "delta": _check_real("delta", delta, low=0.0, high=1.0),
-        }
-        if not isinstance(mechanism, str) or not mechanism.strip():
-            raise LedgerError(f"mechanism must be a non-empty string naming the local randomizer, got {mechanism!r}")
-        record["mechanism"] = mechanism
-        if time is None:
-            record["time"] = _utc_now()
-        else:
-            if not isinstance(time, datetime) or time.tzinfo is None:
-                raise LedgerError(f"time must be a timezone-aware datetime, got {time!r}")
-            record["time"] = time.astimezone(timezone.utc).isoformat(timespec="microseconds")
-        if not isinstance(epsilons, Mapping) or not isinstance(kinds, Mapping) or not isinstance(reasons, Mapping):
-            raise LedgerError("epsilons, kinds and reasons must be mappings from family name")
-        if not epsilons:
-            raise LedgerError("epsilons must name at least the default family")
-        if set(epsilons) != set(kinds):
-            raise LedgerError(
-                f"epsilons and kinds must have the same families; epsilons has {sorted(epsilons)}, "
-                f"kinds has {sorted(kinds)}"
-            )
-        if not isinstance(default_family, str) or default_family not in epsilons:
-            raise LedgerError(
-                f"default_family {default_family!r} must be one of the recorded families {sorted(epsilons)}"
-            )
-        extra_reasons = set(reasons) - {f for f, k in kinds.items() if k == "refused"}
-        if extra_reasons:
-            raise LedgerError(f"reasons given for families that were not refused: {sorted(extra_reasons)}")
-        entries: dict[str, dict[str, Any]] = {}
-        for family in epsilons:  # insertion order is kept: default first if the caller put it first
-            if not isinstance(family, str) or not family:
-                raise LedgerError(f"family names must be non-empty strings, got {family!r}")
-            kind = kinds[family]
-            if kind not in KINDS:
-                raise LedgerError(f"kind of {family!r} must be one of {list(KINDS)}, got {kind!r}")
-            value = epsilons[family]
-            if kind == "refused":
-                if value is not None:
-                    raise LedgerError(f"family {family!r} is refused, so its epsilon must be None, got {value!r}")
-                reason = reasons.get(family)
-                if not isinstance(reason, str) or not reason.strip():
-                    raise LedgerError(f"family {family!r} is refused: give its reason in reasons[{family!r}]")
-                if family == default_family:
-                    raise LedgerError(
-                        f"the default family {family!r} refused this round ({reason}); the ledger records only "
-                        "rounds whose budget the default family can account"
-                    )
-                entries[family] = {"value": None, "kind": kind, "reason": reason}
-            else:
-                if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                    raise LedgerError(f"epsilon of {family!r} must be a finite real number >= 0, got {value!r}")
-                number = float(value)
-                if not math.isfinite(number) or number < 0.0:
-                    raise LedgerError(f"epsilon of {family!r} must be a finite real number >= 0, got {number!r}")
-                entries[family] = {"value": number, "kind": kind, "reason": None}
-        # Store the default family first so that exports list it first.
-        record["epsilons"] = {default_family: entries[default_family]} | {
-            f: e for f, e in entries.items() if f != default_family
-        }
-        record["default_family"] = default_family
-        return record
-
     # -- reading -----------------------------------------------------------------------------------------------
     def last_round(self) -> int | None:
         """Return the largest recorded round number, or None if the ledger is empty."""
@@ -611,7 +400,7 @@ class Ledger:
             conn.execute("BEGIN")
             try:
                 base = conn.execute(
-                    f"SELECT {', '.join('r.' + k for k in _ROW_KEYS)}, {batch_columns} FROM rounds AS r "
+                    f"SELECT {', '.join('r.' + k for k in ROW_KEYS)}, {batch_columns} FROM rounds AS r "
                     f"{batch_join} ORDER BY r.round"
                 ).fetchall()
                 per_family = conn.execute(
@@ -623,14 +412,14 @@ class Ledger:
                 conn.execute("COMMIT")
         except sqlite3.DatabaseError as exc:
             raise LedgerError(f"cannot read the ledger {str(self.path)!r}: {exc}") from None
-        rows = {row[0]: dict(zip((*_ROW_KEYS, *_BATCH_KEYS), row)) | {"epsilons": {}} for row in base}
+        rows = {row[0]: dict(zip((*ROW_KEYS, *BATCH_KEYS), row)) | {"epsilons": {}} for row in base}
         for rnd, family, value, kind, reason in per_family:
             rows[rnd]["epsilons"][family] = {"value": value, "kind": kind, "reason": reason}
         return list(rows.values())
 
-    def row(self, round: int) -> dict[str, Any]:  # noqa: A002
+    def row(self, round: int) -> dict[str, Any]:  # noqa: A002 - "round" is the column's name in the contract
         """Return one recorded round (as in :meth:`rows`). Raises LedgerError if it is not recorded."""
-        number = _check_int("round", round, 0)
+        number = check_int("round", round, 0)
         for row in self.rows():
             if row["round"] == number:
                 return row
@@ -658,7 +447,7 @@ class Ledger:
     def csv_header(self) -> list[str]:
         """Return the CSV columns: the round fields, ``key_epoch`` and ``batch_id`` (empty for a round recorded
         without its batch), then ``eps[F]``, ``kind[F]``, ``reason[F]`` per family F."""
-        header = [*_ROW_KEYS, *_BATCH_KEYS]
+        header = [*ROW_KEYS, *BATCH_KEYS]
         for family in self.families():
             header += [f"eps[{family}]", f"kind[{family}]", f"reason[{family}]"]
         return header
@@ -673,8 +462,8 @@ class Ledger:
         families = self.families()
         lines: list[list[str]] = [header]
         for row in rows:
-            line = [repr(row[key]) if isinstance(row[key], float) else str(row[key]) for key in _ROW_KEYS]
-            line += ["" if row[key] is None else str(row[key]) for key in _BATCH_KEYS]
+            line = [repr(row[key]) if isinstance(row[key], float) else str(row[key]) for key in ROW_KEYS]
+            line += ["" if row[key] is None else str(row[key]) for key in BATCH_KEYS]
             for family in families:
                 entry = row["epsilons"].get(family)
                 if entry is None:

@@ -8,7 +8,8 @@ what ``eps0`` a randomizer has; they draw no randomness (sampling lives in ``shu
 * :class:`LaplaceRandomizer`: d-dimensional Laplace noise of scale ``b`` added to a report clipped to L1 norm
   ``C``. Two clipped reports differ by at most ``2C`` in L1 (the diameter of the clip ball), so by the Laplace
   mechanism (Dwork-Roth 2014, Thm 3.6) ``eps0 = 2C / b``. ``eps0`` is derived, never typed in a second time.
-  (Seed 000's Algorithm 1 uses one record's sensitivity ``2C/m`` instead: that is not LDP for the report.)
+  (The Algorithm 1 of Chen, Cao, Ge, ICASSP 2024, seed 000, uses one record's sensitivity ``2C/m`` instead: that
+  is not LDP for the report.)
 * :class:`BinaryRandomizedResponse` and :class:`KaryRandomizedResponse`: ``k``-ary randomized response
   (Warner 1965; Kairouz-Oh-Viswanath 2016) keeps its input with probability ``e^{eps0}/(e^{eps0}+k-1)`` and
   outputs each other symbol with probability ``1/(e^{eps0}+k-1)``.
@@ -17,12 +18,11 @@ what ``eps0`` a randomizer has; they draw no randomness (sampling lives in ``shu
 from __future__ import annotations
 
 import math
-import numbers
-import operator
 from dataclasses import dataclass
 from typing import Any
 
-from shuffledp.accounting import EPS0_MAX
+from shuffledp.accounting.core import EPS0_MAX
+from shuffledp.accounting.validation import check_eps0, check_integer, check_real
 
 __all__ = [
     "LocalRandomizer",
@@ -34,34 +34,22 @@ __all__ = [
 
 def _positive_finite(name: str, value: Any) -> float:
     """Return ``value`` as a finite float > 0 or raise saying what is allowed."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a finite real number > 0, got {value!r}")
-    out = float(value)
+    allowed = "a finite real number > 0"
+    out = check_real(name, value, allowed)
     if not math.isfinite(out) or out <= 0.0:
-        raise ValueError(f"{name} must be a finite real number > 0, got {out!r}")
+        raise ValueError(f"{name} must be {allowed}, got {out!r}")
     return out
 
 
 def _eps0(value: Any) -> float:
     """``value`` as an LDP parameter: finite, > 0 and at most :data:`accounting.EPS0_MAX` (the range every bound
     accepts; beyond it, e^{eps0} powers in the chi^2 and mu_3 formulas overflow)."""
-    out = _positive_finite("eps0", value)
-    if out > EPS0_MAX:
-        raise ValueError(f"eps0 must be <= {EPS0_MAX:g} (accounting.EPS0_MAX), got {out!r}")
-    return out
+    return check_eps0(value)
 
 
 def _integer_at_least(name: str, value: Any, minimum: int) -> int:
     """Return ``value`` as an int >= ``minimum`` or raise saying what is allowed."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    try:
-        out = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}") from None
-    if out < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {out}")
-    return int(out)
+    return check_integer(name, value, minimum)
 
 
 @dataclass(frozen=True)
@@ -154,7 +142,9 @@ class KaryRandomizedResponse:
 
     @property
     def chi2(self) -> float:
-        """``chi^2(W_1 || W_0) = (p - q)^2 (1/p + 1/q)`` (seed 002, eq. (15)).
+        """``chi^2(W_1 || W_0) = (p - q)^2 (1/p + 1/q)``.
+
+        Shvets, "Universal shuffle asymptotics: JSD and GDP", 2026 (seed 002), eq. (15).
 
         For ``k = 2`` this equals ``(e^{eps0}-1)^2 / e^{eps0} = 4 sinh^2(eps0/2)`` (seed 002, Sec. 9.3).
         Computed as ``(1 - e^{-eps0})^2 (p/q + ... )`` in a form without cancellation: with ``p = e^{eps0} q``,

@@ -36,14 +36,16 @@ project pins.
 from __future__ import annotations
 
 import math
-import numbers
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 from scipy import fft as sfft
 from scipy import special
+
+from shuffledp.accounting.validation import check_delta, check_epsilon, check_real, check_rounds
 
 __all__ = [
     "PrivacyLossDistribution",
@@ -53,6 +55,7 @@ __all__ = [
     "delta_for_epsilon",
     "dense_parts",
     "MAX_GRID_POINTS",
+    "check_interval",
 ]
 
 #: Mass the self-convolution may cut from each tail (dp_accounting's default). For pessimistic PLDs it is
@@ -64,26 +67,30 @@ MASS_SUM_TOLERANCE = 1e-9
 MAX_GRID_POINTS = 50_000_000
 
 
-def _check_interval(value_discretization_interval: float) -> float:
-    if isinstance(value_discretization_interval, bool) or not isinstance(
-        value_discretization_interval, numbers.Real
-    ):
-        raise TypeError(
-            "value_discretization_interval must be a positive real number, got "
-            f"{type(value_discretization_interval).__name__}"
-        )
-    h = float(value_discretization_interval)
+def check_interval(value_discretization_interval: Any) -> float:
+    """A grid interval: a finite real number > 0.
+
+    Args:
+        value_discretization_interval: the value to check.
+
+    Returns:
+        The value as a float.
+
+    Raises:
+        TypeError: not a real number. ValueError: not finite or <= 0.
+    """
+    allowed = "a finite real number > 0"
+    h = check_real("value_discretization_interval", value_discretization_interval, allowed)
     if not (math.isfinite(h) and h > 0):
-        raise ValueError(f"value_discretization_interval must be finite and > 0, got {h!r}")
+        raise ValueError(f"value_discretization_interval must be {allowed}, got {h!r}")
     return h
 
 
-def _check_mass(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number in [0, 1], got {type(value).__name__}")
-    v = float(value)
+def _check_mass(name: str, value: Any) -> float:
+    allowed = "a real number in [0, 1]"
+    v = check_real(name, value, allowed)
     if not (math.isfinite(v) and 0.0 <= v <= 1.0):
-        raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+        raise ValueError(f"{name} must be {allowed}, got {v!r}")
     return v
 
 
@@ -196,8 +203,22 @@ def pld_from_losses(
     kept loss (moved up) and the high end goes to the infinity mass; optimistic -> the high end is merged
     into the largest kept loss (moved down) and the low end is dropped. Both keep the estimate's
     direction. Outcomes of zero mass are always dropped.
+
+    Args:
+        losses: privacy losses of the support points.
+        probs: their probabilities.
+        infinity_mass: probability of an infinite loss.
+        pessimistic: pessimistic (an upper bound) or optimistic (a lower bound on the pair) discretisation.
+        value_discretization_interval: grid interval, or None for :func:`suggested_interval`.
+        losses_reverse: losses of the other direction, or None for a symmetric PLD.
+        probs_reverse: their probabilities.
+        infinity_mass_reverse: infinite-loss mass of the other direction.
+        tail_mass_truncation: mass that may be cut from each tail.
+
+    Returns:
+        The PLD.
     """
-    h = _check_interval(value_discretization_interval)
+    h = check_interval(value_discretization_interval)
     if not isinstance(pessimistic, bool):
         raise TypeError(f"pessimistic must be a bool, got {type(pessimistic).__name__}")
     inf_mass = _check_mass("infinity_mass", infinity_mass)
@@ -229,7 +250,14 @@ def _pmfs(pld: PrivacyLossDistribution) -> list[pld_pmf.PLDPmf]:
 
 
 def dense_parts(pld: PrivacyLossDistribution) -> list[tuple[np.ndarray, np.ndarray, float]]:
-    """``[(losses, probs, infinity_mass)]`` for each direction of ``pld`` (one if symmetric)."""
+    """``[(losses, probs, infinity_mass)]`` for each direction of ``pld`` (one if symmetric).
+
+    Args:
+        pld: a privacy loss distribution.
+
+    Returns:
+        ``(losses, probs, infinity mass)`` per direction.
+    """
     out = []
     for pmf in _pmfs(pld):
         d = pmf.to_dense_pmf()
@@ -358,6 +386,12 @@ def compose(
     pessimistic PLDs carry it as infinity mass (a valid upper bound). For optimistic PLDs that
     infinity-mass addition is removed again, so the result stays a lower bound up to FFT aliasing of at
     most ``_TAIL_MASS_TRUNCATION`` in delta per step.
+
+    Args:
+        plds_with_counts: ``(PrivacyLossDistribution, count)`` pairs sharing interval and discretisation.
+
+    Returns:
+        The composed PLD.
     """
     if isinstance(plds_with_counts, (str, bytes)) or not isinstance(plds_with_counts, Sequence):
         raise TypeError("plds_with_counts must be a sequence of (PrivacyLossDistribution, count)")
@@ -368,9 +402,7 @@ def compose(
         if not (isinstance(item, tuple) and len(item) == 2):
             raise TypeError(f"item {i} must be a (PrivacyLossDistribution, count) tuple")
         pld, count = item
-        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
-            raise ValueError(f"item {i}: count must be an integer >= 1, got {count!r}")
-        items.append((pld, int(count)))
+        items.append((pld, check_rounds(count, f"item {i}: count")))
     h0, pess0 = _meta(items[0][0])
     for i, (pld, _) in enumerate(items):
         h, pess = _meta(pld)
@@ -391,15 +423,6 @@ def compose(
             part, tail_mass_truncation=_TAIL_MASS_TRUNCATION
         )
     return result
-
-
-def _check_delta(delta: float) -> float:
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real):
-        raise TypeError(f"delta must be a real number in (0, 1), got {type(delta).__name__}")
-    d = float(delta)
-    if not (0.0 < d < 1.0):
-        raise ValueError(f"delta must be in (0, 1), got {d!r}")
-    return d
 
 
 def _eps_one(losses: np.ndarray, probs: np.ndarray, inf_mass: float, delta: float) -> float:
@@ -441,18 +464,29 @@ def epsilon_for_delta(pld: PrivacyLossDistribution, delta: float) -> float:
     Maximum over both directions for non-symmetric PLDs; ``math.inf`` if the infinity mass exceeds
     ``delta``. Same result as dp_accounting's ``get_epsilon_for_delta`` (Koskela et al. 2020, eq. for
     the discrete PLD), vectorised.
+
+    Args:
+        pld: a privacy loss distribution.
+        delta: target delta, 0 < delta < 1.
+
+    Returns:
+        The epsilon.
     """
-    d = _check_delta(delta)
-    return max(_eps_one(l, p, inf, d) for l, p, inf in dense_parts(pld))
+    d = check_delta(delta)
+    return max(_eps_one(losses, p, inf, d) for losses, p, inf in dense_parts(pld))
 
 
 def delta_for_epsilon(pld: PrivacyLossDistribution, epsilon: float) -> float:
-    """Hockey-stick divergence ``inf + sum_{l > eps} p (1 - e^{eps - l})`` (max over directions)."""
-    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real):
-        raise TypeError(f"epsilon must be a real number >= 0, got {type(epsilon).__name__}")
-    e = float(epsilon)
-    if not (e >= 0.0) or math.isnan(e):
-        raise ValueError(f"epsilon must be >= 0, got {e!r}")
+    """Hockey-stick divergence ``inf + sum_{l > eps} p (1 - e^{eps - l})`` (max over directions).
+
+    Args:
+        pld: a privacy loss distribution.
+        epsilon: epsilon >= 0.
+
+    Returns:
+        The delta.
+    """
+    e = check_epsilon(epsilon, allow_inf=True)
     best = 0.0
     for losses, probs, inf in dense_parts(pld):
         if math.isinf(e):

@@ -45,6 +45,12 @@ def compose_rdp(curves: Sequence[tuple[np.ndarray, int]]) -> np.ndarray:
     """Sum of ``count * rdp`` over ``(rdp_on_orders, count)`` pairs (Mironov 2017, Prop. 1).
 
     All curves must be evaluated on the same orders.
+
+    Args:
+        curves: ``(one-round RDP curve, count)`` pairs on the same orders.
+
+    Returns:
+        The composed curve, ``sum count * curve``.
     """
     if not curves:
         raise ValueError("compose_rdp needs at least one (rdp, count) pair")
@@ -74,6 +80,14 @@ def epsilon_from_rdp(orders: np.ndarray, rdp: np.ndarray, delta: float) -> tuple
 
     Balle et al. 2020, Thm 21 / Canonne-Kamath-Steinke 2020, Prop. 12:
     ``eps = rho + log1p(-1/a) - (log delta + log a) / (a - 1)``, clipped at 0.
+
+    Args:
+        orders: the Renyi orders of the curve.
+        rdp: the RDP values at ``orders``.
+        delta: target delta, 0 < delta < 1.
+
+    Returns:
+        ``(epsilon, the order that attains it)``.
     """
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
@@ -88,6 +102,14 @@ def delta_from_rdp(orders: np.ndarray, rdp: np.ndarray, epsilon: float) -> tuple
     """``(delta, best_order)``: the same conversion solved for delta, minimised over ``orders``, capped at 1.
 
     ``log delta = (a-1)(rho - eps) + (a-1) log1p(-1/a) - log a`` (Canonne-Kamath-Steinke 2020, Prop. 12).
+
+    Args:
+        orders: the Renyi orders of the curve.
+        rdp: the RDP values at ``orders``.
+        epsilon: epsilon >= 0.
+
+    Returns:
+        ``(delta, the order that attains it)``.
     """
     if not epsilon >= 0.0:
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
@@ -99,5 +121,13 @@ def delta_from_rdp(orders: np.ndarray, rdp: np.ndarray, epsilon: float) -> tuple
 
 
 def rdp_curve(function: Callable[[float], float], orders: np.ndarray) -> np.ndarray:
-    """Evaluate a one-order RDP function on every order of ``orders``."""
+    """Evaluate a one-order RDP function on every order of ``orders``.
+
+    Args:
+        function: one-round RDP as a function of the order.
+        orders: the Renyi orders of the curve.
+
+    Returns:
+        The curve, one value per order.
+    """
     return np.array([function(float(a)) for a in orders], dtype=np.float64)

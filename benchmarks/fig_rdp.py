@@ -1,4 +1,5 @@
-"""Seed 000's Figures 2 and 3, redone with every curve labelled by what it is.
+"""Figures 2 and 3 of Chen, Cao, Ge, "Renyi DP in the shuffle model: enhanced amplification bounds", ICASSP 2024
+(seed 000), redone with every curve labelled by what it is.
 
 Fig. 2: Renyi DP of one shuffled round against eps0, at order lambda = 4 and n = 1e4.
 Fig. 3: Renyi DP of one shuffled round against lambda, at eps0 = 2 and n = 1e4.

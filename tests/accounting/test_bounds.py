@@ -9,7 +9,17 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from shuffledp.accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError, bounds
+from shuffledp.accounting import (
+    FAMILIES,
+    FAMILY_KINDS,
+    Bound,
+    RefusedError,
+    bounds,
+    clone_pld,
+    composition,
+    families,
+    heterogeneous,
+)
 from shuffledp.accounting import literature as lit
 from shuffledp.accounting.events import ShuffleRound
 
@@ -75,7 +85,8 @@ def test_renyi_composes_linearly_and_has_kinds() -> None:
         ten = bounds.renyi(family, 1.0, 10_000, 4, rounds=10)
         assert one.kind == kind and ten.kind == kind
         assert ten.value == pytest.approx(10 * one.value, rel=EXACT_RTOL)
-    # the ordering seed 000's Fig. 2 is about: exact lower <= clones (upper) <= girgis (upper) at lambda=4
+    # the ordering Fig. 2 of Chen, Cao, Ge (ICASSP 2024, seed 000) is about: exact lower <= clones (upper) <= girgis
+    # (upper) at lambda=4
     rr = bounds.renyi("rr-lower", 2.0, 10_000, 4).value
     assert rr <= bounds.renyi("clones", 2.0, 10_000, 4).value <= bounds.renyi("girgis", 2.0, 10_000, 4).value
 
@@ -387,7 +398,7 @@ def test_many_groups_are_bucketed_on_the_safe_side() -> None:
     for family, direction in (("clones", 1), ("rr-lower", -1)):
         b = bounds.epsilon_for_rounds(family, rounds, 1e-6)
         assert b.details["bucketed"]["groups_before"] == 6
-        unbucketed, _ = bounds._heterogeneous_epsilon(family, items, 6, 1e-6, False)
+        unbucketed, _ = families.lookup(family).heterogeneous_epsilon(items, 6, 1e-6, False)
         # upper: the bucketed rounds dominate (value >=); lower: they are dominated (value <=); both close
         assert direction * (b.value - unbucketed) >= -1e-3 * unbucketed
         assert b.value == pytest.approx(unbucketed, rel=1e-2)
@@ -395,10 +406,10 @@ def test_many_groups_are_bucketed_on_the_safe_side() -> None:
 
 def test_dominating_round_moves_in_the_safe_direction() -> None:
     for n, eps0 in [(1, 0.1), (10, 1.0), (12_345, 2.5), (10**6, 9.99)]:
-        n_up, e_up = bounds._dominating_round(n, eps0, lower=False)
-        assert n_up <= n and e_up >= eps0 and n_up >= n / bounds.HETEROGENEOUS_N_GRID_RATIO - 1
-        n_lo, e_lo = bounds._dominating_round(n, eps0, lower=True)
-        assert n_lo >= n and e_lo <= eps0 and e_lo >= eps0 / bounds.HETEROGENEOUS_EPS0_GRID_RATIO
+        n_up, e_up = heterogeneous.dominating_round(n, eps0, lower=False)
+        assert n_up <= n and e_up >= eps0 and n_up >= n / heterogeneous.HETEROGENEOUS_N_GRID_RATIO - 1
+        n_lo, e_lo = heterogeneous.dominating_round(n, eps0, lower=True)
+        assert n_lo >= n and e_lo <= eps0 and e_lo >= eps0 / heterogeneous.HETEROGENEOUS_EPS0_GRID_RATIO
 
 
 def test_eps0_above_the_supported_maximum_is_rejected_with_the_limit() -> None:
@@ -407,7 +418,7 @@ def test_eps0_above_the_supported_maximum_is_rejected_with_the_limit() -> None:
     assert bounds.epsilon("girgis", 100.0, 1000, 1e-6, rounds=3).value <= 300.0
 
 
-# ------------------------------------------------------------------ PLD re-check: exact, stepped up (fix 2)
+# ------------------------------------------------------------------ PLD re-check: exact, stepped up
 
 
 def test_pld_epsilon_at_huge_composed_losses_is_stepped_up_to_an_exact_certificate() -> None:
@@ -418,7 +429,7 @@ def test_pld_epsilon_at_huge_composed_losses_is_stepped_up_to_an_exact_certifica
     interval = clones.suggested_interval(eps0, n, rounds, "stronger")
     one = clones.clone_pld(eps0, n, "stronger", value_discretization_interval=interval, pessimistic=True)
     composed = pld.compose([(one, rounds)])
-    eps = bounds._pld_epsilon(composed, delta)
+    eps = composition.pld_epsilon(composed, delta)
     assert math.isfinite(eps)
     assert pld.delta_for_epsilon(composed, eps) <= delta  # exactly, no tolerance
     assert eps <= pld.epsilon_for_delta(composed, delta) * (1.0 + bounds.PLD_STEP_UP_RTOL)
@@ -444,8 +455,8 @@ def test_pld_epsilon_never_accepts_a_delta_slightly_above_target(monkeypatch: py
     delta, e0 = 1e-6, 3.0
     e_ok = e0 + 40 * math.ulp(e0)
     fake = _FakePLD(e0, e_ok, delta, delta * (1.0 + 5e-7))
-    monkeypatch.setattr(bounds, "_pld", lambda: fake)
-    eps = bounds._pld_epsilon(object(), delta)
+    monkeypatch.setattr(composition, "_pld", lambda: fake)
+    eps = composition.pld_epsilon(object(), delta)
     assert eps >= e_ok and fake.delta_for_epsilon(None, eps) <= delta
     assert eps <= e0 * (1.0 + bounds.PLD_STEP_UP_RTOL)
 
@@ -453,9 +464,9 @@ def test_pld_epsilon_never_accepts_a_delta_slightly_above_target(monkeypatch: py
 def test_pld_epsilon_raises_when_stepping_up_does_not_reach_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
     delta, e0 = 1e-6, 3.0
     fake = _FakePLD(e0, e0 * 1.01, delta, delta * 1.5)  # needs 1% more: beyond PLD_STEP_UP_RTOL
-    monkeypatch.setattr(bounds, "_pld", lambda: fake)
+    monkeypatch.setattr(composition, "_pld", lambda: fake)
     with pytest.raises(ArithmeticError, match="numerical failure"):
-        bounds._pld_epsilon(object(), delta)
+        composition.pld_epsilon(object(), delta)
 
 
 def test_calibrate_counts_a_numerical_failure_as_failing_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -472,16 +483,16 @@ def test_calibrate_counts_a_numerical_failure_as_failing_the_target(monkeypatch:
     assert real("no-shuffle", b.value, 100, 1e-6, 1).value <= 50.0
 
 
-# ------------------------------------------------------------------ bucketing near EPS0_MAX (fix 3)
+# ------------------------------------------------------------------ bucketing near EPS0_MAX
 
 
 def test_dominating_round_never_rounds_eps0_past_the_cap() -> None:
     from shuffledp.accounting import EPS0_MAX
 
     for eps0 in (EPS0_MAX, 99.9, 99.99):
-        n2, e2 = bounds._dominating_round(1000, eps0, lower=False)
+        n2, e2 = heterogeneous.dominating_round(1000, eps0, lower=False)
         assert eps0 <= e2 <= EPS0_MAX and n2 <= 1000
-    assert bounds._dominating_round(1000, 50.0, lower=False)[1] > 50.0  # still bucketed below the cap
+    assert heterogeneous.dominating_round(1000, 50.0, lower=False)[1] > 50.0  # still bucketed below the cap
 
 
 def test_heterogeneous_rounds_at_eps0_max_are_bucketed_without_leaving_the_range() -> None:
@@ -493,21 +504,20 @@ def test_heterogeneous_rounds_at_eps0_max_are_bucketed_without_leaving_the_range
 
 def test_clones_composed_at_large_eps0_has_finite_losses() -> None:
     # x = 0 at eps0 > ~37: log1p((1-2w)(2x-m)/den) rounded to log1p(-1) = -inf and the PLD refused it.
-    from shuffledp.accounting import clones
 
     for eps0 in (40.0, 100.0):
-        losses, probs, _ = clones._loss_support(eps0, 1000, "stronger", True)
+        losses, probs, _ = clone_pld._loss_support(eps0, 1000, "stronger", True)
         assert np.all(np.isfinite(losses)) and losses.min() == pytest.approx(-eps0, rel=1e-12)
         b = bounds.epsilon("clones", eps0, 1000, 1e-6, 6)
         assert b.details["uncapped"] >= b.value and b.value <= 6 * eps0
 
 
-# ------------------------------------------------------------------ fix 4: refusal before underflow, Renyi order limit
+# ------------------------------------------------------------------ refusal before underflow, Renyi order limit
 
 
 @pytest.mark.parametrize("family", ["ccg-gdp", "ccg-rdp", "canonical-gdp"])
 def test_clt_delta_that_underflows_to_zero_is_refused(family: str) -> None:
-    # delta(5) underflows to 0; the refusal rule used to be skipped and 0.0 returned as an approximate delta.
+    # delta(5) underflows to 0: the refusal rule cannot be shown to hold, so 0.0 must not come back as a value.
     with pytest.raises(RefusedError, match="underflows to 0"):
         bounds.delta(family, 1.0, 10_000, 5.0)
     b = bounds.delta(family, 1.0, 10_000, 5.0, allow_approximate=True)
@@ -528,12 +538,12 @@ def test_pld_epsilon_of_a_lower_bound_is_never_stepped_up(monkeypatch: pytest.Mo
     # For an optimistic (lower-bound) PLD, delta(eps) > delta means eps is below the crossing: safe as it is.
     delta, e0 = 1e-6, 3.0
     fake = _FakePLD(e0, e0 + 40 * math.ulp(e0), delta, delta * (1.0 + 5e-7))
-    monkeypatch.setattr(bounds, "_pld", lambda: fake)
-    assert bounds._pld_epsilon(object(), delta, lower=True) == e0
+    monkeypatch.setattr(composition, "_pld", lambda: fake)
+    assert composition.pld_epsilon(object(), delta, lower=True) == e0
 
 
 def test_rr_lower_at_huge_composed_losses_stays_below_the_upper_families() -> None:
-    lower = bounds.epsilon("rr-lower", 20.0, 100, 1e-6, 1000)  # ArithmeticError before (fix 2)
+    lower = bounds.epsilon("rr-lower", 20.0, 100, 1e-6, 1000)  # a spurious ArithmeticError is what this guards against
     assert lower.kind == "lower"
     assert lower.value <= bounds.epsilon("clones", 20.0, 100, 1e-6, 1000).value
     assert lower.value <= lit.no_shuffle_epsilon(20.0, 1000, 1e-6)
@@ -547,8 +557,8 @@ def test_rr_lower_over_many_rounds_fits_the_grid_and_stays_below_the_upper_bound
         lower = bounds.epsilon("rr-lower", 1.0, 10_000, 1e-6, rounds)
         assert lower.kind == "lower"
         assert 0.0 < lower.value <= bounds.epsilon("clones", 1.0, 10_000, 1e-6, rounds).value
-    hetero = bounds.epsilon_for_rounds("rr-lower", [ShuffleRound(10_000, 1.0)] * 10_000 + [ShuffleRound(100, 1.0)] * 10_000,
-                                       1e-6)
+    mixed = [ShuffleRound(10_000, 1.0)] * 10_000 + [ShuffleRound(100, 1.0)] * 10_000
+    hetero = bounds.epsilon_for_rounds("rr-lower", mixed, 1e-6)
     assert hetero.kind == "lower" and hetero.value > 0.0
 
 
@@ -569,31 +579,32 @@ def test_bucketing_keeps_every_n_below_200_exact() -> None:
     # Each n below 1 / (ratio - 1) = 200 is the only integer of its grid cell: rounding it to the cell's
     # floor (n - 1 before) made a 5-group history 1.6% looser than composing the groups as they are.
     for n in list(range(1, 200)) + [12_345, 10**6]:
-        n_up, _ = bounds._dominating_round(n, 1.0, lower=False)
-        n_lo, _ = bounds._dominating_round(n, 1.0, lower=True)
+        n_up, _ = heterogeneous.dominating_round(n, 1.0, lower=False)
+        n_lo, _ = heterogeneous.dominating_round(n, 1.0, lower=True)
         if n < 200:
             assert n_up == n and n_lo == n
         else:  # still merged on the grid, in the safe direction
-            assert n / bounds.HETEROGENEOUS_N_GRID_RATIO <= n_up <= n <= n_lo <= n * bounds.HETEROGENEOUS_N_GRID_RATIO
+            ratio = heterogeneous.HETEROGENEOUS_N_GRID_RATIO
+            assert n / ratio <= n_up <= n <= n_lo <= n * ratio
     rounds = [ShuffleRound(n, 1.0) for n in (20, 50, 100, 150, 190)]
     items = [(r.n, r.eps0, 1) for r in rounds]
     for family in ("clones", "rr-lower"):
         b = bounds.epsilon_for_rounds(family, rounds, 1e-6)
         assert b.details["bucketed"]["groups_before"] == 5
-        unbucketed, _ = bounds._heterogeneous_epsilon(family, items, 5, 1e-6, False)
+        unbucketed, _ = families.lookup(family).heterogeneous_epsilon(items, 5, 1e-6, False)
         assert b.value == pytest.approx(unbucketed, rel=1e-12)
 
 
 def test_bucketing_moves_a_large_eps0_history_by_well_under_one_percent() -> None:
     # Worst case for eps0: every eps0 just above a grid point, so each is rounded up by almost a full step.
     # The value reacts by about eps0/2 times the relative step: 2.5% at eps0 = 8 with the n grid's 0.5% step.
-    ratio = bounds.HETEROGENEOUS_EPS0_GRID_RATIO
+    ratio = heterogeneous.HETEROGENEOUS_EPS0_GRID_RATIO
     eps0 = ratio ** math.floor(math.log(8.0) / math.log(ratio)) * (1.0 + 1e-9)
     rounds = [ShuffleRound(10**5 + k, eps0) for k in (1, 3, 5, 7, 9)]
     items = [(r.n, r.eps0, 1) for r in rounds]
     b = bounds.epsilon_for_rounds("clones", rounds, 1e-6)
     assert b.details["bucketed"]["groups_before"] == 5
-    unbucketed, _ = bounds._heterogeneous_epsilon("clones", items, 5, 1e-6, False)
+    unbucketed, _ = families.lookup("clones").heterogeneous_epsilon(items, 5, 1e-6, False)
     assert unbucketed <= b.value <= unbucketed * 1.01
 
 
@@ -625,7 +636,7 @@ def test_heterogeneous_pair_interval_keeps_the_composed_grid_bounded() -> None:
     # eps 1e-5 next to eps 10 over many rounds: the relative target alone would ask for ~1e10 grid points.
     from shuffledp.accounting import clones
 
-    h = bounds._heterogeneous_pair_interval([(1e-5, 1000), (10.0, 1000)])
+    h = composition.pair_interval([(1e-5, 1000), (10.0, 1000)])
     width = 1000 * 10.0 * math.tanh(5.0) + 18.0 * math.sqrt(1000 * (100.0 - (10.0 * math.tanh(5.0)) ** 2)) + 20.0
     assert width / h <= clones.MAX_COMPOSED_GRID
-    assert bounds._heterogeneous_pair_interval([(1.0, 10)]) == bounds.HETEROGENEOUS_INTERVAL
+    assert composition.pair_interval([(1.0, 10)]) == bounds.HETEROGENEOUS_INTERVAL

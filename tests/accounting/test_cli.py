@@ -114,7 +114,7 @@ def test_delta_renyi_and_calibrate_json_contracts(capsys: pytest.CaptureFixture[
                              "--n", "10000", "--rounds", "2", "--bound", "ccg-gdp")
     assert obj["bound"] == "ccg-gdp" and obj["kind"] == "approximate" and obj["rounds"] == 2
     assert obj["meaning"].startswith("estimate")
-    # review 41, F2: a calibrated eps0 from a lower bound is a limit, not "the true loss is at least this"
+    # a calibrated eps0 from a lower bound is a limit, not "the true loss is at least this"
     code = main(["account", "calibrate", "--target-epsilon", "1", "--delta", "1e-6", "--n", "10000", "--rounds", "1",
                  "--bound", "rr-lower"])
     out = capsys.readouterr().out
@@ -202,7 +202,8 @@ def test_compare_says_when_a_value_is_the_no_shuffle_cap(capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "capped, see [1]" in out and "no-shuffle value" in out
     (row,) = ok_json_in_process(capsys, *args)["results"]
-    assert row["capped_by_no_shuffle"] is True and row["value"] == bounds.epsilon("no-shuffle", 1.0, 10000, 1e-16, 2).value
+    assert row["capped_by_no_shuffle"] is True
+    assert row["value"] == bounds.epsilon("no-shuffle", 1.0, 10000, 1e-16, 2).value
 
 
 def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -281,7 +282,7 @@ def test_account_imports_no_torch_flwr_grpc_or_matplotlib() -> None:
 
 
 def test_calibrate_at_huge_composed_losses_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
-    # eps0 up to 20 over 1000 rounds: the PLD re-check raised ArithmeticError and the CLI exited 1 (fix 2).
+    # eps0 up to 20 over 1000 rounds: the PLD re-check must not raise ArithmeticError (the CLI would exit 1).
     args = ("account", "calibrate", "--target-epsilon", "5", "--delta", "1e-6", "--n", "100", "--rounds", "1000")
     obj = ok_json_in_process(capsys, *args)
     assert obj["quantity"] == "eps0" and 0.0 < obj["value"] < 20.0
@@ -308,7 +309,7 @@ def test_numerical_failures_exit_2_with_the_reason(
         ("renyi", "--eps0", "4", "--n", "100000", "--order", "300"),  # pmf underflow -> log(0) warning
         ("renyi", "--eps0", "60", "--n", "2", "--order", "300"),  # log1p(-1) at large eps0
         ("delta", "--eps0", "60", "--n", "2", "--epsilon", "0.5"),
-        ("renyi", "--eps0", "6", "--n", "10000", "--order", "256", "--bound", "rr-lower"),  # NaN before (fix 1)
+        ("renyi", "--eps0", "6", "--n", "10000", "--order", "256", "--bound", "rr-lower"),  # overflow must not give NaN
     ],
 )
 def test_extreme_parameters_leak_no_runtime_warning(args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
@@ -338,7 +339,7 @@ def test_n_beyond_the_documented_range_is_refused() -> None:
 
 
 def test_tables_round_bounds_outward(capsys: pytest.CaptureFixture[str]) -> None:
-    # Review 41, F4: the tables printed to nearest, so an upper bound could print below itself (0.14861004244 as
+    # printed to nearest, an upper bound could print below itself (0.14861004244 as
     # 0.1486100424); a calibrated eps0 from an upper bound rounds down (the safe side).
     from shuffledp.accounting import format_bound
 
@@ -360,7 +361,7 @@ def test_tables_round_bounds_outward(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_format_bound_edges() -> None:
-    # Review 43, F5: huge values with decimals, negative zero, a checked digit count.
+    # huge values with decimals, negative zero, a checked digit count.
     from shuffledp.accounting import format_bound
 
     assert format_bound(-0.0, "upper", decimals=4) == "0.0000"

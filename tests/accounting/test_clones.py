@@ -1,8 +1,9 @@
 """Behaviour of shuffledp.accounting.clones and shuffledp.accounting.pld.
 
 The brute-force checks build the clone pairs straight from the papers' definitions (enumerating C, A and
-the Bernoulli bit, for the stronger pair of seed 003 App. C and the FOCS pair of seed 000 Prop. 1) and
-compare every quantity with the fast formulas of shuffledp.accounting.clones.
+the Bernoulli bit, for the stronger pair of Wang, Su, Ye, Shokri, Su (NeurIPS 2023, seed 003) App. C and the
+FOCS pair of Chen, Cao, Ge (ICASSP 2024, seed 000) Prop. 1) and compare every quantity with the fast formulas
+of shuffledp.accounting.clones.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 from scipy import special, stats
 
-from shuffledp.accounting import clones, pld
+from shuffledp.accounting import binomial, clone_pair, clone_pld, clone_renyi, clones, pld
 
 #: Agreement between two exact computations of the same quantity in float64.
 EXACT_RTOL = 1e-9
@@ -117,8 +118,8 @@ def test_renyi_log_space_path_matches_brute_force(variant, eps0, order):
 def test_renyi_reverse_direction_equals_forward_at_larger_n():
     # clone_renyi computes one direction and relies on the symmetry x -> m - x; check it directly
     for variant in clones.VARIANTS:
-        fwd = clones._renyi_one(1.0, 2000, 3.0, variant, reverse=False)
-        rev = clones._renyi_one(1.0, 2000, 3.0, variant, reverse=True)
+        fwd = clone_renyi._renyi_one(1.0, 2000, 3.0, variant, reverse=False)
+        rev = clone_renyi._renyi_one(1.0, 2000, 3.0, variant, reverse=True)
         assert fwd == pytest.approx(rev, rel=1e-10)
 
 
@@ -182,7 +183,7 @@ def test_delta_vanishes_at_eps0_and_is_one_minus_tv_bounded():
 
 def test_stable_at_one_million_users():
     n, eps0 = 1_000_000, 1.0
-    c, pmf, lo, hi = clones._c_distribution(n, eps0, "stronger", clones.EXACT_WINDOW_DROP)
+    c, pmf, lo, hi = clone_pair._c_distribution(n, eps0, "stronger", clones.EXACT_WINDOW_DROP)
     assert np.all(np.isfinite(pmf)) and np.all(pmf >= 0)
     assert math.fsum(pmf) + lo + hi == pytest.approx(1.0, abs=1e-14)
     eps_grid = [0.0, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1]
@@ -190,7 +191,7 @@ def test_stable_at_one_million_users():
     assert all(math.isfinite(x) and 0.0 <= x <= 1.0 for x in deltas)
     assert all(a > b for a, b in zip(deltas, deltas[1:]) if b > 0)
     assert deltas[-1] >= 0.0
-    losses, probs, inf = clones._loss_support(eps0, n, "stronger", True)
+    losses, probs, inf = clone_pld._loss_support(eps0, n, "stronger", True)
     assert np.all(np.isfinite(losses)) and np.all(probs >= 0)
     assert math.fsum(probs) + inf == pytest.approx(1.0, abs=MASS_TOL)
     p1 = clones.clone_pld(eps0, n)
@@ -204,7 +205,7 @@ def test_binomial_log_masses_match_scipy_reference():
     for trials, p in [(999_999, 0.5378828427399902), (10_000, 0.01), (37, 0.5)]:
         mode = int(trials * p)
         k = np.arange(max(0, mode - 2000), min(trials, mode + 2000) + 1)
-        ours = np.exp(clones._binom_logpmf(k, trials, math.log(p), math.log1p(-p)))
+        ours = np.exp(binomial.binom_logpmf(k, trials, math.log(p), math.log1p(-p)))
         ref = stats.binom.pmf(k, trials, p)
         keep = ref > 1e-250
         assert np.max(np.abs(ours[keep] / ref[keep] - 1)) < 1e-11
@@ -525,9 +526,9 @@ def test_accounting_modules_do_not_import_torch_flwr_or_grpc():
 
 @pytest.mark.parametrize("eps0", [1e-8, 1e-7, 1e-6])
 def test_small_eps0_upper_bound_is_not_below_the_exact_value(eps0: float) -> None:
-    # Review 41, F1: 1.0 - 2.0 * w cancelled at small eps0 (relative error ~1e-16/eps0) and scaled every loss, so
-    # at n = 1 (no clones: the mechanism itself, whose epsilon at tiny delta is eps0 up to ~1e-30 relative) the
-    # "upper bound" came out 6e-9 relative below eps0. tanh(eps0/2) has no cancellation.
+    # 1.0 - 2.0 * w cancels at small eps0 (relative error ~1e-16/eps0) and would scale every loss, so at n = 1 (no
+    # clones: the mechanism itself, whose epsilon at tiny delta is eps0 up to ~1e-30 relative) the "upper bound"
+    # would come out 6e-9 relative below eps0. tanh(eps0/2) has no cancellation.
     from shuffledp.accounting import bounds
 
     for rounds in (1, 3):
@@ -536,7 +537,7 @@ def test_small_eps0_upper_bound_is_not_below_the_exact_value(eps0: float) -> Non
 
 
 def test_binomial_tails_are_accurate_at_large_c() -> None:
-    # Review 41, F6: Cephes' bdtrc/bdtr lost ~1e-8 relative at c = 1e7 (1e-6 at 7.5e8), which moved the single-round
+    # Cephes' bdtrc/bdtr lose ~1e-8 relative at c = 1e7 (1e-6 at 7.5e8), which would move the single-round
     # clones epsilon below the exact value at n = 1e8. Reference: a direct mpmath sum of the tail's terms.
     import mpmath as mp
 
@@ -553,7 +554,7 @@ def test_binomial_tails_are_accurate_at_large_c() -> None:
                 exact += term
                 term = term * (c - x) / (x + 1)
                 x += 1
-            ge = clones._tail_ge(np.array([float(k)]), np.array([c]))[0]
-            le = clones._tail_le(np.array([float(c - k)]), np.array([c]))[0]  # P(X <= c-k) = P(X >= k) by symmetry
+            ge = binomial.tail_ge(np.array([float(k)]), np.array([c]))[0]
+            le = binomial.tail_le(np.array([float(c - k)]), np.array([c]))[0]  # P(X <= c-k) = P(X >= k) by symmetry
             assert abs(ge - exact) <= tail_rtol * exact, (z, ge, exact)
             assert abs(le - exact) <= tail_rtol * exact, (z, le, exact)

@@ -36,13 +36,16 @@ def _loaded_after_importing(modules: list[str]) -> list[str]:
 
 def _all_accounting_modules() -> list[str]:
     return sorted(
-        f"shuffledp.accounting.{info.name}" for info in pkgutil.iter_modules(accounting.__path__) if not info.name.startswith("_")
+        f"shuffledp.accounting.{info.name}"
+        for info in pkgutil.iter_modules(accounting.__path__)
+        if not info.name.startswith("_")
     )
 
 
 def test_there_are_modules_to_check() -> None:
     modules = _all_accounting_modules()
-    for expected in ("shuffledp.accounting.bounds", "shuffledp.accounting.literature", "shuffledp.accounting.rdp", "shuffledp.accounting.mechanisms"):
+    for name in ("bounds", "families", "literature", "rdp", "mechanisms", "validation"):
+        expected = f"shuffledp.accounting.{name}"
         assert expected in modules
 
 

@@ -235,7 +235,8 @@ def test_a_round_records_the_batch_it_charged(tmp_path: Path) -> None:
     assert [(r["key_epoch"], r["batch_id"]) for r in rows] == [(None, None), (7, batch.hex()), (2**32 - 1, "ff" * 16)]
     with open(tmp_path / "out.csv", newline="", encoding="utf-8") as handle:
         table = list(csv.DictReader(handle))
-    assert [(r["key_epoch"], r["batch_id"]) for r in table] == [("", ""), ("7", batch.hex()), (str(2**32 - 1), "ff" * 16)]
+    expected = [("", ""), ("7", batch.hex()), (str(2**32 - 1), "ff" * 16)]
+    assert [(r["key_epoch"], r["batch_id"]) for r in table] == expected
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,273 @@
+"""The families composed through privacy loss distributions: the clone pairs (``clones``, ``clones-focs``),
+``fmt``, ``rr-lower`` and ``no-shuffle``.
+
+Sources: Feldman, McMillan, Talwar, "Hiding among the clones", FOCS 2021, and "Stronger privacy amplification by
+shuffling for Renyi and approximate differential privacy", SODA 2023; Wang, Su, Ye, Shokri, Su, "Unified
+enhancement of privacy bounds for mixture mechanisms via f-DP", NeurIPS 2023 (seed 003); Kairouz, Oh, Viswanath,
+"The composition theorem for differential privacy", ICML 2015; Shvets, "Universal shuffle asymptotics: JSD and
+GDP", 2026 (seed 002). The shared PLD pieces are in :mod:`shuffledp.accounting.composition`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from shuffledp.accounting.core import RefusedError
+from shuffledp.accounting.family_base import Details, Family, Items, _clones, _comp, _lit, _pld
+
+__all__ = [
+    "CloneFamily",
+    "FmtFamily",
+    "RrLowerFamily",
+    "NoShuffleFamily",
+    "FMT_DELTA_FRACTIONS",
+    "DELTA_SEARCH_RTOL",
+    "DELTA_SEARCH_FLOOR",
+]
+
+#: Fractions f of delta spent on the per-round delta_1 = f delta / T when composing FMT over T > 1 rounds.
+FMT_DELTA_FRACTIONS: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 0.9)
+#: Relative tolerance of delta when a delta is found by bisection on epsilon (the ``fmt`` family).
+DELTA_SEARCH_RTOL = 1e-9
+#: Smallest delta the bisection of the ``fmt`` family's delta explores.
+DELTA_SEARCH_FLOOR = 1e-300
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Clone pairs (exact single round, pessimistic PLD composition)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class CloneFamily(Family):
+    """A clone pair of the clone reduction (FMT FOCS 2021 Thm 3.1; "stronger clones", FMT SODA 2023).
+
+    Args:
+        name: the family's name.
+        variant: the pair, ``"stronger"`` or ``"focs"`` (:data:`shuffledp.accounting.clones.VARIANTS`).
+    """
+
+    has_renyi = True
+    bucketed = True
+
+    def __init__(self, name: str, variant: str) -> None:
+        self.name = name
+        self.variant = variant
+
+    def _composed_pld(self, eps0: float, n: int, rounds: int) -> tuple[Any, float]:
+        clones = _clones()
+        interval = clones.suggested_interval(eps0, n, rounds, self.variant)
+        one = clones.clone_pld(eps0, n, self.variant, value_discretization_interval=interval, pessimistic=True)
+        return _pld().compose([(one, rounds)]), interval
+
+    def epsilon(self, eps0: float, n: int, delta: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """Exact for one round; pessimistic PLD composition for several (see :meth:`Family.epsilon`)."""
+        if rounds == 1:
+            return float(_clones().clone_epsilon(eps0, n, delta, self.variant)), {"method": "exact"}
+        composed, interval = self._composed_pld(eps0, n, rounds)
+        value = _comp().pld_epsilon(composed, delta)
+        return value, {"method": "pld", "discretisation": "pessimistic", "interval": interval}
+
+    def delta(self, eps0: float, n: int, epsilon: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """Exact for one round; pessimistic PLD composition for several (see :meth:`Family.delta`)."""
+        if rounds == 1:
+            return float(_clones().clone_delta(eps0, n, epsilon, self.variant)), {"method": "exact"}
+        composed, interval = self._composed_pld(eps0, n, rounds)
+        return float(_pld().delta_for_epsilon(composed, epsilon)), {
+            "method": "pld",
+            "discretisation": "pessimistic",
+            "interval": interval,
+        }
+
+    def renyi(self, eps0: float, n: int, order: float) -> float:
+        """Exact Renyi divergence of the pair, max of both directions (see :meth:`Family.renyi`)."""
+        return float(_clones().clone_renyi(eps0, n, order, self.variant))
+
+    def heterogeneous_epsilon(
+        self, items: Items, total: int, delta: float, allow_approximate: bool
+    ) -> tuple[float, Details]:
+        """Pessimistic PLDs of every group on one grid, composed (see :meth:`Family.heterogeneous_epsilon`)."""
+        clones = _clones()
+        interval = _comp().clone_interval(items, total, self.variant)
+        plds = [
+            (clones.clone_pld(eps0, n, self.variant, value_discretization_interval=interval, pessimistic=True), c)
+            for n, eps0, c in items
+        ]
+        return _comp().pld_epsilon(_pld().compose(plds), delta), {
+            "method": "pld",
+            "discretisation": "pessimistic",
+            "interval": interval,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The remaining families: FMT, rr-lower, no-shuffle
+# ---------------------------------------------------------------------------------------------------------
+
+
+class FmtFamily(Family):
+    """``fmt``: Feldman, McMillan, Talwar, FOCS 2021, Theorem 3.1, inside its validity region only."""
+
+    name = "fmt"
+    bucketed = True
+
+    def check(self, eps0: float, n: int, delta: float, allow_approximate: bool) -> None:
+        """Refuse outside eps0 <= log(n / (16 log(2/delta))) (see :meth:`Family.check`)."""
+        _lit().require_fmt_valid(eps0, n, delta)
+
+    def epsilon(self, eps0: float, n: int, delta: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """Thm 3.1 per round at delta_1 = f delta / T, composed by KOV Thm 3.3, best f of
+        :data:`FMT_DELTA_FRACTIONS` (see :meth:`Family.epsilon`)."""
+        lit = _lit()
+        if rounds == 1:
+            return lit.fmt_epsilon(eps0, n, delta), {"method": "closed form, FMT'21 Thm 3.1"}
+        best: tuple[float, float] | None = None
+        reasons = []
+        for frac in FMT_DELTA_FRACTIONS:
+            delta1 = frac * delta / rounds
+            try:
+                eps1 = lit.fmt_epsilon(eps0, n, delta1)
+            except RefusedError as exc:
+                reasons.append(str(exc))
+                continue
+            # KOV Thm 3.3: T-fold (eps1, delta1)-DP is (eps, 1 - (1-delta1)^T (1 - delta_KOV(eps)))-DP.
+            delta_rest = -math.expm1(math.log1p(-delta) - rounds * math.log1p(-delta1))
+            value = lit.no_shuffle_epsilon(eps1, rounds, delta_rest)
+            if best is None or value < best[0]:
+                best = (value, frac)
+        if best is None:
+            raise RefusedError(
+                f"fmt over {rounds} rounds needs each round valid at delta_1 = f*delta/T for some f in "
+                f"{FMT_DELTA_FRACTIONS}; none is: {reasons[-1]}"
+            )
+        return best[0], {"method": "FMT'21 Thm 3.1 per round, KOV composition", "delta_fraction_per_rounds": best[1]}
+
+    def delta(self, eps0: float, n: int, epsilon: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """Smallest delta (to DELTA_SEARCH_RTOL, rounded up) whose fmt epsilon is <= ``epsilon``: bisection on
+        log delta (see :meth:`Family.delta`).
+
+        fmt's epsilon decreases in delta and its validity region grows with delta, so "certified at delta" is
+        monotone; the returned delta is one at which the certificate was checked. If eps0 is valid but FMT's
+        epsilon exceeds the target for every delta < 1, the answer is the vacuous delta = 1 (flagged
+        ``vacuous``); if eps0 is outside the validity region even as delta -> 1, RefusedError.
+        """
+
+        def ok(d: float) -> bool:
+            try:
+                return self.epsilon(eps0, n, d, rounds, allow_approximate)[0] <= epsilon
+            except RefusedError:
+                return False
+
+        hi = 1.0 - 1e-12
+        if not ok(hi):
+            self.epsilon(eps0, n, hi, rounds, allow_approximate)  # raises RefusedError outside the validity region
+            # valid, but FMT's epsilon stays above the target for every delta < 1: only the vacuous delta = 1
+            return 1.0, {"method": "bisection on FMT epsilon", "vacuous": True}
+        lo = DELTA_SEARCH_FLOOR
+        if ok(lo):
+            return lo, {"method": "bisection on FMT epsilon", "floor_reached": True}
+        log_lo, log_hi = math.log(lo), math.log(hi)
+        while log_hi - log_lo > DELTA_SEARCH_RTOL:
+            mid = 0.5 * (log_lo + log_hi)
+            if ok(math.exp(mid)):
+                log_hi = mid
+            else:
+                log_lo = mid
+        return math.exp(log_hi), {"method": "bisection on FMT epsilon", "rtol": DELTA_SEARCH_RTOL}
+
+    def heterogeneous_epsilon(
+        self, items: Items, total: int, delta: float, allow_approximate: bool
+    ) -> tuple[float, Details]:
+        """Thm 3.1 per round at delta/(2T), PLDs of the (eps, delta) worst case composed (see
+        :meth:`Family.heterogeneous_epsilon`)."""
+        comp = _comp()
+        delta1 = 0.5 * delta / total
+        per_round = [(_lit().fmt_epsilon(eps0, n, delta1), c) for n, eps0, c in items]
+        interval = comp.pair_interval(per_round)
+        plds = [(comp.rr_pair_pld(eps1, delta1, interval), c) for eps1, c in per_round]
+        return comp.pld_epsilon(_pld().compose(plds), delta), {
+            "method": "FMT'21 Thm 3.1 per round at delta/(2T), PLD of the (eps, delta) worst case",
+            "discretisation": "pessimistic",
+            "interval": interval,
+        }
+
+
+class RrLowerFamily(Family):
+    """``rr-lower``: the exact loss of shuffled binary randomized response, the others holding 0 (a lower bound
+    for every eps0-LDP randomizer); the likelihood ratio of Shvets 2026 (seed 002), Lemma 3."""
+
+    name = "rr-lower"
+    kind = "lower"
+    has_renyi = True
+    capped = False
+    bucketed = True
+
+    def _composed(self, eps0: float, n: int, rounds: int) -> Any:
+        return _pld().compose([(_comp().rr_lower_pld(eps0, n, rounds), rounds)])
+
+    def epsilon(self, eps0: float, n: int, delta: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """Exact for one round; optimistic PLD composition for several (see :meth:`Family.epsilon`)."""
+        if rounds == 1:
+            return _lit().rr_lower_epsilon(eps0, n, delta), {"method": "exact"}
+        value = _comp().pld_epsilon(self._composed(eps0, n, rounds), delta, lower=True)
+        return value, {"method": "pld", "discretisation": "optimistic"}
+
+    def delta(self, eps0: float, n: int, epsilon: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """Exact for one round; optimistic PLD composition for several (see :meth:`Family.delta`)."""
+        if rounds == 1:
+            return _lit().rr_lower_delta(eps0, n, epsilon), {"method": "exact"}
+        value = float(_pld().delta_for_epsilon(self._composed(eps0, n, rounds), epsilon))
+        return value, {"method": "pld", "discretisation": "optimistic"}
+
+    def renyi(self, eps0: float, n: int, order: float) -> float:
+        """Exact Renyi divergence, max of both directions (see :meth:`Family.renyi`)."""
+        return _lit().rr_lower_renyi(eps0, n, order)
+
+    def heterogeneous_epsilon(
+        self, items: Items, total: int, delta: float, allow_approximate: bool
+    ) -> tuple[float, Details]:
+        """Optimistic PLDs of every group on one grid, composed (see :meth:`Family.heterogeneous_epsilon`)."""
+        comp = _comp()
+        # no finer than the widest group's loss span (at most 2 eps0) over MAX_COMPOSED_GRID: a coarser optimistic
+        # grid only lowers the value, so it stays a lower bound (as for clones, see composition.clone_interval)
+        span = max(2.0 * eps0 for _, eps0, _ in items)
+        floor = max(
+            max(comp.rr_interval_floor(eps0, n, total) for n, eps0, _ in items), span / _clones().MAX_COMPOSED_GRID
+        )
+        interval = max(min(comp.rr_interval(eps0, n, total) for n, eps0, _ in items), floor)
+        plds = [(comp.rr_lower_pld(eps0, n, total, interval), c) for n, eps0, c in items]
+        return comp.pld_epsilon(_pld().compose(plds), delta, lower=True), {
+            "method": "pld",
+            "discretisation": "optimistic",
+            "interval": interval,
+        }
+
+
+class NoShuffleFamily(Family):
+    """``no-shuffle``: every report eps0-DP seen by the server, rounds composed optimally (Kairouz, Oh,
+    Viswanath, ICML 2015, Theorem 3.3). Exact, and the cap of every other non-lower family."""
+
+    name = "no-shuffle"
+    capped = False
+    merge_by_eps0 = True
+
+    def epsilon(self, eps0: float, n: int, delta: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """KOV's exact epsilon (see :meth:`Family.epsilon`)."""
+        return _lit().no_shuffle_epsilon(eps0, rounds, delta), {"method": "exact (Kairouz-Oh-Viswanath)"}
+
+    def delta(self, eps0: float, n: int, epsilon: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """KOV's exact delta (see :meth:`Family.delta`)."""
+        return _lit().no_shuffle_delta(eps0, rounds, epsilon), {"method": "exact (Kairouz-Oh-Viswanath)"}
+
+    def heterogeneous_epsilon(
+        self, items: Items, total: int, delta: float, allow_approximate: bool
+    ) -> tuple[float, Details]:
+        """PLDs of randomized response with each eps0, composed (see :meth:`Family.heterogeneous_epsilon`)."""
+        comp = _comp()
+        interval = comp.pair_interval([(eps0, c) for _, eps0, c in items])
+        plds = [(comp.rr_pair_pld(eps0, 0.0, interval), c) for n, eps0, c in items]
+        return comp.pld_epsilon(_pld().compose(plds), delta), {
+            "method": "pld of randomized response (KOV worst case)",
+            "discretisation": "pessimistic",
+            "interval": interval,
+        }
