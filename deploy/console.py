@@ -138,7 +138,11 @@ class RunConsole:
     def _timing(self, round_number: int, now: float) -> str:
         elapsed = now - self.start
         left = max(0, self.total - round_number)
-        per_round = elapsed / max(1, self._rounds_seen)
+        since_first = now - (self._first_round_at if self._first_round_at is not None else now)
+        if self._rounds_seen >= 3 and since_first >= 2.0:
+            per_round = since_first / (self._rounds_seen - 1)  # the rounds since the first: start-up excluded
+        else:
+            per_round = elapsed / max(1, self._rounds_seen)
         eta = f", ETA {clock(per_round * left)}" if left else ""
         return f"elapsed {clock(elapsed)}{eta}"
 

@@ -43,7 +43,7 @@ def test_round_lines_say_where_the_run_is(monkeypatch) -> None:
                                "far 1.2346 (clones, upper bound, delta 1e-06)")
     assert lines[1].endswith("[elapsed 0:30, ETA 1:30]")
     assert lines[2].startswith("[shuffledp] round 2/4: ") and lines[2].endswith("[elapsed 0:40, ETA 0:40]")
-    assert lines[3] == "[shuffledp] round 3/4: skipped - fewer than k reports [elapsed 0:40, ETA 0:13]"
+    assert lines[3] == "[shuffledp] round 3/4: skipped - fewer than k reports [elapsed 0:40, ETA 0:05]"
     assert lines[4].startswith("[shuffledp] round 4/4: ") and lines[4].endswith("[elapsed 1:00]")  # no ETA at the end
     assert len(lines) == 5  # without a terminal, no phase line between rounds
     assert c.clock(3725) == "1:02:05"

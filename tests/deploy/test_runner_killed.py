@@ -1,6 +1,7 @@
-"""``shuffledp run`` killed with SIGKILL: its watchdog stops the SuperLink and everything below it (before, a
-killed runner left the SuperLink, flower-superexec, flwr-simulation and Ray running: one such simulation spun at
-100% CPU for 16 minutes after the end-to-end test's timeout)."""
+"""``shuffledp run`` stopped from outside. Killed with SIGKILL: its watchdog stops the SuperLink and everything
+below it (without it, a killed runner leaves the SuperLink, flower-superexec, flwr-simulation and Ray running, one
+such simulation at 100% CPU). Interrupted (Ctrl-C, SIGTERM): it says it is stopping, stops everything itself
+within seconds, and leaves nothing for the watchdog."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_a_killed_runner_leaves_nothing_running(tmp_path: Path) -> None:
         runner = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while "round 1:" not in log.read_text():  # the simulation, Ray and the ServerApp are all up
+        while "[shuffledp] round 1/400:" not in log.read_text():  # the simulation, Ray and the ServerApp are all up
             assert runner.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         time.sleep(1.0)  # the watchdog learns of new processes every 0.5 s
@@ -47,6 +48,40 @@ def test_a_killed_runner_leaves_nothing_running(tmp_path: Path) -> None:
             os.killpg(runner.pid, signal.SIGKILL)
             runner.wait()
         for pid in below if "below" in locals() else []:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_an_interrupted_runner_stops_everything_itself_within_seconds(tmp_path: Path) -> None:
+    env = dict(os.environ, SHUFFLEDP_FLWR_HOME=str(tmp_path / "flwr-home"))
+    argv = [sys.executable, "-m", "shuffledp.deploy.cli", "run", "--clients", "4", "--rounds", "400", "--run-name", "i",
+            "--output-dir", str(tmp_path / "outputs"), "--run-config", "min-reports=3 budget-epsilon=100000"]
+    log = tmp_path / "runner.log"
+    with open(log, "w") as out:
+        runner = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    below: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while "[shuffledp] round 1/400:" not in log.read_text():
+            assert runner.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(1.0)
+        below = descendants(runner.pid)
+        t0 = time.monotonic()
+        runner.send_signal(signal.SIGINT)
+        assert runner.wait(60) == 130, log.read_text()[-3000:]
+        took = time.monotonic() - t0
+        text = log.read_text()
+        assert "stopping the simulation" in text and "shuffledp resume" in text, text[-3000:]
+        assert "watchdog" not in text, text[-3000:]  # nothing was left for it
+        left = {pid: _command(pid) for pid in below if alive(pid)}
+        assert left == {}, left
+        print(f"interrupt to exit: {took:.1f} s")  # shown with -s
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait()
+        for pid in below:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 

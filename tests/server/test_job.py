@@ -270,7 +270,7 @@ def test_progress_lines_print_bounds_outward_and_survive_a_failed_evaluation() -
     assert "accuracy n/a, loss n/a (the evaluation failed)" in line
     assert "epsilon so far 0.1235 (clones, upper bound, delta 1e-06)" in line
     # the runner's watcher prints the same rows from report.json, rounded the same way
-    from shuffledp.deploy.runner import _progress_line
+    from shuffledp.deploy.console import progress_line as _progress_line
 
     row = {"round": 3, "n_reports": 12, "accuracy": 0.5, "loss": 1.0, "epsilon": 0.12344, "family": "clones",
            "kind": "upper", "delta": 1e-6}
