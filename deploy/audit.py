@@ -41,17 +41,15 @@ report notes it.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
-import sqlite3
-import sys
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AuditError", "AuditReport", "audit", "main", "read_releases"]
+from shuffledp.deploy.audit_recheck import recheck_epsilons
+
+__all__ = ["AuditError", "AuditReport", "audit", "read_releases", "u32"]
 
 _LISTING_KEYS = ("batch_id", "key_epoch", "round_id", "n", "statement", "signature", "released")
 _U32_MAX = 2**32 - 1  # key epochs are u32 in the envelope binding and the attestation
@@ -80,6 +78,11 @@ class AuditReport:
     reports_charged: int
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: ``verified`` (every audited epoch's lines checked with a key), ``partly verified`` or ``unchecked``
+    signatures: str = "unchecked"
+    #: ledger rows and recorded epsilons recomputed (:mod:`shuffledp.deploy.audit_recheck`)
+    epsilon_rows_checked: int = 0
+    epsilon_values_checked: int = 0
 
     @property
     def ok(self) -> bool:
@@ -101,6 +104,9 @@ class AuditReport:
             "reports_released": self.reports_released,
             "ledger_rounds": self.ledger_rounds,
             "reports_charged": self.reports_charged,
+            "signatures": self.signatures,
+            "epsilon_rows_checked": self.epsilon_rows_checked,
+            "epsilon_values_checked": self.epsilon_values_checked,
             "violations": list(self.violations),
             "notes": list(self.notes),
         }
@@ -151,7 +157,15 @@ def _is_int(value: Any, low: int, high: int | None = None) -> bool:
             and (high is None or value <= high))
 
 
-def _u32(value: Any, what: str) -> int:
+def u32(value: Any, what: str) -> int:
+    """``value`` as a key epoch (a u32 in the envelope binding and the attestation).
+
+    Returns:
+        It, as an int.
+
+    Raises:
+        AuditError: not an integer in [0, 2**32 - 1]; the message starts with ``what``.
+    """
     if not _is_int(value, 0, _U32_MAX):
         raise AuditError(f"{what} must be an integer in [0, {_U32_MAX}] (a u32), got {value!r}")
     return int(value)
@@ -176,7 +190,7 @@ def _check_ledger_rows(name: str, rows: Sequence[Mapping[str, Any]]) -> None:
             raise AuditError(f"ledger {name}, round {rnd}: key_epoch {epoch!r} and batch_id {batch_id!r} name the "
                              "charged batch together (both or neither)")
         if epoch is not None:
-            _u32(epoch, f"ledger {name}, round {rnd}: key_epoch")
+            u32(epoch, f"ledger {name}, round {rnd}: key_epoch")
             if not isinstance(batch_id, str) or not _BATCH_ID_HEX.fullmatch(batch_id):
                 raise AuditError(f"ledger {name}, round {rnd}: batch_id {batch_id!r} is not 32 lowercase hex digits")
 
@@ -277,8 +291,8 @@ def audit(
     if not isinstance(ledgers, Mapping):
         raise TypeError(f"ledgers must map each ledger's name to its rows, got {type(ledgers).__name__}")
     named = key_epochs is not None
-    scope = {_u32(e, "--key-epoch") for e in key_epochs} if key_epochs is not None else set()
-    own_keys = {_u32(e, "the epoch of a verify key"): k for e, k in (epoch_keys or {}).items()}
+    scope = {u32(e, "--key-epoch") for e in key_epochs} if key_epochs is not None else set()
+    own_keys = {u32(e, "the epoch of a verify key"): k for e, k in (epoch_keys or {}).items()}
     if named and not scope:
         raise AuditError("key_epochs is empty: name at least one epoch to audit, or None to audit every epoch")
     if not releases:
@@ -388,6 +402,18 @@ def audit(
         notes.append(f"{len(others)} sealed batch(es) of key epochs {sorted({int(r['key_epoch']) for r in others})} "
                      f"({sum(1 for r in others if r['released'])} released) were left out of the audit by "
                      "--key-epoch")
+    rows_checked = values_checked = 0
+    for name, rows in ledgers.items():
+        recheck = recheck_epsilons(name, rows)
+        violations += recheck.violations
+        notes += recheck.notes
+        rows_checked += recheck.rows_checked
+        values_checked += recheck.values_checked
+    unchecked = sorted(e for e in scope if e not in own_keys and verify_key is None)
+    signatures = "verified" if not unchecked else "unchecked" if len(unchecked) == len(scope) else "partly verified"
+    if unchecked:
+        notes.append(f"the attestations of key epochs {unchecked} were NOT verified (no --shuffler-verify-key): "
+                     "the counts are the shuffler operator's listing, not its signed statements")
     released = [r for r in batches if r["released"]]
     all_rows = [row for rows in ledgers.values() for row in rows]
     return AuditReport(
@@ -400,83 +426,7 @@ def audit(
         reports_charged=sum(int(row["n_reports"]) for row in all_rows),
         violations=violations,
         notes=notes,
+        signatures=signatures,
+        epsilon_rows_checked=rows_checked,
+        epsilon_values_checked=values_checked,
     )
-
-
-def _verify_key_arg(values: Sequence[str]) -> tuple[str | None, dict[int, str]]:
-    """Split the ``--shuffler-verify-key`` values into the bare key (at most one) and ``EPOCH=PATH`` keys."""
-    bare: str | None = None
-    per_epoch: dict[int, str] = {}
-    for value in values:
-        match = re.fullmatch(r"([0-9]+)=(.+)", value, flags=re.DOTALL)
-        if match is None:
-            if bare is not None:
-                raise AuditError(f"--shuffler-verify-key is given twice without an epoch ({bare!r}, {value!r}): "
-                                 "give other epochs' keys as EPOCH=PATH")
-            bare = value
-            continue
-        epoch = _u32(int(match.group(1)), f"the epoch of --shuffler-verify-key {value!r}")
-        if epoch in per_epoch:
-            raise AuditError(f"--shuffler-verify-key names key epoch {epoch} twice")
-        per_epoch[epoch] = match.group(2)
-    return bare, per_epoch
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="shuffledp audit",
-        description="check that every batch the shuffler released was charged in the privacy ledgers",
-    )
-    p.add_argument("--ledger", required=True, action="append",
-                   help="a run's ledger.sqlite; repeat for each run (one per key epoch) the listing covers")
-    p.add_argument("--releases", required=True,
-                   help="the output of 'shuffledp shuffler journal --journal-dir DIR' (JSON lines)")
-    p.add_argument("--shuffler-verify-key", action="append", default=[], metavar="[EPOCH=]PEM",
-                   help="the shuffler's Ed25519 public key (PEM): verifies the audited epochs' attestations; "
-                        "EPOCH=PEM gives one key epoch its own key (repeatable)")
-    p.add_argument("--key-epoch", type=int, action="append",
-                   help="audit only this key epoch (repeatable); default: every epoch in the releases")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``shuffledp audit ...`` (``argv[0]`` is ``"audit"``). Prints the report as JSON on stdout.
-
-    Exit code 0: consistent; 1: violations (listed); 2: the inputs could not be audited (reason on stderr).
-    """
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "audit":
-        args = args[1:]
-    try:
-        ns = _parser().parse_args(args)
-    except SystemExit as exc:
-        return int(exc.code) if isinstance(exc.code, int) else 2
-    from shuffledp.accounting.ledger import Ledger, LedgerError
-
-    try:
-        with open(ns.releases, encoding="utf-8") as fh:
-            releases = read_releases(fh.read())
-        bare, per_epoch = _verify_key_arg(ns.shuffler_verify_key)
-        from shuffledp.shuffler.keys import load_public_key
-
-        verify_key = load_public_key(bare, "ed25519") if bare is not None else None
-        epoch_keys = {epoch: load_public_key(path, "ed25519") for epoch, path in per_epoch.items()}
-        ledgers: dict[str, list[dict[str, Any]]] = {}
-        seen: dict[str, str] = {}
-        for path in ns.ledger:
-            real = os.path.realpath(path)
-            if real in seen:
-                raise AuditError(f"--ledger {path} is given twice (as {seen[real]!r})")
-            seen[real] = path
-            with Ledger(path, read_only=True) as ledger:  # the audit leaves the evidence as it was
-                ledgers[path] = ledger.rows()
-        report = audit(ledgers, releases, key_epochs=ns.key_epoch, verify_key=verify_key, epoch_keys=epoch_keys)
-    except (AuditError, LedgerError, OSError, ValueError, sqlite3.Error) as exc:
-        sys.stderr.write(f"shuffledp audit: {exc}\n")
-        return 2
-    sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

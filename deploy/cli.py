@@ -9,7 +9,7 @@ grpc, and ``shuffledp shuffler serve`` never imports torch or flwr.
     shuffledp keys ...           -> shuffledp.shuffler.cli
     shuffledp run|resume ...     -> shuffledp.deploy.runner
     shuffledp deploy ...         -> shuffledp.deploy.deploy_cli
-    shuffledp audit ...          -> shuffledp.deploy.audit
+    shuffledp audit ...          -> shuffledp.deploy.audit_cli
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _ROUTES: dict[str, str] = {
     "run": "shuffledp.deploy.runner",
     "resume": "shuffledp.deploy.runner",
     "deploy": "shuffledp.deploy.deploy_cli",
-    "audit": "shuffledp.deploy.audit",
+    "audit": "shuffledp.deploy.audit_cli",
 }
 
 _USAGE = """usage: shuffledp <command> [...]   (shuffledp --version: the installed version)

@@ -46,7 +46,7 @@ from shuffledp.deploy.errors import DeployError, DeployUsageError
 from shuffledp.deploy.flower import RUN_CONFIG_RULE, parse_run_config_args
 from shuffledp.deploy.keys import DEFAULT_KEY_EPOCH, DeployKeys, create_deploy_keys
 from shuffledp.deploy.local import LocalDeployment, run_local
-from shuffledp.deploy.processes import Interrupted
+from shuffledp.deploy.processes import Interrupted, platform_problem
 from shuffledp.deploy.timeline import format_report
 from shuffledp.deploy.watchdog import WatchdogError
 
@@ -256,6 +256,10 @@ def _time_work(node_config_path: Path, repeat: int) -> int:
         raise DeployError(f"cannot read the node config {node_config_path}: {exc}") from None
     if "eps0" not in node:
         raise DeployError(f"{node_config_path} pins no eps0: it is not a device's node config (see `deploy bundle`)")
+    print(f"shuffledp deploy: timing this device's worst-case request {repeat} time(s) under its pinned limits "
+          f"(max-local-epochs {node.get('max-local-epochs', '?')}, min-batch-size {node.get('min-batch-size', '?')}, "
+          f"max-model-parameters {node.get('max-model-parameters', '?')}); this can take minutes ...",
+          file=sys.stderr, flush=True)
     try:
         result = time_worst_case(node, repeat=repeat)
     except ValueError as exc:  # ClientSetupError (keys, limits, data settings), a bad --repeat, unloadable data
@@ -296,6 +300,9 @@ def main(argv: Sequence[str]) -> int:
             return _bundle(args)
         if args.action == "time-work":
             return _time_work(args.node_config, args.repeat)
+        problem = platform_problem()
+        if problem is not None:
+            raise DeployUsageError(f"deploy local {problem}")
         cfg = LocalDeployment(nodes=args.nodes, rounds=args.rounds, workdir=args.workdir, keys_dir=args.keys,
                               app_dir=args.app, eps0=args.eps0, clip_l1=args.clip_l1,
                               min_reports=args.min_reports, reply_timeout=args.reply_timeout,

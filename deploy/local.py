@@ -264,10 +264,17 @@ def _prepare_keys(cfg: LocalDeployment, work: Path) -> tuple[DeployKeys, int]:
     return keys, int(manifest["key-epoch"])
 
 
+def _say(run: _Run, text: str) -> None:
+    """One progress line of the deployment's start-up, with the seconds since it began."""
+    run.out.write(f"[deploy {time.monotonic() - run.t_start:5.1f} s] {text} ...\n")
+    run.out.flush()
+
+
 def _start_services(run: _Run) -> None:
     """Start the SuperLink (and a separate ServerApp executor), the shuffler and the SuperNodes."""
     cfg, logs, work = run.cfg, run.logs, run.work
     # the SuperLink: TLS, node authentication, a file database (`:memory:` fails under load)
+    _say(run, f"starting the SuperLink (TLS, node authentication; logs in {logs})")
     run.address = start_superlink(run.group, run.keys, work / "superlink", run.base_env, logs / "superlink.log",
                                   host=run.host, isolation=cfg.isolation)
     if cfg.isolation == "process":
@@ -276,12 +283,14 @@ def _start_services(run: _Run) -> None:
     write_flower_config(work / "cli-home", run.address, run.keys.superlink_ca_cert)
 
     # the shuffler service (mTLS; its own key files)
+    _say(run, "starting the shuffler (mTLS)")
     t = time.monotonic()
     run.shuffler = start_shuffler(run.keys, logs / "shuffler.log", watchdog=run.watchdog)
     run.timings["shuffler-start-s"] = time.monotonic() - t
     refuse_a_spent_key_epoch(run.shuffler, run.key_epoch)
 
     # register each SuperNode's public key, then start the SuperNodes
+    _say(run, f"registering and starting {cfg.nodes} SuperNode(s)")
     with ThreadPoolExecutor(max_workers=min(8, cfg.nodes)) as pool:  # each `flwr` call starts Python
         node_ids = list(pool.map(lambda i: register_supernode(run.cli_env, run.keys.supernode_pub(i)),
                                  range(cfg.nodes)))

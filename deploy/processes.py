@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,6 +32,7 @@ __all__ = [
     "kill_group",
     "session_children",
     "start_time",
+    "platform_problem",
     "descendants",
     "alive",
     "tail",
@@ -53,6 +55,20 @@ def _stat_fields(pid: int | str) -> list[str] | None:
         return None
     fields = text[text.rfind(")") + 1:].split()
     return fields if len(fields) >= 4 else None
+
+
+def platform_problem() -> str | None:
+    """Why this machine cannot supervise Flower's processes (``/proc`` and ``os.pidfd_open`` are Linux's), for
+    ``shuffledp run``, ``resume`` and ``deploy local`` to refuse at start; None on Linux.
+
+    Returns:
+        The reason, naming the platform and what works elsewhere, or None.
+    """
+    if sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and Path("/proc/self/stat").is_file():
+        return None
+    return (f"needs Linux (it supervises Flower's processes through /proc and os.pidfd_open; this is "
+            f"{sys.platform}). On macOS or Windows run it in a Linux container or WSL2; `shuffledp account`, "
+            "`keys` and `shuffler serve` work anywhere")
 
 
 def start_time(pid: int) -> int | None:

@@ -54,7 +54,7 @@ from shuffledp.deploy.flower import (
     write_flower_config,
 )
 from shuffledp.deploy.flower_app import AppNotFoundError, find_app_dir
-from shuffledp.deploy.processes import ProcessGroup, start_time
+from shuffledp.deploy.processes import ProcessGroup, platform_problem, start_time
 from shuffledp.deploy.processes import alive as _alive
 from shuffledp.deploy.processes import descendants as _descendants
 from shuffledp.deploy.watchdog import DeployWatchdog, Kind, WatchdogError
@@ -360,15 +360,6 @@ def _app_dir(out_dir: Path) -> Path:
         raise RunnerError(str(exc)) from None
 
 
-def _platform_problem() -> str | None:
-    """Why this machine cannot supervise a run (``/proc`` and ``os.pidfd_open`` are Linux's), or None."""
-    if sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and Path("/proc/self/stat").is_file():
-        return None
-    return (f"needs Linux (it supervises Flower's processes through /proc and os.pidfd_open; this is "
-            f"{sys.platform}). On macOS or Windows run it in a Linux container or WSL2; `shuffledp account`, "
-            "`keys` and `shuffler serve` work anywhere")
-
-
 def _total_rounds(spec: Mapping[str, Any]) -> int:
     from shuffledp.server.config import DEFAULTS
 
@@ -392,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] not in ("run", "resume"):
         sys.stderr.write("usage: shuffledp run [options] | shuffledp resume RUN\n")
         return 2
-    problem = _platform_problem()
+    problem = platform_problem()
     if problem is not None:
         sys.stderr.write(f"shuffledp {args[0]}: {problem}\n")
         return 2

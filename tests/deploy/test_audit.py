@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from shuffledp.accounting.bounds import epsilon_for_rounds
+from shuffledp.accounting.events import ShuffleRound
 from shuffledp.accounting.ledger import Ledger
-from shuffledp.deploy.audit import AuditError, AuditReport, audit, main, read_releases
+from shuffledp.deploy.audit import AuditError, AuditReport, audit, read_releases
+from shuffledp.deploy.audit_cli import main
 from shuffledp.shuffler.attestation import DROP_REASONS, Attestation, sign_statement
 from shuffledp.shuffler.keys import save_public_key
 
@@ -44,6 +47,12 @@ def _rows(*pairs: tuple[int, int], epoch: int | None = 0) -> list[dict]:
              "batch_id": None if epoch is None else (bytes([r + 16 * epoch]) * 16).hex()} for r, n in pairs]
 
 
+def _honest(ns: list[int], eps0: float = 2.0, delta: float = 1e-6, family: str = "clones") -> list[float]:
+    """The cumulative epsilons an honest ledger records after rounds of ``ns`` reports each."""
+    return [epsilon_for_rounds(family, [ShuffleRound(n=n, eps0=eps0) for n in ns[: i + 1]], delta).value
+            for i in range(len(ns))]
+
+
 def _audit(rows: list[dict], lines: list[dict], **kwargs: object) -> AuditReport:
     return audit({"L": rows}, lines, **kwargs)  # type: ignore[arg-type]
 
@@ -66,11 +75,11 @@ def test_charged_with_another_count_is_a_violation() -> None:
 
 
 def test_over_charging_is_noted_not_a_violation() -> None:
-    rep = _audit(_rows((1, 10), (2, 9), (3, 7)), [_line(1, 10), _line(2, 9, released=False)])
+    rep = _audit(_rows((1, 10), (2, 9), (3, 7)), [_line(1, 10), _line(2, 9, released=False)], verify_key=_PK_RAW)
     assert rep.ok and rep.batches_sealed == 2 and rep.batches_released == 1
     assert len(rep.notes) == 2 and "round 2" in rep.notes[0] and "round 3" in rep.notes[1]
     # a sealed batch that was neither released nor charged is noted too
-    rep = _audit(_rows((1, 10)), [_line(1, 10), _line(2, 9, released=False)])
+    rep = _audit(_rows((1, 10)), [_line(1, 10), _line(2, 9, released=False)], verify_key=_PK_RAW)
     assert rep.ok and rep.notes == ["round 2: sealed, never released, not charged (nothing left the shuffler)"]
 
 
@@ -97,7 +106,7 @@ def test_an_old_ledger_is_matched_by_round_in_the_only_audited_epoch() -> None:
     # beside a ledger that records its epoch, an older one takes the audited epoch left
     both = audit({"old": _rows((1, 10), epoch=None), "new": _rows((1, 4), epoch=1)}, lines)
     assert both.ok and both.ledger_epochs == {"old": 0, "new": 1}
-    rep = _audit(_rows((1, 10), epoch=None), lines, key_epochs=[0])
+    rep = _audit(_rows((1, 10), epoch=None), lines, key_epochs=[0], verify_key=_PK_RAW)
     assert rep.ok and rep.batches_sealed == 1 and rep.key_epochs == [0] and rep.ledger_epochs == {"L": 0}
     # the matching by round alone is noted, and the left-out epoch's batch is not silently dropped from the report
     assert rep.notes == ["ledger L does not record which batch rounds [1] charged (written by an older "
@@ -268,7 +277,7 @@ def test_malformed_listing_lines_are_refused_by_number(text: str, match: str) ->
 def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ledger_path = tmp_path / "ledger.sqlite"
     with Ledger(ledger_path) as ledger:
-        for rnd, n, eps in ((1, 10, 1.0), (2, 9, 1.5)):
+        for rnd, n, eps in zip((1, 2), (10, 9), _honest([10, 9])):
             ledger.append(round=rnd, n_reports=n, eps0=2.0, mechanism="laplace", delta=1e-6,
                           epsilons={"clones": eps}, kinds={"clones": "upper"})
     key = tmp_path / "shuffler-signing.pub"
@@ -277,7 +286,7 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     good.write_text("".join(json.dumps(x) + "\n" for x in (_line(1, 10), _line(2, 9))))
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps(x) + "\n" for x in (_line(1, 10), _line(2, 9), _line(3, 5))))
-    base = ["audit", "--ledger", str(ledger_path), "--shuffler-verify-key", str(key), "--releases"]
+    base = ["audit", "--json", "--ledger", str(ledger_path), "--shuffler-verify-key", str(key), "--releases"]
     assert main(base + [str(good)]) == 0 and json.loads(capsys.readouterr().out)["ok"] is True
     assert main(base + [str(bad)]) == 1
     assert "round 3" in json.loads(capsys.readouterr().out)["violations"][0]
@@ -292,13 +301,15 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     sk1 = _SK1.private_bytes_raw()
     ledger1 = tmp_path / "ledger-epoch1.sqlite"
     with Ledger(ledger1) as ledger:
-        ledger.append(round=1, n_reports=4, eps0=2.0, mechanism="laplace", delta=1e-6, epsilons={"clones": 1.0},
-                      kinds={"clones": "upper"}, key_epoch=1, batch_id=_line(1, 4, epoch=1)["batch_id"])
+        ledger.append(round=1, n_reports=4, eps0=2.0, mechanism="laplace", delta=1e-6,
+                      epsilons={"clones": _honest([4])[0]}, kinds={"clones": "upper"}, key_epoch=1,
+                      batch_id=_line(1, 4, epoch=1)["batch_id"])
     key1 = tmp_path / "epoch1.pub"
     save_public_key(key1, _PK1_RAW, "ed25519")
     two = tmp_path / "two.jsonl"
     two.write_text("".join(json.dumps(x) + "\n" for x in (_line(1, 4, epoch=1, key=sk1), _line(1, 10), _line(2, 9))))
-    two_runs = ["audit", "--ledger", str(ledger1), "--releases", str(two), "--shuffler-verify-key", f"1={key1}"]
+    two_runs = ["audit", "--json", "--ledger", str(ledger1), "--releases", str(two),
+                "--shuffler-verify-key", f"1={key1}"]
     assert main(two_runs) == 1  # epoch 0's released batches: no ledger given charges them
     assert "no ledger given charged key epoch 0" in json.loads(capsys.readouterr().out)["violations"][0]
     assert main(two_runs + ["--key-epoch", "1"]) == 0
@@ -335,3 +346,53 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     conn.close()
     assert main(["audit", "--ledger", str(broken), "--releases", str(good)]) == 2
     assert "cannot read the ledger" in capsys.readouterr().err
+
+
+def test_signatures_left_unchecked_are_said_so() -> None:
+    rep = _audit(_rows((1, 10)), [_line(1, 10)])
+    assert rep.ok and rep.signatures == "unchecked"
+    assert "were NOT verified (no --shuffler-verify-key)" in rep.notes[-1]
+    assert rep.to_dict()["signatures"] == "unchecked"
+    assert _audit(_rows((1, 10)), [_line(1, 10)], verify_key=_PK_RAW).signatures == "verified"
+    lines = [_line(1, 10), _line(1, 4, epoch=1, key=_SK1.private_bytes_raw())]
+    rows = {"A": _rows((1, 10)), "B": _rows((1, 4), epoch=1)}
+    assert audit(rows, lines, epoch_keys={1: _PK1_RAW}).signatures == "partly verified"
+
+
+def test_the_ledgers_epsilons_are_recomputed() -> None:
+    """Each row's cumulative epsilon is recomputed from the rows' (n, eps0): an upper bound recorded below it is a
+    violation (the ledger understates what was spent), one recorded above it only a note."""
+    honest = _honest([10, 9])
+
+    def rows(values: list[float]) -> list[dict]:
+        out = _rows((1, 10), (2, 9))
+        for row, value in zip(out, values):
+            row.update(eps0=2.0, delta=1e-6, epsilons={"clones": {"value": value, "kind": "upper", "reason": None}})
+        return out
+
+    lines = [_line(1, 10), _line(2, 9)]
+    rep = _audit(rows(honest), lines, verify_key=_PK_RAW)
+    assert rep.ok and rep.notes == [] and (rep.epsilon_rows_checked, rep.epsilon_values_checked) == (2, 2)
+    rep = _audit(rows([honest[0], honest[1] * 0.9]), lines, verify_key=_PK_RAW)
+    assert not rep.ok and rep.violations[0].startswith("L: round 2, clones: recorded epsilon")
+    assert "understates the privacy spent" in rep.violations[0]
+    rep = _audit(rows([honest[0] * 1.1, honest[1]]), lines, verify_key=_PK_RAW)
+    assert rep.ok and rep.notes[0].startswith("L: round 1, clones: recorded epsilon")
+
+
+def test_the_table_is_the_default_and_json_on_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ledger_path = tmp_path / "ledger.sqlite"
+    with Ledger(ledger_path) as ledger:
+        ledger.append(round=1, n_reports=10, eps0=2.0, mechanism="laplace", delta=1e-6,
+                      epsilons={"clones": _honest([10])[0]}, kinds={"clones": "upper"})
+    listing = tmp_path / "releases.jsonl"
+    listing.write_text(json.dumps(_line(1, 10)) + "\n")
+    assert main(["audit", "--ledger", str(ledger_path), "--releases", str(listing)]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].startswith("result") and "OK: every released batch" in out
+    table = dict(line.split("  ", 1) for line in out.splitlines() if line and not line.startswith(" "))
+    assert table["signatures"].strip() == "unchecked"
+    assert table["epsilons recomputed"].strip() == "1 values in 1 rows"
+    assert "signatures were not (all) checked" in err
+    assert main(["audit", "--json", "--ledger", str(ledger_path), "--releases", str(listing)]) == 0
+    assert json.loads(capsys.readouterr().out)["signatures"] == "unchecked"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,11 +58,15 @@ def test_errors_found_before_anything_starts(tmp_path: Path, capsys: pytest.Capt
 
 def test_other_platforms_are_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner.sys, "platform", "darwin")
+    monkeypatch.setattr(sys, "platform", "darwin")
     assert runner.main(["run", "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "needs Linux" in err and "this is darwin" in err and "shuffledp account" in err
     assert list(tmp_path.iterdir()) == []
+    from shuffledp.deploy import deploy_cli
+
+    assert deploy_cli.main(["deploy", "local", "--workdir", str(tmp_path / "w")]) == 2
+    assert "deploy local needs Linux" in capsys.readouterr().err and not (tmp_path / "w").exists()
 
 
 def test_resuming_a_finished_run_starts_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -143,8 +143,10 @@ def test_an_honest_listing_passes_the_audit_across_a_key_rotation(
     same listing with one line's epoch relabelled does (shuffledp.deploy.audit)."""
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
+    from shuffledp.accounting.bounds import epsilon_for_rounds
+    from shuffledp.accounting.events import ShuffleRound
     from shuffledp.accounting.ledger import Ledger
-    from shuffledp.deploy.audit import main as audit
+    from shuffledp.deploy.audit_cli import main as audit
     from shuffledp.shuffler.keys import save_public_key
 
     def seal(core: ShufflerCore, n: int, round_id: int, epoch: int, empty: int = 0):
@@ -178,9 +180,10 @@ def test_an_honest_listing_passes_the_audit_across_a_key_rotation(
     for epoch, sealed in ((0, sealed0), (1, sealed1)):
         ledgers[epoch] = tmp_path / f"ledger{epoch}.sqlite"
         with Ledger(ledgers[epoch]) as ledger:
-            for sb in sealed:
+            for i, sb in enumerate(sealed):  # the cumulative epsilon an honest server records (the audit checks it)
+                eps = epsilon_for_rounds("clones", [ShuffleRound(n=s.n, eps0=2.0) for s in sealed[: i + 1]], 1e-6)
                 ledger.append(round=sb.round_id, n_reports=sb.n, eps0=2.0, mechanism="laplace", delta=1e-6,
-                              epsilons={"clones": 1.0}, kinds={"clones": "upper"}, key_epoch=sb.key_epoch,
+                              epsilons={"clones": eps.value}, kinds={"clones": "upper"}, key_epoch=sb.key_epoch,
                               batch_id=sb.batch_id)
     both = ["--ledger", str(ledgers[0]), "--ledger", str(ledgers[1])]
     scopes = [
@@ -192,7 +195,7 @@ def test_an_honest_listing_passes_the_audit_across_a_key_rotation(
          "--shuffler-verify-key", f"0={pk0}"],
     ]
     for extra in scopes:
-        code = audit(["audit", "--releases", str(listing), *extra])
+        code = audit(["audit", "--json", "--releases", str(listing), *extra])
         report = json.loads(capsys.readouterr().out)
         assert (code, report["violations"]) == (0, []), extra
     assert report["reports_released"] == report["reports_charged"] == 6
@@ -204,7 +207,7 @@ def test_an_honest_listing_passes_the_audit_across_a_key_rotation(
             line["key_epoch"] = 9
     listing.write_text("".join(json.dumps(line) + "\n" for line in lines))
     for extra in scopes[2], scopes[2][:4]:  # with epoch 0's key, and with no key at all
-        assert audit(["audit", "--releases", str(listing), *extra]) == 1
+        assert audit(["audit", "--json", "--releases", str(listing), *extra]) == 1
         report = json.loads(capsys.readouterr().out)
         assert [v.split(" (")[0] for v in report["violations"]] == ["key epoch 9, round 2"], extra
         assert "names (batch, epoch, round, n)" in report["violations"][0]
