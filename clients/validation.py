@@ -2,10 +2,10 @@
 the models and the data helpers.
 
 A bool is an ``int`` to Python but never a valid count, size or scale here, so every check refuses it. Two
-contracts are in use and kept apart: :func:`require_int` raises one ``ValueError`` for a setting that is not an
-int in range; :func:`check_int` and :func:`check_positive_finite` (the randomizer's and the report format's
-arguments, which also take NumPy scalars) raise ``TypeError`` for a value of the wrong type and ``ValueError`` for
-one out of range.
+contracts are in use and kept apart: :func:`require_int` (the shuffler's, re-exported) raises one ``ValueError``
+for a setting that is not an int in range; :func:`check_int` and :func:`check_positive_finite` (the randomizer's
+and the report format's arguments, which also take NumPy scalars) raise ``TypeError`` for a value of the wrong
+type and ``ValueError`` for one out of range.
 """
 
 from __future__ import annotations
@@ -14,29 +14,9 @@ import math
 
 import numpy as np
 
+from shuffledp.shuffler.validation import require_int  # the same contract as the shuffler's settings
+
 __all__ = ["require_int", "check_int", "check_positive_finite"]
-
-
-def require_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    """Return ``value`` if it is a Python int (not a bool) in ``[low, high]`` (``>= low`` if ``high`` is None).
-
-    Args:
-        name: how the message names the parameter.
-        value: the value to check.
-        low: the smallest allowed value.
-        high: the largest allowed value, or None for no upper bound.
-
-    Returns:
-        ``value``, unchanged.
-
-    Raises:
-        ValueError: ``"<name> must be an int in [low, high], got <value!r>"`` (or ``>= low``).
-    """
-    if (isinstance(value, bool) or not isinstance(value, int) or value < low
-            or (high is not None and value > high)):
-        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
-    return value
 
 
 def check_int(name: str, value: object, low: int, high: int) -> int:
