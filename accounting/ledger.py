@@ -13,7 +13,8 @@ intact and no partial round. The ledger is append-only: triggers make SQLite its
 
 Schema (version 1)::
 
-    meta(key TEXT PRIMARY KEY, value TEXT)                     -- format, schema version, creation time
+    meta(key TEXT PRIMARY KEY, value TEXT)                     -- format, schema version, creation time,
+                                                               -- versions (JSON, see below)
     rounds(round INTEGER PRIMARY KEY, time TEXT, n_reports INTEGER, eps0 REAL, mechanism TEXT,
            delta REAL, default_family TEXT)
     epsilons(round INTEGER REFERENCES rounds, family TEXT, value REAL NULL, kind TEXT, reason TEXT NULL,
@@ -25,6 +26,12 @@ The ``batches`` table was added to schema version 1 later (an additive change: o
 ledger written before it gets the table when it is next opened for writing; its earlier rounds have no batch
 row, and :meth:`Ledger.rows` reports ``key_epoch`` and ``batch_id`` as None for them. A round recorded with
 its batch lets ``shuffledp audit`` match the shuffler's release record by batch id, not by round number alone.
+
+The ``versions`` meta key is another additive part of version 1: a JSON object, distribution -> version, of
+shuffledp and the libraries the epsilons are computed with (:func:`shuffledp.accounting.versions.library_versions`),
+written when the ledger is created. A ledger created before the key existed opens and verifies as before;
+:meth:`Ledger.versions` returns None for it, and nothing is added later (the rounds already in it were computed by
+unknown versions, and ``meta`` is append-only).
 """
 
 from __future__ import annotations
@@ -34,13 +41,12 @@ import io
 import json
 import os
 import sqlite3
-import tempfile
-import urllib.parse
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shuffledp.accounting.ledger_files import atomic_write, connect_read_only, release_side_files, side_files
 from shuffledp.accounting.ledger_schema import (
     BATCH_ID_BYTES,
     BATCH_KEYS,
@@ -51,14 +57,17 @@ from shuffledp.accounting.ledger_schema import (
     ROW_KEYS,
     SCHEMA,
     TRIGGER_NAMES,
+    VERSIONS_KEY,
     LedgerError,
     check_batch,
     check_int,
+    parse_versions,
     rollback,
     trigger_statements,
     utc_now,
     validate_record,
 )
+from shuffledp.accounting.versions import library_versions
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from shuffledp.accounting.accountant import ShuffleAccountant
@@ -74,9 +83,10 @@ class Ledger:
         create: allow creating a new ledger file.
         read_only: open for reading only (implies ``create=False``): SQLite refuses every write through this
             connection and nothing is added to an older ledger (no table, no trigger), so an auditor's look
-            leaves the ledger file as it was (SQLite may leave ``-wal``/``-shm`` side files next to it,
-            owned by the reader; a reader who cannot write the directory must read a copy).
-            :meth:`append` and :meth:`record` then raise LedgerError.
+            leaves the ledger file as it was. The ``-wal``/``-shm`` side files SQLite needs to read a WAL
+            database are removed again at :meth:`close` if this reader created them and no other connection
+            uses them (:func:`shuffledp.accounting.ledger_files.release_side_files`); a reader who cannot write
+            the directory must read a copy. :meth:`append` and :meth:`record` then raise LedgerError.
 
     Raises:
         LedgerError: the file is missing (``create=False``) or is not a shuffledp ledger of a known version.
@@ -94,9 +104,11 @@ class Ledger:
         # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT) below.
         if not self.path.parent.is_dir():
             raise LedgerError(f"cannot open the ledger {str(self.path)!r}: its directory does not exist")
+        # Which side files were there before this reader: only those it created may be removed at close.
+        self._side_files_before = any(side.exists() for side in side_files(self.path))
         try:
             if self.read_only:
-                self._conn = self._connect_read_only()
+                self._conn = connect_read_only(self.path)
             else:
                 self._conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
         except sqlite3.Error as exc:
@@ -104,33 +116,11 @@ class Ledger:
         try:
             self._setup(create)
         except sqlite3.DatabaseError as exc:  # e.g. a table with the expected name but other columns
-            self._conn.close()
+            self.close()
             raise LedgerError(f"{str(self.path)!r} is not a readable shuffledp ledger: {exc}") from None
         except BaseException:
-            self._conn.close()
+            self.close()
             raise
-
-    def _connect_read_only(self) -> sqlite3.Connection:
-        """Open with SQLite's ``mode=ro``: every committed round is read, including those still in the write-ahead
-        log. SQLite needs the ``-wal`` and ``-shm`` files next to the ledger for that and creates them (owned
-        by the reader) if they are missing; the ledger file itself is not changed. A reader who cannot write the
-        directory gets a LedgerError saying to read a copy: reading the main file alone (``immutable``) would
-        miss rounds still in the log, or read a file a writer is changing."""
-        uri = "file:" + urllib.parse.quote(os.fsencode(self.path.resolve())) + "?mode=ro"  # bytes: any file name
-        conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0)
-        try:
-            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-        except sqlite3.OperationalError as exc:
-            conn.close()
-            if "readonly" in str(exc) or "unable to open" in str(exc):
-                raise LedgerError(
-                    f"cannot read the ledger {str(self.path)!r} read-only ({exc}): SQLite needs write access to its "
-                    "directory for the side files of a WAL database (or to roll back a crashed write): copy the "
-                    "ledger with any -wal or -journal file beside it to a directory you can write, and read the copy "
-                    "(a writable open of the copy rolls a crashed write back)"
-                ) from None
-            raise
-        return conn
 
     # -- setup -------------------------------------------------------------------------------------------------
     def _setup(self, create: bool) -> None:
@@ -161,6 +151,7 @@ class Ledger:
                         ("format", LEDGER_FORMAT),
                         ("schema_version", str(LEDGER_SCHEMA_VERSION)),
                         ("created", utc_now()),
+                        (VERSIONS_KEY, json.dumps(library_versions(), sort_keys=False)),
                     ],
                 )
                 conn.execute("COMMIT")
@@ -197,13 +188,21 @@ class Ledger:
             except BaseException:
                 rollback(conn)
                 raise
+        parse_versions(meta.get(VERSIONS_KEY))  # absent in a ledger created before the key: fine; damaged: refused
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         self._has_batches = "batches" in tables  # False only for a read-only ledger written before the table
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close the database connection (committed rounds are already on disk)."""
+        """Close the database connection (committed rounds are already on disk).
+
+        A read-only ledger that had no side files when it was opened has the ones its reader created removed
+        (:func:`~shuffledp.accounting.ledger_files.release_side_files`), so a look leaves its folder as it was.
+        """
         self._conn.close()
+        if self.read_only and not self._side_files_before and any(side.exists() for side in side_files(self.path)):
+            release_side_files(self.path)
+
 
     def __enter__(self) -> Ledger:
         return self
@@ -375,6 +374,26 @@ class Ledger:
         return self.row(round)
 
     # -- reading -----------------------------------------------------------------------------------------------
+    def metadata(self) -> dict[str, str]:
+        """Return the ``meta`` table as a dict (``format``, ``schema_version``, ``created``, ``versions``, ...).
+
+        Returns:
+            key -> stored text, in the order the keys were written.
+        """
+        return dict(self._conn.execute("SELECT key, value FROM meta ORDER BY rowid").fetchall())
+
+    def versions(self) -> dict[str, str] | None:
+        """Return the versions the ledger was created with (see the module docstring).
+
+        Returns:
+            distribution -> version (shuffledp, dp-accounting, numpy, scipy), or None for a ledger created before
+            the versions were recorded.
+
+        Raises:
+            LedgerError: the stored value is damaged.
+        """
+        return parse_versions(self.metadata().get(VERSIONS_KEY))
+
     def last_round(self) -> int | None:
         """Return the largest recorded round number, or None if the ledger is empty."""
         return self._conn.execute("SELECT MAX(round) FROM rounds").fetchone()[0]
@@ -442,7 +461,7 @@ class Ledger:
         """
         document = {"format": LEDGER_FORMAT, "schema_version": LEDGER_SCHEMA_VERSION, "rows": self.rows()}
         text = json.dumps(document, indent=2, allow_nan=False) + "\n"
-        _atomic_write(Path(path), text)
+        atomic_write(Path(path), text)
 
     def csv_header(self) -> list[str]:
         """Return the CSV columns: the round fields, ``key_epoch`` and ``batch_id`` (empty for a round recorded
@@ -474,23 +493,4 @@ class Ledger:
             lines.append(line)
         buffer = io.StringIO(newline="")
         csv.writer(buffer).writerows(lines)
-        _atomic_write(Path(path), buffer.getvalue())
-
-
-def _atomic_write(target: Path, text: str) -> None:
-    """Write ``text`` to a temporary file next to ``target``, fsync it, and rename it over ``target``."""
-    directory = target.parent if str(target.parent) else Path(".")
-    if not directory.is_dir():
-        raise LedgerError(f"cannot write {str(target)!r}: the directory {str(directory)!r} does not exist")
-    with tempfile.NamedTemporaryFile(
-        "w", encoding="utf-8", newline="", dir=directory, prefix=f".{target.name}.", delete=False
-    ) as handle:
-        try:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        except BaseException:
-            handle.close()
-            os.unlink(handle.name)
-            raise
-    os.replace(handle.name, target)
+        atomic_write(Path(path), buffer.getvalue())

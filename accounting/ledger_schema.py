@@ -7,6 +7,7 @@ Holds the format constants, the SQL of the tables and of the append-only trigger
 
 from __future__ import annotations
 
+import json
 import math
 import sqlite3
 from collections.abc import Mapping
@@ -27,6 +28,8 @@ __all__ = [
     "utc_now",
     "rollback",
     "trigger_statements",
+    "VERSIONS_KEY",
+    "parse_versions",
 ]
 
 LEDGER_FORMAT = "shuffledp.ledger"
@@ -34,6 +37,9 @@ LEDGER_SCHEMA_VERSION = 1
 KINDS = ("upper", "approximate", "lower", "refused")
 ROW_KEYS = ("round", "time", "n_reports", "eps0", "mechanism", "delta", "default_family")
 BATCH_KEYS = ("key_epoch", "batch_id")
+#: The ``meta`` key of the versions the ledger was created with (a JSON object, distribution -> version). Added to
+#: schema version 1 without a version change: a ledger without it is still a valid version-1 ledger.
+VERSIONS_KEY = "versions"
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (
@@ -123,6 +129,29 @@ def rollback(conn: sqlite3.Connection) -> None:
 
 class LedgerError(ValueError):
     """A ledger operation was refused: a bad record, a duplicate or out-of-order round, or a foreign file."""
+
+
+def parse_versions(text: str | None) -> dict[str, str] | None:
+    """Parse the ``versions`` meta value.
+
+    Args:
+        text: the stored value, or None for a ledger created before the key existed.
+
+    Returns:
+        distribution -> version, or None when ``text`` is None.
+
+    Raises:
+        LedgerError: the value is not a JSON object of strings (a damaged or edited ledger).
+    """
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise LedgerError(f"the ledger's {VERSIONS_KEY!r} entry is not a JSON object of version strings: {text!r}")
+    return value
 
 
 def utc_now() -> str:

@@ -207,7 +207,7 @@ def round_timings(events: Sequence[tuple[float, str, str]], run_start: float,
             if all(p is not None for p in points):
                 names = ("client-download", "client-pickup", "clientapp", "client-upload")
                 for name, a, b in zip(names, points, points[1:]):
-                    row[name] = b - a  # type: ignore[operator]
+                    row[name] = b - a  # type: ignore[operator] - every point was checked not None just above
         out.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
         if end is not None:
             previous_end = end

@@ -8,7 +8,8 @@
      "skipped": [{"round", "reason", ...counts}], "stopped": {"round", "reason"} | null,
      "accounting": {"family", "kind": "upper", "target_delta", "epsilon", "comparison": {family: ...}},
      "finished": true once the run has ended (finished its rounds or stopped at the budget),
-     "budget_changes": [{"after_round", "from", "to"}, ...]: each resume that changed budget-epsilon}
+     "budget_changes": [{"after_round", "from", "to"}, ...]: each resume that changed budget-epsilon,
+     "versions": {"shuffledp", "dp-accounting", "numpy", "scipy"}: the installed versions that wrote the report}
 
 ``skipped`` also lists the rounds ``abandoned`` in a crash or failure before their charge (their ids were used,
 nothing was released). ``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from shuffledp.accounting import KIND_WORDS, format_bound
+from shuffledp.accounting.versions import library_versions
 from shuffledp.shuffler.journal import write_file_durably
 
 __all__ = [
@@ -85,9 +87,26 @@ def report_document(
     accounting: Mapping[str, Any] | None = None,
     finished: bool = False,
     budget_changes: Sequence[Mapping[str, Any]] = (),
+    versions: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The ``report.json`` document (``finished``: the run has ended normally); floats may be infinite here,
-    :func:`write_report` writes them as the strings ``"inf"``/``"-inf"``."""
+    """Build the ``report.json`` document.
+
+    Floats may be infinite here; :func:`write_report` writes them as the strings ``"inf"``/``"-inf"``.
+
+    Args:
+        config: the run's configuration (kebab-case keys).
+        rounds: the charged rounds, oldest first.
+        skipped: the rounds skipped or abandoned (nothing released, nothing charged).
+        stopped: ``{"round", "reason"}`` of a stop at the budget, or None.
+        accounting: the accounting summary (family, kind, target delta, epsilon, comparison), or None.
+        finished: the run has ended normally.
+        budget_changes: each resume that changed budget-epsilon.
+        versions: distribution -> version of shuffledp and the accounting libraries; None reads the installed
+            ones (:func:`shuffledp.accounting.versions.library_versions`).
+
+    Returns:
+        The document, with the keys listed in the module docstring.
+    """
     return {
         "finished": bool(finished),
         "config": dict(config),
@@ -96,6 +115,7 @@ def report_document(
         "stopped": None if stopped is None else dict(stopped),
         "accounting": None if accounting is None else dict(accounting),
         "budget_changes": [dict(c) for c in budget_changes],
+        "versions": library_versions() if versions is None else dict(versions),
     }
 
 

@@ -1,4 +1,4 @@
-"""The ``shuffledp account`` / ``shuffledp ledger`` contract (issue 2), run as real subprocesses.
+"""The ``shuffledp account`` / ``shuffledp ledger`` contract, run as real subprocesses.
 
 Exit 0 with exactly one JSON object on stdout under ``--json``; exit 2 with the reason on stderr and nothing on
 stdout for invalid or refused parameters. A few error cases are also driven in-process through
@@ -372,3 +372,95 @@ def test_format_bound_edges() -> None:
     for bad in ({"significant": 0}, {"significant": 16}, {"decimals": -1}, {"significant": 3, "decimals": 2}):
         with pytest.raises(ValueError):
             format_bound(1.0, "upper", **bad)  # type: ignore[arg-type]
+
+
+def test_refusals_name_the_cli_flag_not_the_python_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["account", "epsilon", "--eps0", "8", "--n", "10000", "--delta", "1e-6", "--bound", "ccg-gdp"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--allow-approximate" in err and "allow_approximate" not in err
+    for extra in ([], ["--json"]):  # a refused family in compare, in the table and in the JSON reasons
+        assert main(["account", "compare", "--eps0", "8", "--n", "10000", "--delta", "1e-6", *extra]) == 0
+        out = capsys.readouterr().out
+        assert "--allow-approximate" in out and "allow_approximate" not in out
+
+
+def test_plot_refusals_name_the_cli_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["account", "plot", "--x", "n", "--eps0", "8", "--delta", "1e-6", "--n-min", "1000", "--n-max", "10000",
+            "--points", "2", "--bound", "ccg-gdp", "--bound", "clones", "--out", str(tmp_path / "p.png")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "--allow-approximate" in out and "allow_approximate" not in out
+    assert "1 point refused" in out or "2 points refused" in out
+
+
+def test_a_count_of_one_round_is_singular(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shuffledp.accounting.cli_common import cli_message, plural
+
+    assert main(["account", "compare", "--eps0", "1", "--n", "10000", "--delta", "1e-6", "--bound", "clones"]) == 0
+    out = capsys.readouterr().out
+    assert "after 1 round of n=10000" in out and "round(s)" not in out
+    assert main(["account", "compare", "--eps0", "1", "--n", "10000", "--delta", "1e-6", "--rounds", "2",
+                 "--bound", "clones"]) == 0
+    assert "after 2 rounds of n=10000" in capsys.readouterr().out
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as ledger:
+        ledger.append(round=1, n_reports=100, eps0=1.0, mechanism="binary-rr", delta=1e-6,
+                      epsilons={"clones": 0.5}, kinds={"clones": "upper"})
+    assert main(["ledger", "export", str(path), "--format", "csv", "--out", str(tmp_path / "l.csv")]) == 0
+    assert capsys.readouterr().out == f"wrote 1 round to {tmp_path / 'l.csv'} (csv)\n"
+    assert cli_message("fmt over 1 rounds needs each round valid") == "fmt over 1 round needs each round valid"
+    assert cli_message("fmt over 11 rounds") == "fmt over 11 rounds"
+    assert (plural(0, "round"), plural(1, "round"), plural(2, "round")) == ("0 rounds", "1 round", "2 rounds")
+
+
+def test_ledger_show_leaves_the_run_folder_as_it_was(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "ledger.sqlite"
+    _ledger(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.sqlite"]
+    before = path.read_bytes()
+    proc = run("ledger", "show", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert main(["ledger", "show", str(path), "--json"]) == 0
+    assert main(["ledger", "export", str(path), "--format", "json", "--out", str(tmp_path / "out" / "x.json")]) == 2
+    capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.sqlite"]
+    assert path.read_bytes() == before
+
+
+def test_a_missing_ledger_is_an_error_and_creates_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["show"], ["export", "--format", "json", "--out", str(tmp_path / "x.json")]):
+        assert main(["ledger", command[0], str(tmp_path / "ledger.sqlite"), *command[1:]]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and "does not exist" in captured.err
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_ledger_show_prints_the_versions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shuffledp.accounting.versions import library_versions
+
+    path = tmp_path / "ledger.sqlite"
+    _ledger(path)
+    versions = library_versions()
+    obj = ok_json_in_process(capsys, "ledger", "show", str(path))
+    assert obj["versions"] == versions and set(obj) == {"path", "rows", "versions"}
+    assert main(["ledger", "show", str(path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())
+
+
+def test_ledger_show_of_a_ledger_without_versions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import sqlite3
+
+    path = tmp_path / "ledger.sqlite"
+    _ledger(path)
+    conn = sqlite3.connect(path)  # as an older shuffledp created it: no versions key
+    conn.execute("DROP TRIGGER meta_no_delete")
+    conn.execute("DELETE FROM meta WHERE key = 'versions'")
+    conn.commit()
+    conn.close()
+    obj = ok_json_in_process(capsys, "ledger", "show", str(path))
+    assert obj["versions"] is None and [r["round"] for r in obj["rows"]] == [1, 2]
+    assert main(["ledger", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("versions: not recorded") and "binary-rr" in out

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from shuffledp.accounting.ledger import Ledger, LedgerError
+from shuffledp.accounting.versions import library_versions
 from shuffledp.deploy import cli as shuffledp_cli
 from shuffledp.server.config import ConfigError
 from shuffledp.server.job import ShufflerConnection, resolve_paths, run_job
@@ -54,6 +55,9 @@ def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
     assert (out / "accuracy_epsilon.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Ledger(out / "ledger.sqlite", create=False) as ledger:
         assert [r["round"] for r in ledger.rows()] == [1, 2, 3]
+        # the report and the ledger name the versions of shuffledp and the accounting libraries that wrote them
+        assert ledger.versions() == report["versions"] == library_versions()
+    assert set(report["versions"]) == {"shuffledp", "dp-accounting", "numpy", "scipy"}
     from shuffledp.shuffler.attestation import Attestation
     from shuffledp.shuffler.keys import load_public_key
 
@@ -67,7 +71,7 @@ def test_run_job_writes_outputs_that_agree_with_the_accounting_cli(
     assert shuffledp_cli.main(["shuffler", "journal", "--journal-dir", str(keys.d.root / "journal")]) == 0
     releases = tmp_path / "releases.jsonl"
     releases.write_text(capsys.readouterr().out)
-    assert shuffledp_cli.main(["audit", "--ledger", str(out / "ledger.sqlite"), "--releases", str(releases),
+    assert shuffledp_cli.main(["audit", "--json", "--ledger", str(out / "ledger.sqlite"), "--releases", str(releases),
                                "--shuffler-verify-key", str(keys.d.shuffler_signing_pub)]) == 0
     audit = json.loads(capsys.readouterr().out)
     assert (audit["ok"], audit["batches_released"], audit["reports_released"], audit["reports_charged"]) == (
