@@ -28,7 +28,7 @@ def test_shuffle_round_is_immutable_and_normalises_numeric_types() -> None:
     assert event == ShuffleRound(100, 0.5)
     assert type(event.n) is int and type(event.eps0) is float
     with pytest.raises(AttributeError):
-        event.n = 5  # type: ignore[misc]
+        event.n = 5
     assert ShuffleRound.from_dict(json.loads(json.dumps(event.to_dict()))) == event
 
 
@@ -50,7 +50,7 @@ def test_shuffle_round_is_immutable_and_normalises_numeric_types() -> None:
 )
 def test_shuffle_round_validation(n: object, eps0: object, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
-        ShuffleRound(n, eps0)  # type: ignore[arg-type]
+        ShuffleRound(n, eps0)
 
 
 def test_shuffle_round_from_dict_refuses_unknown_keys() -> None:
@@ -81,7 +81,7 @@ def test_guarantee_families_are_exactly_the_upper_bound_families() -> None:
 )
 def test_constructor_validation(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
-        ShuffleAccountant(**kwargs)  # type: ignore[arg-type]
+        ShuffleAccountant(**kwargs)
 
 
 def test_empty_accountant_reports_zero() -> None:
@@ -95,7 +95,7 @@ def test_compose_validation_leaves_state_unchanged() -> None:
     acct = ShuffleAccountant(1e-6)
     acct.compose(ShuffleRound(1000, 1.0))
     with pytest.raises(TypeError, match="ShuffleRound"):
-        acct.compose((1000, 1.0))  # type: ignore[arg-type]
+        acct.compose((1000, 1.0))
     with pytest.raises(ValueError, match="count must be an integer >= 1"):
         acct.compose(ShuffleRound(1000, 1.0), count=0)
     assert acct.rounds == (ShuffleRound(1000, 1.0),)
@@ -197,7 +197,7 @@ def test_would_exceed_is_consistent_with_composing() -> None:
 )
 def test_would_exceed_validates_the_budget(budget: object, error: type[Exception]) -> None:
     with pytest.raises(error, match="budget_epsilon"):
-        ShuffleAccountant(1e-6).would_exceed(ShuffleRound(100, 1.0), budget)  # type: ignore[arg-type]
+        ShuffleAccountant(1e-6).would_exceed(ShuffleRound(100, 1.0), budget)
 
 
 # -- checkpoints ------------------------------------------------------------------------------------------------

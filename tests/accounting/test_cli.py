@@ -371,7 +371,7 @@ def test_format_bound_edges() -> None:
     assert format_bound(float("inf"), "upper") == "inf"
     for bad in ({"significant": 0}, {"significant": 16}, {"decimals": -1}, {"significant": 3, "decimals": 2}):
         with pytest.raises(ValueError):
-            format_bound(1.0, "upper", **bad)  # type: ignore[arg-type]
+            format_bound(1.0, "upper", **bad)
 
 
 def test_refusals_name_the_cli_flag_not_the_python_argument(capsys: pytest.CaptureFixture[str]) -> None:

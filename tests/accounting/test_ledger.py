@@ -56,7 +56,7 @@ def _append(ledger: Ledger, rnd: int, **overrides: object) -> None:
         "kinds": {"clones": "upper", "ccg-gdp": "approximate", "rr-lower": "lower"},
     }
     record.update(overrides)
-    ledger.append(**record)  # type: ignore[arg-type]
+    ledger.append(**record)
 
 
 def test_round_trip_of_rows_and_order(tmp_path: Path) -> None:

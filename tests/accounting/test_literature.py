@@ -263,9 +263,9 @@ def test_laplace_eps0_is_derived_from_clip_and_scale() -> None:
     assert m.eps0 == pytest.approx(4.0, rel=EXACT_RTOL)  # 2C/b: the L1 diameter of the clip ball
     assert LaplaceRandomizer.for_eps0(2.0, 1.0, 3).noise_scale == pytest.approx(1.0, rel=EXACT_RTOL)
     with pytest.raises(AttributeError):
-        m.eps0 = 1.0  # type: ignore[misc]
+        m.eps0 = 1.0
     with pytest.raises(TypeError):
-        LaplaceRandomizer(clip_l1=1.0, noise_scale=1.0, eps0=2.0)  # type: ignore[call-arg]
+        LaplaceRandomizer(clip_l1=1.0, noise_scale=1.0, eps0=2.0)
 
 
 @pytest.mark.parametrize(
@@ -300,7 +300,7 @@ def test_randomized_response_descriptions() -> None:
     with pytest.raises(ValueError, match="eps0"):
         LocalRandomizer(0.0)
     with pytest.raises(TypeError, match="eps0"):
-        BinaryRandomizedResponse(True)  # type: ignore[arg-type]
+        BinaryRandomizedResponse(True)
     assert LocalRandomizer(2).eps0 == 2.0
 
 

@@ -33,7 +33,7 @@ def test_worst_case_models_refuse_what_cannot_fit() -> None:
         worst_case_models(64, 50)
     for bad in (0, True, 2.5):
         with pytest.raises(ValueError, match="n_features"):
-            worst_case_models(bad, 1000)  # type: ignore[arg-type]
+            worst_case_models(bad, 1000)
 
 
 def test_time_worst_case_runs_the_pinned_limits_on_the_devices_data(tmp_path: Path,

@@ -21,7 +21,7 @@ from shuffledp.shuffler import tls
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def running(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("mtls")
     keys = create_deploy_keys(root / "keys", 2, k=2)
     proc = start_shuffler(keys, root / "shuffler.log")
@@ -36,7 +36,7 @@ def _stats(address: str, creds: grpc.ChannelCredentials) -> pb.StatsResponse:
         return pb_grpc.ShufflerStub(channel).Stats(pb.StatsRequest(), timeout=10)
 
 
-def test_serverapp_certificate_is_accepted(running) -> None:  # type: ignore[no-untyped-def]
+def test_serverapp_certificate_is_accepted(running) -> None:
     keys, address = running
     creds = grpc.ssl_channel_credentials(root_certificates=keys.shuffler_ca_cert.read_bytes(),
                                          private_key=keys.serverapp_key.read_bytes(),
@@ -44,7 +44,7 @@ def test_serverapp_certificate_is_accepted(running) -> None:  # type: ignore[no-
     assert isinstance(_stats(address, creds), pb.StatsResponse)
 
 
-def test_client_without_certificate_is_refused(running) -> None:  # type: ignore[no-untyped-def]
+def test_client_without_certificate_is_refused(running) -> None:
     keys, address = running
     creds = grpc.ssl_channel_credentials(root_certificates=keys.shuffler_ca_cert.read_bytes())
     with pytest.raises(grpc.RpcError) as err:
@@ -52,7 +52,7 @@ def test_client_without_certificate_is_refused(running) -> None:  # type: ignore
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_certificate_from_another_ca_is_refused(running) -> None:  # type: ignore[no-untyped-def]
+def test_certificate_from_another_ca_is_refused(running) -> None:
     keys, address = running
     # a client certificate the SuperLink operator could mint: signed by the SuperLink CA, not the shuffler's
     cert, key = tls.issue_certificate(keys.superlink_ca_cert.read_bytes(), keys.superlink_ca_key.read_bytes(),
@@ -64,7 +64,7 @@ def test_certificate_from_another_ca_is_refused(running) -> None:  # type: ignor
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_deploy_keys_layout(running) -> None:  # type: ignore[no-untyped-def]
+def test_deploy_keys_layout(running) -> None:
     keys, _ = running
     root: Path = keys.root
     for private in [keys.superlink_key, keys.superlink_ca_key, keys.supernode_key(0), keys.supernode_key(1),

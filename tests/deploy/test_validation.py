@@ -30,7 +30,7 @@ def test_good_values_are_returned_normalised() -> None:
     (lambda: check_work_limits(1, 0, 1), "--min-batch-size must be an integer in [1, "),
     (lambda: check_isolation("--isolation", "thread"), "--isolation must be 'subprocess' or 'process', got 'thread'"),
 ])
-def test_a_bad_value_is_a_usage_error_naming_what_is_allowed(call, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_bad_value_is_a_usage_error_naming_what_is_allowed(call, message: str) -> None:
     with pytest.raises(DeployUsageError) as info:
         call()
     assert message in str(info.value)
