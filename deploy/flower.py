@@ -73,7 +73,8 @@ FLOWER_ENV: Mapping[str, str] = {
 }
 #: How ``--run-config`` is read (``shuffledp run`` and ``shuffledp deploy local``).
 RUN_CONFIG_RULE = ("each --run-config value holds one or more space-separated key=value pairs, values in TOML "
-                   "syntax (2, 0.5, true, 'text') or bare strings, and the flag may repeat")
+                   "syntax (2, 0.5, true, 'text') or bare strings, or is the path of a .toml file of such keys; the "
+                   "flag may repeat, and each key is given once")
 #: What uvicorn logs once the SuperLink's HTTP API listens.
 _SUPERLINK_READY = "Uvicorn running on"
 #: What uvicorn logs when the SuperNode's Runtime HTTP API port was taken (errno 98 on Linux).
@@ -209,16 +210,31 @@ def parse_run_config_args(items: Sequence[str]) -> dict[str, object]:
 
     ``"eps0=2 min-reports=10"`` in one flag and ``eps0=2`` and ``min-reports=10`` in two give the same dict.
     The pairs are split shell-style: quotes group words and are removed (``run-name='my run'``); then a value
-    that is not valid TOML is taken as a string, as Flower does for node config.
+    that is not valid TOML is taken as a string, as Flower does for node config. A value without ``=`` that names
+    a ``.toml`` file is read as a table of such keys (what ``flwr run --run-config FILE`` takes).
 
     Returns:
-        ``{key: value}``; a key given twice keeps its last value.
+        ``{key: value}``.
 
     Raises:
-        DeployUsageError: a pair without ``=`` or key, unbalanced quotes, or a TOML array or table as value.
+        DeployUsageError: a pair without ``=`` or key, unbalanced quotes, a TOML array or table as value, a key
+            given twice (in pairs or files), or a file that cannot be read or is not a flat TOML table.
     """
     out: dict[str, object] = {}
+
+    def put(key: str, value: object, raw: str) -> None:
+        if not _scalar(value):
+            raise DeployUsageError(f"--run-config {key}: the value {raw!r} is a TOML {type(value).__name__}; a "
+                                   f"run-config value is a boolean, integer, float or string ({RUN_CONFIG_RULE})")
+        if key in out:
+            raise DeployUsageError(f"--run-config gives {key} twice ({out[key]!r} and {value!r}); give it once")
+        out[key] = value
+
     for item in items:
+        if "=" not in item and item.strip().endswith(".toml"):
+            for key, value in _run_config_file(Path(item.strip())).items():
+                put(key, value, repr(value))
+            continue
         try:
             tokens = shlex.split(item)
         except ValueError as exc:
@@ -234,11 +250,23 @@ def parse_run_config_args(items: Sequence[str]) -> dict[str, object]:
                 value = tomllib.loads(f"v = {raw}")["v"]
             except tomllib.TOMLDecodeError:
                 value = raw
-            if not _scalar(value):
-                raise DeployUsageError(f"--run-config {key}: the value {raw!r} is a TOML {type(value).__name__}; a "
-                                       f"run-config value is a boolean, integer, float or string ({RUN_CONFIG_RULE})")
-            out[key] = value
+            put(key, value, raw)
     return out
+
+
+def _run_config_file(path: Path) -> dict[str, object]:
+    """The keys of a run-config file: a flat TOML table (as ``flwr run --run-config FILE`` reads it).
+
+    Raises:
+        DeployUsageError: it cannot be read or parsed.
+    """
+    try:
+        return dict(tomllib.loads(path.expanduser().read_text()))
+    except OSError as exc:
+        raise DeployUsageError(f"--run-config {str(path)!r}: cannot read the file ({exc.strerror or exc}); "
+                               f"{RUN_CONFIG_RULE}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise DeployUsageError(f"--run-config {str(path)!r} is not valid TOML ({exc})") from None
 
 
 def run_config_arg(values: Mapping[str, object]) -> str:

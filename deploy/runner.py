@@ -4,9 +4,9 @@
 
 1. creates ``<output-dir>/<run>/keys`` with fresh keys for the run (``shuffledp keys init``: shuffler, server and
    N client keys, the enrolment, mTLS certificates, the shuffler config with threshold k = min-reports);
-2. starts a private Flower SuperLink in simulation mode on a free 127.0.0.1 port, with a project-local
-   ``FLWR_HOME`` (``.flwr/``), runtime dependency installation, telemetry and update checks disabled, and a
-   connection entry pointing at it (Flower's managed local SuperLink would outlive the command);
+2. starts a private Flower SuperLink in simulation mode on a free 127.0.0.1 port, with a ``FLWR_HOME`` of the
+   run's own (``<output-dir>/<run>/.flwr/``), runtime dependency installation, telemetry and update checks
+   disabled, and a connection entry pointing at it (Flower's managed local SuperLink would outlive the command);
 3. runs ``flwr run <project> <connection> --run-config ... --federation-config "num-supernodes=N
    client-resources-num-cpus=1" --stream`` and relays its output (one ``[shuffledp] round ...`` line per round);
 4. stops the SuperLink (and its children) and prints the path of ``outputs/<run>/``.
@@ -399,7 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(f"[shuffledp] {out_dir.name} already finished; nothing to resume. Outputs: {out_dir}; the "
                          f"shuffler's journal (for shuffledp audit): {journal}\n")
         return 0
-    flwr_home = Path(os.environ.get("SHUFFLEDP_FLWR_HOME") or project / ".flwr")
+    # per run: two runs in one checkout (or a run and its resume elsewhere) never share a SuperLink's config,
+    # connection or installed app
+    flwr_home = Path(os.environ.get("SHUFFLEDP_FLWR_HOME") or out_dir / ".flwr")
 
     def _interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")

@@ -69,7 +69,8 @@ def test_one_run_config_rule_for_run_and_deploy_local() -> None:
     mixed = ["eps0=2 local-epochs=3", "run-name='my run'", "dataset=digits lr=0.05", "plot=false"]
     for items in (one_flag, one_pair_per_flag, mixed):
         assert parse_run_config_args(items) == want
-    assert parse_run_config_args(["eps0=1", "eps0=2"]) == {"eps0": 2}  # the flag repeats; a later key wins
+    with pytest.raises(DeployUsageError, match=r"gives eps0 twice \(1 and 2\); give it once"):
+        parse_run_config_args(["eps0=1", "eps0=2"])  # no silent choice between two values
     assert parse_run_config_args([]) == {}
     # what `shuffledp run` passes on to `flwr run --run-config` reads back the same
     assert parse_run_config_args([run_config_arg(want)]) == want
@@ -84,7 +85,7 @@ def test_one_run_config_rule_for_run_and_deploy_local() -> None:
 ])
 def test_a_bad_run_config_pair_names_what_is_wrong_and_what_is_allowed(item: str, wrong: str) -> None:
     with pytest.raises(DeployUsageError) as info:
-        parse_run_config_args(["eps0=1", item])
+        parse_run_config_args(["local-epochs=1", item])
     message = str(info.value)
     assert wrong in message
     assert "key=value" in message and ("TOML" in message or "boolean, integer, float or string" in message)
@@ -103,3 +104,21 @@ def test_the_flower_connection_is_tls_or_insecure(tmp_path: Path) -> None:
     assert insecure["superlink"][CONNECTION_NAME] == {"address": "127.0.0.1:9", "insecure": True}
     tls = tomllib.loads(write_flower_config(tmp_path / "b", "127.0.0.1:9", ca).read_text())
     assert tls["superlink"][CONNECTION_NAME] == {"address": "127.0.0.1:9", "root-certificates": str(ca.resolve())}
+
+
+def test_a_run_config_file_is_read_like_pairs(tmp_path: Path) -> None:
+    """``--run-config FILE.toml`` (what ``flwr run`` takes): a flat table of the same keys, mixed with pairs."""
+    conf = tmp_path / "myrun.toml"
+    conf.write_text('eps0 = 2.0\nlocal-epochs = 3\nrun-name = "my run"\n')
+    assert parse_run_config_args([str(conf), "dataset=digits"]) == {"eps0": 2.0, "local-epochs": 3,
+                                                                     "run-name": "my run", "dataset": "digits"}
+    with pytest.raises(DeployUsageError, match="gives eps0 twice"):
+        parse_run_config_args([str(conf), "eps0=4"])
+    with pytest.raises(DeployUsageError, match="cannot read the file"):
+        parse_run_config_args([str(tmp_path / "missing.toml")])
+    (tmp_path / "bad.toml").write_text("eps0 = \n")
+    with pytest.raises(DeployUsageError, match="is not valid TOML"):
+        parse_run_config_args([str(tmp_path / "bad.toml")])
+    (tmp_path / "nested.toml").write_text("[section]\neps0 = 1\n")
+    with pytest.raises(DeployUsageError, match="is a TOML dict"):
+        parse_run_config_args([str(tmp_path / "nested.toml")])
