@@ -61,7 +61,9 @@ from shuffledp.accounting.ledger_schema import (
     LedgerError,
     check_batch,
     check_int,
+    check_integrity,
     parse_versions,
+    refuse_a_decrease,
     rollback,
     trigger_statements,
     utc_now,
@@ -104,6 +106,10 @@ class Ledger:
         # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT) below.
         if not self.path.parent.is_dir():
             raise LedgerError(f"cannot open the ledger {str(self.path)!r}: its directory does not exist")
+        if not self.read_only and self.path.is_file() and self.path.stat().st_size == 0:
+            # SQLite would take an empty file for a new database: a ledger that lost its content is not re-created
+            raise LedgerError(f"{str(self.path)!r} exists but is empty (0 bytes): not a ledger. A ledger that lost "
+                              "its content is not re-created over it; restore it, or move it away to start anew")
         # Which side files were there before this reader: only those it created may be removed at close.
         self._side_files_before = any(side.exists() for side in side_files(self.path))
         try:
@@ -274,7 +280,13 @@ class Ledger:
             raise LedgerError(f"the ledger {str(self.path)!r} has no batches table (a read-only ledger written by an "
                               "older shuffledp): it cannot record a round's batch")
         conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
+        try:
+            check_integrity(self._conn, self.path)
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError:
+            raise
+        except sqlite3.DatabaseError as exc:
+            raise LedgerError(f"the ledger {str(self.path)!r} cannot be written: {exc}") from None
         try:
             existing = conn.execute("SELECT time FROM rounds WHERE round = ?", (record["round"],)).fetchone()
             if existing is not None:
@@ -298,6 +310,8 @@ class Ledger:
                     f"round {record['round']} is before the last recorded round {last}; rounds must be appended in "
                     "increasing order"
                 )
+            if last is not None:
+                refuse_a_decrease(conn, record, int(last))
             conn.execute(
                 "INSERT INTO rounds(round, time, n_reports, eps0, mechanism, delta, default_family) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -317,6 +331,12 @@ class Ledger:
         except sqlite3.IntegrityError as exc:  # a constraint or trigger of the file refused it (e.g. an edited file)
             rollback(conn)
             raise LedgerError(f"the ledger {str(self.path)!r} refused round {record['round']}: {exc}") from exc
+        except sqlite3.OperationalError:  # e.g. a full disk (SQLITE_FULL): reported as SQLite says it
+            rollback(conn)
+            raise
+        except sqlite3.DatabaseError as exc:  # a damaged file: nothing is written, and the caller is told so
+            rollback(conn)
+            raise LedgerError(f"the ledger {str(self.path)!r} cannot be written: {exc}") from None
         except BaseException:
             rollback(conn)
             raise

@@ -12,6 +12,7 @@ import math
 import sqlite3
 from collections.abc import Mapping
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from shuffledp.accounting.validation import check_epsilon, check_integer, check_real
@@ -288,6 +289,11 @@ def validate_record(
                     "rounds whose budget the default family can account"
                 )
             entries[family] = {"value": None, "kind": kind, "reason": reason}
+        elif family == default_family and kind != "upper":
+            raise LedgerError(
+                f"the default family {family!r} is labelled {kind!r}: the budget is enforced with an upper bound "
+                "(a guarantee), so the default family's kind must be 'upper'"
+            )
         else:
             try:
                 number = check_epsilon(value, f"epsilon of {family!r}")
@@ -300,3 +306,48 @@ def validate_record(
     }
     record["default_family"] = default_family
     return record
+
+
+#: Relative tolerance of the check that the default family's cumulative epsilon does not decrease.
+MONOTONE_REL_TOL = 1e-9
+
+
+def check_integrity(conn: sqlite3.Connection, path: Path) -> None:
+    """``PRAGMA quick_check`` before a write: a damaged page (that reading would fail on) refuses the write instead
+    of adding a round to a file that stays unreadable. Cheap for a ledger (kilobytes).
+
+    Raises:
+        LedgerError: SQLite reports a problem.
+        sqlite3.DatabaseError: SQLite cannot even run the check (the caller turns it into a LedgerError).
+    """
+    problems = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
+    if problems != ["ok"]:
+        raise LedgerError(f"the ledger {str(path)!r} is damaged (SQLite's quick_check: {'; '.join(problems[:3])}); "
+                          "it is not written. Restore it from a copy")
+
+
+def refuse_a_decrease(conn: sqlite3.Connection, record: Mapping[str, Any], last: int) -> None:
+    """A cumulative epsilon never decreases: the default family's value (an upper bound) at the same delta must
+    not fall below the last round's, beyond :data:`MONOTONE_REL_TOL` (numerical noise of the accounting).
+
+    Args:
+        conn: the ledger's connection, inside the append's transaction.
+        record: the round being appended (:func:`validate_record`; its default family first).
+        last: the last recorded round.
+
+    Raises:
+        LedgerError: it does.
+    """
+    family = next(iter(record["epsilons"]))  # the default family comes first
+    new = record["epsilons"][family]["value"]
+    row = conn.execute(
+        "SELECT e.value, r.delta FROM epsilons e JOIN rounds r ON r.round = e.round "
+        "WHERE e.round = ? AND e.family = ?", (last, family)).fetchone()
+    if row is None or row[0] is None or float(row[1]) != record["delta"]:
+        return
+    if new < float(row[0]) * (1.0 - MONOTONE_REL_TOL):
+        raise LedgerError(
+            f"round {record['round']}: the cumulative epsilon of {family!r} would fall from {float(row[0])!r} "
+            f"(round {last}) to {new!r} at the same delta; composing a round never lowers it. Refused, the ledger "
+            "is unchanged"
+        )
