@@ -223,6 +223,10 @@ class GirgisLowerFamily(Family):
 
 #: Smallest order of the ``ccg-rdp`` curve (seed 000 Cor. 2 is stated for lambda >= 2).
 _CCG_MIN_ORDER = 2.0
+#: Up to this n, ccg-rdp's Renyi value is checked against the exact rr-lower divergence (about 1 s at the top).
+CCG_RDP_CHECK_MAX_N = 2_000_000
+#: Above it, ccg-rdp's Renyi value needs at least this many expected clones.
+CCG_RDP_MIN_CLONES = 1000.0
 
 
 class CcgRdpFamily(RdpFamily):
@@ -249,5 +253,21 @@ class CcgRdpFamily(RdpFamily):
         )
 
     def renyi(self, eps0: float, n: int, order: float) -> float:
-        """Seed 000 Cor. 2; refuses orders below 2 (see :meth:`Family.renyi`)."""
-        return _lit().ccg_rdp(eps0, n, order)
+        """Seed 000 Cor. 2; refuses orders below 2 (see :meth:`Family.renyi`), and where the approximation is
+        not shown safe: below the exact Renyi divergence of shuffled binary randomized response (a lower bound on
+        the truth; computed for n <= ``CCG_RDP_CHECK_MAX_N``), or, for larger n, with fewer than
+        ``CCG_RDP_MIN_CLONES`` expected clones ``n / (e^eps0 + 1)``."""
+        value = _lit().ccg_rdp(eps0, n, order)
+        clones = n / (math.exp(min(eps0, 700.0)) + 1.0)
+        if n <= CCG_RDP_CHECK_MAX_N:
+            lower = _lit().rr_lower_renyi(eps0, n, order)
+            if value < lower:
+                raise RefusedError(
+                    f"ccg-rdp's CLT approximation {value:.4g} at order {order:g} is below the exact Renyi divergence "
+                    f"of shuffled binary randomized response, {lower:.4g}, a lower bound on the truth: it is outside "
+                    f"its region of validity here ({clones:.3g} expected clones)")
+        elif clones < CCG_RDP_MIN_CLONES:
+            raise RefusedError(
+                f"ccg-rdp's CLT approximation is not checked above n = {CCG_RDP_CHECK_MAX_N} and {clones:.3g} "
+                f"expected clones (n / (e^eps0 + 1)) are fewer than {CCG_RDP_MIN_CLONES}: refused")
+        return value

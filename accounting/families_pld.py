@@ -210,7 +210,21 @@ class RrLowerFamily(Family):
         if rounds == 1:
             return _lit().rr_lower_epsilon(eps0, n, delta), {"method": "exact"}
         value = _comp().pld_epsilon(self._composed(eps0, n, rounds), delta, lower=True)
-        return value, {"method": "pld", "discretisation": "optimistic"}
+        slack = rounds * self._interval(eps0, n, rounds)
+        if slack >= value:
+            # Still a lower bound, but one the grid cannot resolve: rounding each of the T losses down by up to
+            # one interval can lower the value by up to T intervals, more than the value itself (it then falls
+            # as T grows: 68.7 at T = 1e6, 0.0 at 1e7 for n = 1e4, eps0 = 1, delta = 1e-6). Refused instead.
+            raise RefusedError(
+                f"rr-lower cannot resolve {rounds} rounds: its optimistic grid may round the composed loss down by "
+                f"up to {slack:.3g} (rounds x interval), more than the value {value:.3g} it finds; no lower bound "
+                "is reported (fewer rounds, or the single-round value, are resolved)")
+        return value, {"method": "pld", "discretisation": "optimistic", "rounding_slack": slack}
+
+    @staticmethod
+    def _interval(eps0: float, n: int, rounds: int) -> float:
+        """The grid interval :func:`shuffledp.accounting.composition.rr_lower_pld` uses for ``rounds``."""
+        return _comp().rr_interval(eps0, n, rounds)
 
     def delta(self, eps0: float, n: int, epsilon: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
         """Exact for one round; optimistic PLD composition for several (see :meth:`Family.delta`)."""

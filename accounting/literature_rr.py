@@ -238,13 +238,45 @@ def no_shuffle_delta(eps0: float, rounds: int, epsilon: float) -> float:
         The delta.
     """
     t = int(rounds)
-    ls = np.arange(0, t + 1)
+    if t <= NO_SHUFFLE_DIRECT_MAX:
+        lo, hi = 0, t
+    else:  # bounded memory: the window holding all but ~e^-800 of the mass, and a bound on the rest
+        q = 1.0 / (math.exp(eps0) + 1.0)
+        half = NO_SHUFFLE_WINDOW_SIGMAS * math.sqrt(t * q * (1.0 - q)) + 64.0
+        lo, hi = max(0, math.floor(t * q - half)), min(t, math.ceil(t * q + half))
+    ls = np.arange(lo, hi + 1)
     losses = (t - 2.0 * ls) * eps0
     above = losses > epsilon
+    tail = _rr_binomial_tail_bound(t, eps0, lo, hi)
     if not above.any():
-        return 0.0
+        return tail if lo > 0 and (t - 2.0 * (lo - 1)) * eps0 > epsilon else 0.0
     log_p = _rr_binom_logpmf(ls[above], t, eps0)
-    return float(np.sum(np.exp(log_p) * -np.expm1(epsilon - losses[above])))
+    return float(np.sum(np.exp(log_p) * -np.expm1(epsilon - losses[above]))) + tail
+
+
+#: Up to this many rounds :func:`no_shuffle_delta` sums every term; beyond, a window of the binomial's mass and a
+#: Chernoff bound on the rest (so memory and time stay bounded at any T, and the value stays an upper bound).
+NO_SHUFFLE_DIRECT_MAX = 2_000_000
+#: Half-width of that window in standard deviations (plus 64 terms): the mass outside is below e^-800.
+NO_SHUFFLE_WINDOW_SIGMAS = 40.0
+
+
+def _rr_binomial_tail_bound(t: int, eps0: float, lo: int, hi: int) -> float:
+    """An upper bound on ``P(L < lo) + P(L > hi)`` for ``L ~ Bin(t, 1/(e^eps0 + 1))``: the Chernoff bound
+    ``exp(-t KL(k/t || q))`` on each tail (Hoeffding, JASA 1963, Theorem 1), 0 where the window reaches the end.
+    Each term of the delta sum is at most its probability, so adding this keeps :func:`no_shuffle_delta` an upper
+    bound when it sums only ``[lo, hi]``."""
+    q = 1.0 / (math.exp(eps0) + 1.0)
+
+    def chernoff(k: float) -> float:
+        x = k / t
+        kl = x * math.log(x / q) if x > 0 else 0.0
+        kl += (1.0 - x) * math.log((1.0 - x) / (1.0 - q)) if x < 1 else 0.0
+        return math.exp(-t * kl)
+
+    below = chernoff(lo - 1) if lo > 0 else 0.0
+    above = chernoff(hi + 1) if hi < t else 0.0
+    return below + above
 
 
 def no_shuffle_epsilon(eps0: float, rounds: int, delta: float) -> float:
