@@ -1,193 +1,140 @@
 """The Flower ClientApp: ``train.shuffled`` -> one sealed envelope, nothing else.
 
-Flower glue only; the work is :func:`shuffledp.clients.core.make_envelope` (signature documented in clients/core.py)::
+It is :mod:`shuffledp.clients.mod` (the client mod any ClientApp can use) around the project's own training
+function, :func:`train_model`::
 
-    make_envelope(arrays, config, pinned, data, *, rng=None) -> bytes
+    app = ClientApp(mods=[mod]); app.train("shuffled")(train_model)
+    train_shuffled(msg, context) == mod(msg, context, train_model)   # what the app does for train.shuffled
 
-Per request: resolve the pinned settings (node_config in deployment, run_config in simulation, see
-:func:`shuffledp.clients.core.pinned_from_configs`), load this node's partition, parse the request, refuse (error reply)
-if its eps0 / clip-l1 differ from the pinned ones or it asks for more local work than the pinned limits
-(:func:`shuffledp.clients.core.check_pinned`) or, in a deployment, for another dataset or PCA than the device's
-(:func:`shuffledp.clients.core.data_settings_from_configs`: the device's node config says which data it reads), and
-reply ``content["envelope"] = ArrayRecord({"ct": uint8})``,
-no earlier than the pinned ``reply-floor`` after the request arrived (see :func:`train_shuffled`).
+The mod validates the request, reads the pinned settings (node_config in deployment, run_config in simulation, see
+:func:`shuffledp.clients.core.pinned_from_configs`), refuses a request whose eps0 / clip-l1 differ from the pinned
+ones or that asks for more local work than the pinned limits, answers a retry from the cache in ``context.state``
+(one report per round, never two), holds every reply after pinning to the pinned ``reply-floor``, and turns the
+updated model :func:`train_model` replies with into the report (the model delta, or the average gradient),
+clipped, randomized, sealed (:func:`shuffledp.clients.core.make_envelope`) and replied as
+``content["envelope"] = ArrayRecord({"ct": uint8})`` only.
 
-Retries: the reply for the latest round is cached in ``context.state``. A request for the same round, key
-epoch, model digest and config returns the same sealed bytes (fresh noise on a retry would spend privacy
-twice). A different request for an already-answered round, or a request for an older round, is refused: one
-report per round, never two.
+:func:`train_model` refuses (error reply, passed on by the mod) a run that asks, in a deployment, for another
+dataset or PCA than the device's (:func:`shuffledp.clients.core.data_settings_from_configs`: the device's node
+config says which data it reads), a device whose data cannot be loaded, and a model that is not a logreg / mlp of
+the data's feature count; all on the request and fixed facts of the device, never on the records. It then replies
+``content["arrays"]``: the model after the local work (:func:`shuffledp.clients.core.local_model`), or the
+received model unchanged if the local computation fails (the zero update; an error reply there would depend on
+the data).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from threadpoolctl import threadpool_limits
 
 from shuffledp.clients.core import (
     ClientSetupError,
     PinnedMismatchError,
-    PinnedSettings,
-    check_pinned,
+    check_model_fits_data,
     data_settings_from_configs,
+    local_model,
     make_envelope,
     pinned_from_configs,
 )
 from shuffledp.clients.messages import (
     ARRAYS_KEY,
     CONFIG_KEY,
-    ENVELOPE_ARRAY,
-    ENVELOPE_KEY,
     ERR_BAD_REQUEST,
     ERR_CLIENT_SETUP,
     ERR_PINNED_MISMATCH,
     RequestError,
     TrainConfig,
-    arrays_digest,
-    envelope_from_record,
-    envelope_record,
 )
+from shuffledp.clients.mod import STATE_ENVELOPE, STATE_REQUEST, make_shuffle_mod
 
-__all__ = ["app", "train_shuffled", "STATE_ENVELOPE", "STATE_REQUEST"]
-
-STATE_ENVELOPE = "shuffledp.last-envelope"  # ArrayRecord {"ct": uint8}: the latest sealed reply
-STATE_REQUEST = "shuffledp.last-request"  # ConfigRecord: round, key-epoch, model-digest, config
+__all__ = ["app", "train_shuffled", "train_model", "STATE_ENVELOPE", "STATE_REQUEST"]
 
 # One BLAS thread in the process that loads this app, as for the ServerApp (see server/app.py: OpenBLAS hangs
 # for good when a thread forks during a multi-threaded matrix product; these products are small anyway).
 threadpool_limits(limits=1, user_api="blas")
 
-app = ClientApp()
 _log = logging.getLogger("shuffledp.client")
 
 
-# _handle and its helpers return the reply's *content* (a RecordDict or an Error), not a Message: Flower stamps a
-# Message with its creation time (metadata.created_at, and a ttl counted from it) when it is built, so a reply
-# built before the reply-floor's sleep would carry the unpadded work time to the server.
-Reply = RecordDict | Error
+def _seal(arrays: Any, config: Any, pinned: Any, *, update: np.ndarray) -> bytes:
+    # make_envelope is looked up when called (tests replace it in this module)
+    return make_envelope(arrays, config, pinned, update=update)
 
 
-def _error(code: int, reason: str) -> Error:
-    return Error(code=code, reason=reason)
+_mod = make_shuffle_mod(seal=_seal)
+app = ClientApp(mods=[_mod])
 
 
-def _request_key(cfg: TrainConfig, digest: bytes) -> dict[str, Any]:
-    canon = ";".join(f"{k}={v!r}" for k, v in sorted(cfg.to_dict().items()))
-    return {"round": cfg.round, "key-epoch": cfg.key_epoch, "model-digest": digest, "config": canon}
-
-
-def _reply(envelope: bytes) -> RecordDict:
-    return RecordDict({ENVELOPE_KEY: envelope_record(envelope)})
+def _refuse(msg: Message, code: int, reason: str) -> Message:
+    return Message(Error(code=code, reason=reason), reply_to=msg)
 
 
 @app.train("shuffled")
+def train_model(msg: Message, context: Context) -> Message:
+    """The project's local training (the function the mod wraps; the mod has validated the request).
+
+    Args:
+        msg: the ``train.shuffled`` request.
+        context: the node's context (its data settings).
+
+    Returns:
+        ``content["arrays"]``: the model after the local work, same names, shapes and dtypes as received; or an
+        error reply for a request this device cannot serve (module docstring).
+    """
+    cfg = TrainConfig.from_mapping(dict(msg.content.config_records[CONFIG_KEY]))
+    record = msg.content.array_records[ARRAYS_KEY]
+    names = list(record.keys())
+    arrays = [np.asarray(a) for a in record.to_numpy_ndarrays()]
+    try:
+        # in a deployment, the device's own (node config); the run's dataset and PCA must be the device's
+        settings = data_settings_from_configs(context.node_config, context.run_config)
+        pinned = pinned_from_configs(context.node_config, context.run_config)
+    except PinnedMismatchError as exc:
+        return _refuse(msg, ERR_PINNED_MISMATCH, f"refused: {exc}")
+    except ClientSetupError as exc:
+        return _refuse(msg, ERR_CLIENT_SETUP, f"client setup: {exc}")
+    try:
+        from shuffledp.clients.data import load_partition
+
+        x, y = load_partition(pinned.partition_id, pinned.num_partitions, **settings)
+    except (ValueError, TypeError, OSError) as exc:
+        # The details (paths, file sizes, shapes) are about the client's data: they go to its own log only.
+        _log.error("could not load this client's data: %s", exc)
+        return _refuse(msg, ERR_CLIENT_SETUP, "client data: the local dataset could not be loaded (see the client's "
+                                              "log)")
+    try:
+        check_model_fits_data(arrays, x)  # the model, and the data's feature count (a property of the dataset)
+    except RequestError as exc:
+        return _refuse(msg, ERR_BAD_REQUEST, f"cannot compute a report for this request: {exc}")
+    try:
+        new = local_model(arrays, cfg, x, y)
+    except Exception as exc:  # noqa: BLE001 - data-dependent failures must not change the reply: the zero update
+        _log.warning("the local update failed (%s); reporting the zero update, randomized as usual",
+                     type(exc).__name__)
+        new = arrays
+    updated = ArrayRecord({n: Array.from_numpy_ndarray(np.ascontiguousarray(a)) for n, a in zip(names, new)})
+    return Message(RecordDict({ARRAYS_KEY: updated}), reply_to=msg)
+
+
 def train_shuffled(msg: Message, context: Context) -> Message:
-    """Handle one ``train.shuffled`` request (see the module docstring).
+    """Handle one ``train.shuffled`` request as :data:`app` does: the mod around :func:`train_model`.
 
     With a pinned ``reply-floor`` of T seconds, no reply leaves earlier than T seconds after the request
     arrived: the time the local work takes grows with the local dataset (and the model), and the server sees
     when each node replies, so an unpadded reply time tells it about the client's data outside the eps0-LDP
     guarantee. A reply whose work took longer than T is sent when ready, with a warning in the client's log.
+
+    Args:
+        msg: the request.
+        context: the node's context.
+
+    Returns:
+        The reply: ``content["envelope"]`` only, or an error.
     """
-    started = time.monotonic()
-    content, floor = _handle(msg, context)
-    if floor > 0:
-        spent = time.monotonic() - started
-        if spent > floor:
-            _log.warning(
-                "the reply took %.2f s, more than reply-floor %g s: its time may reveal how long the local work "
-                "took; raise reply-floor",
-                spent,
-                floor,
-            )
-        else:
-            time.sleep(floor - spent)
-    return Message(content, reply_to=msg)  # built after the floor: its created_at is the padded time
-
-
-def _handle(msg: Message, context: Context) -> tuple[Reply, float]:
-    """The reply, and the reply floor it is held to (0 before the pinned settings are known: the replies before
-    that point, malformed requests and setup errors, do not depend on the client's data)."""
-    # 1. the request (the server is the adversary: validate everything)
-    try:
-        if ARRAYS_KEY not in msg.content.array_records or CONFIG_KEY not in msg.content.config_records:
-            raise RequestError(f"request must carry content[{ARRAYS_KEY!r}] and content[{CONFIG_KEY!r}]")
-        cfg = TrainConfig.from_mapping(dict(msg.content.config_records[CONFIG_KEY]))
-        group = msg.metadata.group_id
-        if group != str(cfg.round):
-            raise RequestError(f"group_id {group!r} != str(round) {str(cfg.round)!r}")
-        arrays = [np.asarray(a) for a in msg.content.array_records[ARRAYS_KEY].to_numpy_ndarrays()]
-        if not arrays:
-            raise RequestError("the request carries no model arrays")
-        if any(a.dtype.kind != "f" for a in arrays):
-            raise RequestError(f"model arrays must be floating-point (float32), got {[str(a.dtype) for a in arrays]}")
-        digest = arrays_digest(arrays)
-    except (RequestError, TypeError, ValueError) as exc:
-        return _error(ERR_BAD_REQUEST, f"bad request: {exc}"), 0.0
-
-    # 2. the client's own settings
-    try:
-        pinned = pinned_from_configs(context.node_config, context.run_config)
-    except ClientSetupError as exc:
-        return _error(ERR_CLIENT_SETUP, f"client setup: {exc}"), 0.0
-    try:
-        return _answer(context, cfg, arrays, digest, pinned), pinned.reply_floor
-    except Exception:  # noqa: BLE001 - the last resort: a clear error under the floor, never Flower's traceback reply
-        # Flower would reply at once with the exception's type and text, which may be about the client's data
-        _log.exception("round %d: unexpected error while answering", cfg.round)
-        return _error(ERR_CLIENT_SETUP, "the client could not answer this request (see the client's log)"), \
-            pinned.reply_floor
-
-
-def _answer(
-    context: Context, cfg: TrainConfig, arrays: list[np.ndarray], digest: bytes, pinned: PinnedSettings
-) -> Reply:
-    """Steps 2 (the pinned values) to 4 for a well-formed request."""
-    try:
-        check_pinned(cfg, pinned, sum(int(a.size) for a in arrays))
-        # in a deployment, the device's own (node config); the run's dataset and PCA must be the device's
-        settings = data_settings_from_configs(context.node_config, context.run_config)
-    except PinnedMismatchError as exc:
-        return _error(ERR_PINNED_MISMATCH, f"refused: {exc}")
-    except ClientSetupError as exc:
-        return _error(ERR_CLIENT_SETUP, f"client setup: {exc}")
-
-    # 3. retry cache: at most one report per round
-    key = _request_key(cfg, digest)
-    if STATE_REQUEST in context.state.config_records and STATE_ENVELOPE in context.state.array_records:
-        last = dict(context.state.config_records[STATE_REQUEST])
-        if last == key:
-            return _reply(envelope_from_record(context.state.array_records[STATE_ENVELOPE]))
-        if int(last["round"]) == cfg.round:
-            return _error(ERR_BAD_REQUEST, f"round {cfg.round} was already answered for another request")
-        if int(last["round"]) > cfg.round:
-            return _error(ERR_BAD_REQUEST, f"stale round {cfg.round}: round {last['round']} was answered")
-
-    # 4. compute, clip, randomize, encode, seal
-    try:
-        from shuffledp.clients.data import load_partition
-
-        data = load_partition(pinned.partition_id, pinned.num_partitions, **settings)
-    except (ValueError, TypeError, OSError) as exc:
-        # The details (paths, file sizes, shapes) are about the client's data: they go to its own log only.
-        _log.error("could not load this client's data: %s", exc)
-        return _error(ERR_CLIENT_SETUP, "client data: the local dataset could not be loaded (see the client's log)")
-    try:
-        envelope = make_envelope(arrays, cfg, pinned, data)
-    except PinnedMismatchError as exc:  # pragma: no cover - checked above
-        return _error(ERR_PINNED_MISMATCH, str(exc))
-    except RequestError as exc:  # about the request (and the data's feature count, a property of the dataset)
-        return _error(ERR_BAD_REQUEST, f"cannot compute a report for this request: {exc}")
-    except ValueError as exc:  # may say something about the data: the client's log only
-        _log.error("could not compute a report: %s", exc)
-        return _error(ERR_BAD_REQUEST, "cannot compute a report for this request (see the client's log)")
-
-    # the envelope first: a failure between the two leaves the old key, which no new request matches
-    context.state[STATE_ENVELOPE] = ArrayRecord({ENVELOPE_ARRAY: envelope_record(envelope)[ENVELOPE_ARRAY]})
-    context.state[STATE_REQUEST] = ConfigRecord(key)
-    return _reply(envelope)
+    return _mod(msg, context, train_model)

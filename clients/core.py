@@ -1,16 +1,18 @@
 """The client's reusable core, independent of Flower's runtime.
 
-Signature (what the ClientApp and the server's tests with a fake Grid call)::
+Signature (what the ClientApp's mod and the server's tests with a fake Grid call)::
 
     make_envelope(arrays: Sequence[np.ndarray], config: TrainConfig | Mapping[str, Any],
-                  pinned: PinnedSettings, data: tuple[np.ndarray, np.ndarray], *,
-                  rng: ChaCha20Rng | None = None) -> bytes
+                  pinned: PinnedSettings, data: tuple[np.ndarray, np.ndarray] | None = None, *,
+                  rng: ChaCha20Rng | None = None, update: np.ndarray | None = None) -> bytes
 
 * ``arrays``: the model as received (numpy arrays in parameter order; logreg or mlp, see shuffledp.clients.models);
 * ``config``: the request's ``content["config"]`` (parsed with :meth:`TrainConfig.from_mapping`);
 * ``pinned``: the client's own settings (:class:`PinnedSettings`; build it with :func:`pinned_from_configs`
   from ``context.node_config`` / ``context.run_config``, or directly in tests);
-* ``data``: the client's partition ``(x, y)``.
+* ``data``: the client's partition ``(x, y)``: the report is computed here (:func:`compute_update`); or
+* ``update``: instead of ``data``, the report computed elsewhere (a flat vector of the model's size: what
+  :mod:`shuffledp.clients.mod` derives from a wrapped ClientApp's updated model).
 
 It raises :class:`shuffledp.clients.messages.RequestError` for a malformed request and :class:`PinnedMismatchError` when
 the request's eps0 or clip-l1 differ from the pinned values (the server is the adversary: the client never lets
@@ -51,7 +53,10 @@ __all__ = [
     "data_settings_from_configs",
     "parse_data_settings",
     "compute_update",
+    "check_model_fits_data",
+    "local_model",
     "make_payload",
+    "payload_from_update",
     "make_envelope",
 ]
 
@@ -342,7 +347,7 @@ def compute_update(arrays: Sequence[np.ndarray], cfg: TrainConfig, x: np.ndarray
     return flatten_arrays(parts)
 
 
-def _check_model_fits_data(arrays: Sequence[np.ndarray], x: np.ndarray) -> None:
+def check_model_fits_data(arrays: Sequence[np.ndarray], x: np.ndarray) -> None:
     """The request checks that need the model: it is a logreg or mlp with finite parameters
     (:func:`shuffledp.clients.models.model_from_arrays`), and its input width is the data's feature count (a property of
     the dataset, not of any record). Raises :class:`RequestError`."""
@@ -391,8 +396,18 @@ def _parse(
     config: TrainConfig | Mapping[str, Any], pinned: PinnedSettings, arrays: Sequence[np.ndarray]
 ) -> TrainConfig:
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_mapping(config)
-    check_pinned(cfg, pinned, sum(int(np.asarray(a).size) for a in arrays))
+    check_pinned(cfg, pinned, _n_parameters(arrays))
     return cfg
+
+
+def _mechanism(pinned: PinnedSettings, rng: ChaCha20Rng | None) -> DiscreteLaplaceRandomizer:
+    if rng is None:
+        return pinned.randomizer()
+    return DiscreteLaplaceRandomizer(pinned.eps0, pinned.clip_l1, log2_grid=pinned.log2_grid, rng=rng)
+
+
+def _n_parameters(arrays: Sequence[np.ndarray]) -> int:
+    return sum(int(np.asarray(a).size) for a in arrays)
 
 
 def make_payload(
@@ -419,12 +434,8 @@ def make_payload(
     if len(arrays) == 0:
         raise RequestError("the request carries no model arrays")
     x, y = data
-    _check_model_fits_data(arrays, x)
-    rnd = (
-        pinned.randomizer()
-        if rng is None
-        else DiscreteLaplaceRandomizer(pinned.eps0, pinned.clip_l1, log2_grid=pinned.log2_grid, rng=rng)
-    )
+    check_model_fits_data(arrays, x)
+    rnd = _mechanism(pinned, rng)
     try:
         vec = compute_update(arrays, cfg, x, y)
         failure = None if np.all(np.isfinite(vec)) else "non-finite values"
@@ -432,25 +443,106 @@ def make_payload(
         failure = type(exc).__name__
     if failure is not None:
         _log.warning("the local update failed (%s); reporting the zero update, randomized as usual", failure)
-        vec = np.zeros(sum(int(np.asarray(a).size) for a in arrays), dtype=np.float64)
+        vec = np.zeros(_n_parameters(arrays), dtype=np.float64)
     return rnd.encode(vec)
+
+
+def payload_from_update(
+    arrays: Sequence[np.ndarray],
+    config: TrainConfig | Mapping[str, Any],
+    pinned: PinnedSettings,
+    update: np.ndarray,
+    *,
+    rng: ChaCha20Rng | None = None,
+) -> bytes:
+    """The encoded report of an update computed elsewhere: clip, randomize, encode.
+
+    A non-finite update is replaced by the zero update (logged on the client only), as in :func:`make_payload`.
+
+    Args:
+        arrays: the model as received (the update must have as many entries as it has parameters).
+        config: the request's config.
+        pinned: the client's pinned settings (checked against the config).
+        update: the unclipped report, any shape, as many entries as the model has parameters.
+        rng: the CSPRNG of the noise; default, the pinned randomizer's (keyed from ``os.urandom``).
+
+    Returns:
+        The fixed-length report payload (``shuffledp.clients.report``).
+
+    Raises:
+        RequestError: a malformed config.
+        PinnedMismatchError: the config asks for other values than the pinned ones.
+        ValueError: the update does not have the model's size or is not a real array.
+    """
+    _parse(config, pinned, arrays)
+    n = _n_parameters(arrays)
+    vec = np.asarray(update)
+    if vec.dtype.kind not in "fiu":
+        raise ValueError(f"the update must be a real array, got dtype {vec.dtype}")
+    vec = vec.astype(np.float64).reshape(-1)
+    if vec.size != n or n == 0:
+        raise ValueError(f"the update has {vec.size} entries; the model has {n} parameters")
+    if not np.all(np.isfinite(vec)):
+        _log.warning("the local update has non-finite values; reporting the zero update, randomized as usual")
+        vec = np.zeros(n, dtype=np.float64)
+    return _mechanism(pinned, rng).encode(vec)
+
+
+def local_model(
+    arrays: Sequence[np.ndarray], cfg: TrainConfig, x: np.ndarray, y: np.ndarray
+) -> list[np.ndarray]:
+    """The model after this client's local work, such that :mod:`shuffledp.clients.mod` derives the report of
+    :func:`compute_update` from it.
+
+    ``"delta"``: the model after ``cfg.local_epochs`` epochs of SGD (``w + delta``; the mod's ``w_local - w``,
+    both in float64, is the delta of :func:`shuffledp.clients.models.local_delta`). ``"gradient"``: one
+    full-batch step at ``cfg.local_lr`` (``w - lr * g``; the mod's ``(w - w_local) / lr`` is the average
+    gradient up to the rounding of ``w_local`` to the model's dtype). Arrays keep the received dtypes and shapes.
+
+    Args:
+        arrays: the model as received (checked with :func:`check_model_fits_data`).
+        cfg: the request's config.
+        x: the local features.
+        y: the local labels.
+
+    Returns:
+        The updated model's arrays, in parameter order.
+    """
+    w = [np.asarray(a) for a in arrays]
+    vec = compute_update(w, cfg, x, y)
+    step = vec if cfg.report == "delta" else -cfg.local_lr * vec
+    out, start = [], 0
+    with np.errstate(all="ignore"):  # an overflow gives inf, which the mod reports as the zero update
+        for a in w:
+            part = step[start:start + a.size].reshape(a.shape)
+            start += a.size
+            out.append((a.astype(np.float64) + part).astype(a.dtype))
+    return out
 
 
 def make_envelope(
     arrays: Sequence[np.ndarray],
     config: TrainConfig | Mapping[str, Any],
     pinned: PinnedSettings,
-    data: tuple[np.ndarray, np.ndarray],
+    data: tuple[np.ndarray, np.ndarray] | None = None,
     *,
     rng: ChaCha20Rng | None = None,
+    update: np.ndarray | None = None,
 ) -> bytes:
-    """The sealed envelope for this request (see the module docstring)."""
+    """The sealed envelope for this request (see the module docstring): give exactly one of ``data`` (the
+    report is computed here, :func:`make_payload`) and ``update`` (computed elsewhere,
+    :func:`payload_from_update`)."""
     from shuffledp.shuffler.envelope import seal
 
+    if (data is None) == (update is None):
+        raise TypeError("make_envelope needs exactly one of data and update")
     cfg = _parse(config, pinned, arrays)
     arrays = [np.asarray(a) for a in arrays]
     digest = arrays_digest(arrays)
-    payload = make_payload(arrays, cfg, pinned, data, rng=rng)
+    if update is None:
+        payload = make_payload(arrays, cfg, pinned, data, rng=rng)  # type: ignore[arg-type] - data is set here
+    else:
+        payload = payload_from_update(arrays, cfg, pinned, update, rng=rng)
     return seal(
         payload,
         server_public_key=bytes(pinned.server_public_key),

@@ -520,3 +520,17 @@ def test_an_unexpected_error_is_a_clear_reply_held_to_the_floor(keys, model, mon
     assert r.has_error() and r.error.code == ERR_CLIENT_SETUP
     assert r.error.reason == "the client could not answer this request (see the client's log)"
     assert "172 rows" in caplog.text  # the details stay in the client's own log
+
+
+def test_the_app_is_the_mod_around_the_projects_training_function(keys, model) -> None:
+    """train_model replies with the updated model (same names, shapes, dtypes); only the mod's envelope leaves."""
+    from shuffledp.clients.app import train_model
+
+    ctx = _ctx(keys)
+    inner = train_model(_msg(model, _cfg(1, report="delta", local_epochs=1, batch_size=8)), ctx)
+    arrays = inner.content.array_records["arrays"]
+    assert [a.shape for a in arrays.to_numpy_ndarrays()] == [a.shape for a in model]
+    assert [a.dtype for a in arrays.to_numpy_ndarrays()] == [np.float32, np.float32]
+    assert not np.array_equal(arrays.to_numpy_ndarrays()[0], model[0])  # trained
+    r = app(_msg(model, _cfg(1)), ctx)
+    assert list(r.content.keys()) == ["envelope"] and STATE_ENVELOPE in ctx.state.array_records

@@ -12,7 +12,7 @@ import pytest
 
 from shuffledp import clients, server
 
-REPORT_PATH = ["app.py", "core.py", "messages.py", "noise.py", "randomizer.py", "report.py", "validation.py",
+REPORT_PATH = ["app.py", "core.py", "messages.py", "mod.py", "noise.py", "randomizer.py", "report.py", "validation.py",
                "worktime.py"]
 
 
