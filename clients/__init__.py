@@ -7,6 +7,10 @@
 * :mod:`shuffledp.clients.report` — the fixed-length report payload (``encode_report`` / ``decode_report``).
 * :mod:`shuffledp.clients.messages` — the Flower message schema (names, ``TrainConfig``, ``arrays_digest``).
 * :mod:`shuffledp.clients.data`, :mod:`shuffledp.clients.models` — digits / MNIST (IDX), partitions, PyTorch models.
-* :mod:`shuffledp.clients.core` — ``make_envelope``: request -> sealed envelope, without Flower.
-* :mod:`shuffledp.clients.app` — the Flower ``ClientApp`` (``train.shuffled``).
+* :mod:`shuffledp.clients.core` — ``make_envelope``: request (or an update computed elsewhere) -> sealed envelope,
+  without Flower.
+* :mod:`shuffledp.clients.mod` — ``shuffle_mod``: a Flower client mod that turns any ClientApp's train reply (its
+  updated model) into one sealed eps0-LDP report.
+* :mod:`shuffledp.clients.app` — the project's Flower ``ClientApp`` (``train.shuffled``): ``shuffle_mod`` around
+  its own training function.
 """
