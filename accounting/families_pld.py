@@ -250,7 +250,14 @@ class RrLowerFamily(Family):
         )
         interval = max(min(comp.rr_interval(eps0, n, total) for n, eps0, _ in items), floor)
         plds = [(comp.rr_lower_pld(eps0, n, total, interval), c) for n, eps0, c in items]
-        return comp.pld_epsilon(_pld().compose(plds), delta, lower=True), {
+        value = comp.pld_epsilon(_pld().compose(plds), delta, lower=True)
+        slack = total * interval
+        if slack >= value:  # as in epsilon(): a value the grid cannot resolve is refused
+            raise RefusedError(
+                f"rr-lower cannot resolve {total} rounds: its optimistic grid may round the composed loss down by "
+                f"up to {slack:.3g} (rounds x interval), more than the value {value:.3g} it finds; no lower bound "
+                "is reported")
+        return value, {
             "method": "pld",
             "discretisation": "optimistic",
             "interval": interval,

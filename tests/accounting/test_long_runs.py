@@ -46,3 +46,14 @@ def test_ccg_rdp_renyi_below_the_exact_lower_bound_is_refused() -> None:
     assert renyi("ccg-rdp", 1.0, 100_000, 8.0).value > renyi("rr-lower", 1.0, 100_000, 8.0).value
     with pytest.raises(RefusedError, match="fewer than 1000"):
         renyi("ccg-rdp", 20.0, 10**8, 8.0)
+
+
+def test_rr_lower_refuses_unresolved_heterogeneous_rounds_too() -> None:
+    from shuffledp.accounting.bounds import epsilon_for_rounds
+    from shuffledp.accounting.events import ShuffleRound
+
+    few = [ShuffleRound(10_000, 1.0), ShuffleRound(12_000, 1.0)] * 50
+    assert epsilon_for_rounds("rr-lower", few, 1e-6).value > 0
+    many = [ShuffleRound(10_000, 1.0)] * 1_500_000 + [ShuffleRound(12_000, 1.0)] * 1_500_000
+    with pytest.raises(RefusedError, match="rr-lower cannot resolve 3000000 rounds"):
+        epsilon_for_rounds("rr-lower", many, 1e-6)
