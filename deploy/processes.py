@@ -31,6 +31,7 @@ __all__ = [
     "signal_group",
     "kill_group",
     "session_children",
+    "processes_mentioning",
     "start_time",
     "platform_problem",
     "descendants",
@@ -92,6 +93,26 @@ def _processes() -> Iterator[tuple[int, list[str]]]:
             fields = _stat_fields(entry.name)
             if fields is not None:  # gone meanwhile otherwise
                 yield int(entry.name), fields
+
+
+def processes_mentioning(text: str) -> list[tuple[int, str]]:
+    """The live (not zombie) processes other than this one whose command line contains ``text`` (a run's folder,
+    say): what is left of a run after it stopped.
+
+    Returns:
+        ``(pid, the first 200 characters of its command line)`` for each (none where there is no /proc).
+    """
+    found = []
+    for pid, fields in _processes():
+        if pid == os.getpid() or fields[0] == "Z":
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append((pid, cmd[:200]))
+    return found
 
 
 def session_children(pid: int) -> list[int]:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -16,34 +15,18 @@ import pytest
 from shuffledp.deploy.errors import DeployError
 from shuffledp.deploy.keys import create_deploy_keys
 from shuffledp.deploy.local import LocalDeployment, run_local
-from shuffledp.deploy.processes import tail
+from shuffledp.deploy.processes import processes_mentioning, tail
 from shuffledp.deploy.timeline import format_report
 
 pytestmark = pytest.mark.e2e
 
 
-def _processes_mentioning(text: str) -> list[tuple[int, str]]:
-    """Live (non-zombie) processes whose command line contains ``text``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if text in cmd and state != "Z":
-            found.append((int(entry.name), cmd[:200]))
-    return found
-
-
 def _wait_gone(text: str, seconds: float = 15.0) -> list[tuple[int, str]]:
     deadline = time.monotonic() + seconds
-    left = _processes_mentioning(text)
+    left = processes_mentioning(text)
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left = _processes_mentioning(text)
+        left = processes_mentioning(text)
     return left
 
 
@@ -140,7 +123,7 @@ def test_ctrl_c_and_sigterm_stop_every_process(tmp_path: Path, sig: signal.Signa
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the deployment did not come up"
             time.sleep(0.2)
-        assert len(_processes_mentioning(str(work))) >= 3  # SuperLink and two SuperNodes at least
+        assert len(processes_mentioning(str(work))) >= 3  # SuperLink and two SuperNodes at least
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:

@@ -19,19 +19,30 @@ from shuffledp.deploy.processes import alive, descendants
 pytestmark = pytest.mark.e2e
 
 
-def test_a_killed_runner_leaves_nothing_running(tmp_path: Path) -> None:
+def _start_runner(tmp_path: Path, name: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """``shuffledp run`` of 400 rounds in its own session, logging to ``tmp_path/runner.log``."""
     env = dict(os.environ, SHUFFLEDP_FLWR_HOME=str(tmp_path / "flwr-home"))
-    argv = [sys.executable, "-m", "shuffledp.deploy.cli", "run", "--clients", "4", "--rounds", "400", "--run-name", "k",
-            "--output-dir", str(tmp_path / "outputs"), "--run-config", "min-reports=3 budget-epsilon=100000"]
+    argv = [sys.executable, "-m", "shuffledp.deploy.cli", "run", "--clients", "4", "--rounds", "400", "--run-name",
+            name, "--output-dir", str(tmp_path / "outputs"), "--run-config", "min-reports=3 budget-epsilon=100000"]
     log = tmp_path / "runner.log"
     with open(log, "w") as out:
         runner = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return runner, log
+
+
+def _wait_for_round_1(runner: subprocess.Popen[bytes], log: Path) -> None:
+    """Until the first round line: the simulation, Ray and the ServerApp are all up."""
+    deadline = time.monotonic() + 240
+    while "[shuffledp] round 1/400:" not in log.read_text():
+        assert runner.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    time.sleep(1.0)  # the watchdog learns of new processes every 0.5 s
+
+
+def test_a_killed_runner_leaves_nothing_running(tmp_path: Path) -> None:
+    runner, log = _start_runner(tmp_path, "k")
     try:
-        deadline = time.monotonic() + 240
-        while "[shuffledp] round 1/400:" not in log.read_text():  # the simulation, Ray and the ServerApp are all up
-            assert runner.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        time.sleep(1.0)  # the watchdog learns of new processes every 0.5 s
+        _wait_for_round_1(runner, log)
         below = descendants(runner.pid)
         commands = " ".join(_command(pid) for pid in below)
         assert "flower-superlink" in commands and "flwr-simulation" in commands and "ray" in commands, commands
@@ -53,19 +64,10 @@ def test_a_killed_runner_leaves_nothing_running(tmp_path: Path) -> None:
 
 
 def test_an_interrupted_runner_stops_everything_itself_within_seconds(tmp_path: Path) -> None:
-    env = dict(os.environ, SHUFFLEDP_FLWR_HOME=str(tmp_path / "flwr-home"))
-    argv = [sys.executable, "-m", "shuffledp.deploy.cli", "run", "--clients", "4", "--rounds", "400", "--run-name", "i",
-            "--output-dir", str(tmp_path / "outputs"), "--run-config", "min-reports=3 budget-epsilon=100000"]
-    log = tmp_path / "runner.log"
-    with open(log, "w") as out:
-        runner = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    runner, log = _start_runner(tmp_path, "i")
     below: list[int] = []
     try:
-        deadline = time.monotonic() + 240
-        while "[shuffledp] round 1/400:" not in log.read_text():
-            assert runner.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        time.sleep(1.0)
+        _wait_for_round_1(runner, log)
         below = descendants(runner.pid)
         t0 = time.monotonic()
         runner.send_signal(signal.SIGINT)

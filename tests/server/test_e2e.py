@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from shuffledp.accounting.ledger import Ledger
+from shuffledp.deploy.processes import processes_mentioning
 
 pytestmark = pytest.mark.e2e
 
@@ -45,22 +46,6 @@ def _run(tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(argv, code, out, err)  # type: ignore[arg-type] - code is None after a timeout
 
 
-def _running_under(folder: Path) -> list[str]:
-    """Live processes whose command line names ``folder`` (the run's FLWR_HOME and outputs are inside it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if str(folder) in cmd and state != "Z":
-            found.append(cmd[:200])
-    return found
-
-
 def test_shuffledp_run_end_to_end(tmp_path: Path) -> None:
     result = _run(tmp_path, "e2e")
     if result.returncode is None or (
@@ -69,7 +54,7 @@ def test_shuffledp_run_end_to_end(tmp_path: Path) -> None:
     out_dir = Path(result.stdout.strip().splitlines()[-1].split("outputs: ", 1)[-1]) if result.stdout else None
     assert result.returncode == 0, f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
     assert "watchdog" not in result.stdout + result.stderr  # the runner stopped everything itself
-    assert _running_under(tmp_path) == []  # and nothing of the run is left running
+    assert processes_mentioning(str(tmp_path)) == []  # and nothing of the run is left running
     assert out_dir is not None and out_dir.is_dir()
     report = json.loads((out_dir / "report.json").read_text())
     assert report["finished"] is True
