@@ -173,10 +173,11 @@ def seal_seconds(repeat: int = 300) -> float:
     process."""
     import numpy as np
 
-    from shuffledp.clients.core import PinnedSettings, make_payload
+    from shuffledp.clients.core import make_payload
     from shuffledp.clients.data import load_partition
     from shuffledp.clients.messages import TrainConfig, arrays_digest
     from shuffledp.clients.models import initial_arrays
+    from shuffledp.clients.settings import PinnedSettings
     from shuffledp.shuffler import keys as kf
     from shuffledp.shuffler.envelope import seal
 

@@ -33,10 +33,11 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from shuffledp.accounting.ledger import Ledger
 from shuffledp.clients import messages as M
-from shuffledp.clients.core import PinnedSettings, make_payload
+from shuffledp.clients.core import make_payload
 from shuffledp.clients.data import load_partition
 from shuffledp.clients.models import initial_arrays
 from shuffledp.clients.report import decode_report
+from shuffledp.clients.settings import PinnedSettings
 from shuffledp.server.config import parse_run_config
 from shuffledp.server.optim import ReportAccumulator, ServerOptimizer
 from shuffledp.server.rounds import RoundEngine, envelope_of

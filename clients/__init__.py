@@ -7,6 +7,8 @@
 * :mod:`shuffledp.clients.report` — the fixed-length report payload (``encode_report`` / ``decode_report``).
 * :mod:`shuffledp.clients.messages` — the Flower message schema (names, ``TrainConfig``, ``arrays_digest``).
 * :mod:`shuffledp.clients.data`, :mod:`shuffledp.clients.models` — digits / MNIST (IDX), partitions, PyTorch models.
+* :mod:`shuffledp.clients.settings` — what a client pins (``PinnedSettings``, ``pinned_from_configs``, the data
+  settings) and ``check_pinned``: refusals decided before the data is touched.
 * :mod:`shuffledp.clients.core` — ``make_envelope``: request (or an update computed elsewhere) -> sealed envelope,
   without Flower.
 * :mod:`shuffledp.clients.mod` — ``shuffle_mod``: a Flower client mod that turns any ClientApp's train reply (its

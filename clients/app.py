@@ -7,7 +7,7 @@ function, :func:`train_model`::
     train_shuffled(msg, context) == mod(msg, context, train_model)   # what the app does for train.shuffled
 
 The mod validates the request, reads the pinned settings (node_config in deployment, run_config in simulation, see
-:func:`shuffledp.clients.core.pinned_from_configs`), refuses a request whose eps0 / clip-l1 differ from the pinned
+:func:`shuffledp.clients.settings.pinned_from_configs`), refuses a request whose eps0 / clip-l1 differ from the pinned
 ones or that asks for more local work than the pinned limits, answers a retry from the cache in ``context.state``
 (one report per round, never two), holds every reply after pinning to the pinned ``reply-floor``, and turns the
 updated model :func:`train_model` replies with into the report (the model delta, or the average gradient),
@@ -15,7 +15,7 @@ clipped, randomized, sealed (:func:`shuffledp.clients.core.make_envelope`) and r
 ``content["envelope"] = ArrayRecord({"ct": uint8})`` only.
 
 :func:`train_model` refuses (error reply, passed on by the mod) a run that asks, in a deployment, for another
-dataset or PCA than the device's (:func:`shuffledp.clients.core.data_settings_from_configs`: the device's node
+dataset or PCA than the device's (:func:`shuffledp.clients.settings.data_settings_from_configs`: the device's node
 config says which data it reads), a device whose data cannot be loaded, and a model that is not a logreg / mlp of
 the data's feature count; all on the request and fixed facts of the device, never on the records. It then replies
 ``content["arrays"]``: the model after the local work (:func:`shuffledp.clients.core.local_model`), or the
@@ -33,15 +33,7 @@ from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from threadpoolctl import threadpool_limits
 
-from shuffledp.clients.core import (
-    ClientSetupError,
-    PinnedMismatchError,
-    check_model_fits_data,
-    data_settings_from_configs,
-    local_model,
-    make_envelope,
-    pinned_from_configs,
-)
+from shuffledp.clients.core import check_model_fits_data, local_model, make_envelope
 from shuffledp.clients.messages import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -52,6 +44,12 @@ from shuffledp.clients.messages import (
     TrainConfig,
 )
 from shuffledp.clients.mod import STATE_ENVELOPE, STATE_REQUEST, make_shuffle_mod
+from shuffledp.clients.settings import (
+    ClientSetupError,
+    PinnedMismatchError,
+    data_settings_from_configs,
+    pinned_from_configs,
+)
 
 __all__ = ["app", "train_shuffled", "train_model", "STATE_ENVELOPE", "STATE_REQUEST"]
 

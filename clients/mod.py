@@ -13,7 +13,7 @@ names, shapes and dtypes as the model it received)::
 
 ``shuffle_mod`` takes no parameters: everything that matters for privacy (eps0, clip-l1, keys, reply floor,
 work limits) is pinned in the node's own configs (``context.node_config`` in a deployment, ``context.run_config``
-in a simulation; see :func:`shuffledp.clients.core.pinned_from_configs`), never in code the server could choose
+in a simulation; see :func:`shuffledp.clients.settings.pinned_from_configs`), never in code the server could choose
 and never in the request. :func:`make_shuffle_mod` builds the same mod with another sealing function.
 
 For every ``train`` message (other categories pass through untouched), in this order:
@@ -22,7 +22,7 @@ For every ``train`` message (other categories pass through untouched), in this o
    arrays) and the pinned settings are read; failures are error replies sent at once (they do not depend on the
    client's data);
 2. the request is refused (error reply) if its eps0 / clip-l1 differ from the pinned ones or it asks for more
-   local work than the pinned limits (:func:`shuffledp.clients.core.check_pinned`); a retry of the request
+   local work than the pinned limits (:func:`shuffledp.clients.settings.check_pinned`); a retry of the request
    answered last gets the same sealed bytes from ``context.state`` (fresh noise on a retry would spend privacy
    twice), another request for an answered round, or for an older round, is refused. The wrapped app has not
    run yet: these refusals never depend on the data;
@@ -58,14 +58,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordD
 from flwr.app.message_type import MessageType
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
-from shuffledp.clients.core import (
-    ClientSetupError,
-    PinnedMismatchError,
-    PinnedSettings,
-    check_pinned,
-    make_envelope,
-    pinned_from_configs,
-)
+from shuffledp.clients.core import make_envelope
 from shuffledp.clients.messages import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -81,6 +74,13 @@ from shuffledp.clients.messages import (
     envelope_record,
 )
 from shuffledp.clients.randomizer import flatten_arrays
+from shuffledp.clients.settings import (
+    ClientSetupError,
+    PinnedMismatchError,
+    PinnedSettings,
+    check_pinned,
+    pinned_from_configs,
+)
 
 __all__ = ["shuffle_mod", "make_shuffle_mod", "SealFn", "STATE_ENVELOPE", "STATE_REQUEST", "UNEXPECTED_REASON"]
 

@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from shuffledp.clients.core import data_settings_from_configs, make_envelope, pinned_from_configs
+from shuffledp.clients.core import make_envelope
 from shuffledp.clients.messages import TrainConfig
+from shuffledp.clients.settings import data_settings_from_configs, pinned_from_configs
 from shuffledp.clients.validation import require_int
 
 __all__ = ["worst_case_models", "time_worst_case"]
@@ -69,7 +70,7 @@ def time_worst_case(node_config: Mapping[str, Any], *, repeat: int = 3) -> dict[
     cold data load time, per model its parameter count, SGD steps and the seconds of each repetition, and
     ``worst_s`` (the slowest repetition plus the cold load: the first request of a SuperNode loads the data),
     ``reply_floor_s`` (pinned) and ``covered`` (``reply_floor_s >= worst_s``). Every number is a measurement
-    on this machine, not a bound. Raises :class:`shuffledp.clients.core.ClientSetupError` for a bad node config.
+    on this machine, not a bound. Raises :class:`shuffledp.clients.settings.ClientSetupError` for a bad node config.
     """
     require_int("repeat", repeat, 1, 100)
     from shuffledp.clients.data import load_partition

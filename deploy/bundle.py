@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shuffledp.clients.core import (
+from shuffledp.clients.settings import (
     DATA_SETTINGS_DEFAULTS,
     DEFAULT_MAX_LOCAL_EPOCHS,
     DEFAULT_MAX_MODEL_PARAMETERS,
@@ -52,12 +52,12 @@ def device_data_settings(values: Mapping[str, object] | None) -> dict[str, objec
     ``dataset`` and ``pca-components`` must be the same (else the device refuses).
 
     Args:
-        values: overrides of shuffledp.clients.core.DATA_SETTINGS_DEFAULTS (``dataset``, ``data-dir``,
+        values: overrides of shuffledp.clients.settings.DATA_SETTINGS_DEFAULTS (``dataset``, ``data-dir``,
             ``pca-components``, ``partition``, ``dirichlet-alpha``, ``partition-seed``); other keys are ignored.
 
     Returns:
         The defaults overridden by the data keys of ``values``, checked as the ClientApp checks them
-        (shuffledp.clients.core.parse_data_settings).
+        (shuffledp.clients.settings.parse_data_settings).
 
     Raises:
         DeployUsageError: a setting the ClientApp would refuse.

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shuffledp.clients.core import DEFAULT_MAX_LOCAL_EPOCHS, DEFAULT_MAX_MODEL_PARAMETERS, DEFAULT_MIN_BATCH_SIZE
+from shuffledp.clients.settings import DEFAULT_MAX_LOCAL_EPOCHS, DEFAULT_MAX_MODEL_PARAMETERS, DEFAULT_MIN_BATCH_SIZE
 from shuffledp.deploy import party_keys
 from shuffledp.deploy.bundle import create_device_bundle
 from shuffledp.deploy.errors import DeployError, DeployUsageError
@@ -111,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the smallest minibatch the device trains with (smaller is refused)")
     b.add_argument("--max-model-parameters", type=int, default=DEFAULT_MAX_MODEL_PARAMETERS,
                    help="the largest model (total parameters) the device trains (larger is refused)")
-    # the device's data settings (shuffledp.clients.core.DATA_SETTINGS_DEFAULTS); the server's run config does not
+    # the device's data settings (shuffledp.clients.settings.DATA_SETTINGS_DEFAULTS); the server's run config does not
     # choose them
     b.add_argument("--dataset", default=None, help="digits (bundled, default) | mnist (IDX files under --data-dir)")
     b.add_argument("--data-dir", default=None, help="folder on the device holding the dataset's files (mnist)")

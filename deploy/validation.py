@@ -48,7 +48,7 @@ def check_positive(name: str, value: object) -> float:
 
 
 def check_reply_floor(value: object) -> float:
-    """``--reply-floor``: seconds in [0, 3600] (shuffledp.clients.core.MAX_REPLY_FLOOR; see clients/app.py).
+    """``--reply-floor``: seconds in [0, 3600] (shuffledp.clients.settings.MAX_REPLY_FLOOR; see clients/app.py).
 
     Returns:
         The floor in seconds, as a float.
@@ -56,7 +56,7 @@ def check_reply_floor(value: object) -> float:
     Raises:
         DeployUsageError: outside the range, or not a number.
     """
-    from shuffledp.clients.core import MAX_REPLY_FLOOR
+    from shuffledp.clients.settings import MAX_REPLY_FLOOR
 
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_REPLY_FLOOR:
         raise DeployUsageError(f"--reply-floor must be a number of seconds in [0, {MAX_REPLY_FLOOR:g}], got {value!r}")
@@ -65,7 +65,7 @@ def check_reply_floor(value: object) -> float:
 
 def check_work_limits(max_local_epochs: object, min_batch_size: object,
                       max_model_parameters: object) -> tuple[int, int, int]:
-    """The work limits a device pins (shuffledp.clients.core.PinnedSettings).
+    """The work limits a device pins (shuffledp.clients.settings.PinnedSettings).
 
     Returns:
         ``(max_local_epochs, min_batch_size, max_model_parameters)``: ``--max-local-epochs`` in [1, 10000],

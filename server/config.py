@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shuffledp.clients.core import DATA_SETTINGS_DEFAULTS
+from shuffledp.clients.settings import DATA_SETTINGS_DEFAULTS
 
 __all__ = [
     "ConfigError",
@@ -107,7 +107,7 @@ class ServerConfig:
     local_epochs: int
     local_lr: float
     batch_size: int
-    #: simulation only: the clients' pinned work limits (shuffledp.clients.core.PinnedSettings; deployed clients
+    #: simulation only: the clients' pinned work limits (shuffledp.clients.settings.PinnedSettings; deployed clients
     #: pin theirs)
     max_local_epochs: int
     min_batch_size: int
@@ -290,7 +290,7 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
     if dataset == "mnist" and not data_dir.strip():
         raise ConfigError("run config 'data-dir' must name the folder with the MNIST IDX files when dataset='mnist'")
 
-    from shuffledp.clients.core import MAX_REPLY_FLOOR
+    from shuffledp.clients.settings import MAX_REPLY_FLOOR
 
     config = ServerConfig(
         num_server_rounds=_int(raw, "num-server-rounds", minimum=1),

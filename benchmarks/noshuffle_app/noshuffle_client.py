@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordD
 from flwr.clientapp import ClientApp
 
 from shuffledp.clients.app import train_shuffled
-from shuffledp.clients.core import PinnedSettings, data_settings_from_configs, make_payload
+from shuffledp.clients.core import make_payload
 from shuffledp.clients.messages import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -33,6 +33,7 @@ from shuffledp.clients.messages import (
     envelope_from_record,
     envelope_record,
 )
+from shuffledp.clients.settings import PinnedSettings, data_settings_from_configs
 
 __all__ = ["app", "REPORT_KEY", "MESSAGE_TYPE"]
 

@@ -10,7 +10,7 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
 
 from shuffledp.clients.app import STATE_ENVELOPE, STATE_REQUEST, app, train_shuffled
-from shuffledp.clients.core import PinnedMismatchError, PinnedSettings, make_envelope, make_payload
+from shuffledp.clients.core import make_envelope, make_payload
 from shuffledp.clients.messages import (
     ERR_BAD_REQUEST,
     ERR_CLIENT_SETUP,
@@ -24,6 +24,7 @@ from shuffledp.clients.messages import (
 from shuffledp.clients.models import initial_arrays
 from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
 from shuffledp.clients.report import decode_report_full
+from shuffledp.clients.settings import PinnedMismatchError, PinnedSettings
 
 shuffler_keys = pytest.importorskip("shuffledp.shuffler.keys")
 envelope = pytest.importorskip("shuffledp.shuffler.envelope")
@@ -218,7 +219,7 @@ def test_core_without_flower(keys, model) -> None:
 
 
 def test_pinned_settings_resolution_errors(keys) -> None:
-    from shuffledp.clients.core import ClientSetupError, data_settings_from_configs, pinned_from_configs
+    from shuffledp.clients.settings import ClientSetupError, data_settings_from_configs, pinned_from_configs
 
     node = {"partition-id": 0, "num-partitions": N_PART}
     run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root), "pca-components": 0}  # model uses 64 pixels
@@ -355,7 +356,7 @@ def test_reply_floor_holds_every_reply_after_pinning(keys, model, caplog) -> Non
     assert not r.has_error() and "more than reply-floor" in caplog.text
     node = {"partition-id": 0, "num-partitions": N_PART}
     run = {"eps0": EPS0, "clip-l1": CLIP, "keys-dir": str(keys.root)}
-    from shuffledp.clients.core import ClientSetupError, pinned_from_configs
+    from shuffledp.clients.settings import ClientSetupError, pinned_from_configs
 
     assert pinned_from_configs(node, run).reply_floor == 0.0
     assert pinned_from_configs(node, {**run, "reply-floor": 2}).reply_floor == 2.0
@@ -372,7 +373,7 @@ def test_key_files_are_read_once_per_identity_and_again_after_a_change(tmp_path,
     import os
 
     import shuffledp.shuffler.keys as shuffler_keys
-    from shuffledp.clients.core import ClientSetupError, _load_key_file, _load_keys
+    from shuffledp.clients.settings import ClientSetupError, _load_key_file, _load_keys
 
     _load_key_file.cache_clear()
     calls = {"n": 0}

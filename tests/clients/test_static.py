@@ -12,8 +12,8 @@ import pytest
 
 from shuffledp import clients, server
 
-REPORT_PATH = ["app.py", "core.py", "messages.py", "mod.py", "noise.py", "randomizer.py", "report.py", "validation.py",
-               "worktime.py"]
+REPORT_PATH = ["app.py", "core.py", "messages.py", "mod.py", "noise.py", "randomizer.py", "report.py", "settings.py",
+               "validation.py", "worktime.py"]
 
 
 _TORCH_SAMPLERS = {"manual_seed", "seed", "bernoulli", "normal", "multinomial", "poisson", "Generator"}

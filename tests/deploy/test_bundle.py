@@ -35,7 +35,7 @@ def test_bundle_holds_only_the_devices_files(tmp_path: Path) -> None:
     timed = create_device_bundle(keys, 1, tmp_path / "b1", eps0=1.0, clip_l1=2.0, reply_floor=45)
     conf = tomllib.loads((timed / "node-config.toml").read_text())
     assert conf["reply-floor"] == 45.0
-    from shuffledp.clients.core import pinned_from_configs
+    from shuffledp.clients.settings import pinned_from_configs
 
     assert pinned_from_configs(conf, {}).reply_floor == 45.0  # what the device's ClientApp reads
     for bad in (-1.0, 3601.0, float("nan"), True):
@@ -59,10 +59,10 @@ def test_bundle_holds_only_the_devices_files(tmp_path: Path) -> None:
 
 
 def test_devices_pin_their_data_settings(tmp_path: Path, shuffledp_app: Callable[..., Path]) -> None:
-    """The device reads the data its node config names (shuffledp.clients.core.data_settings_from_configs), so the
+    """The device reads the data its node config names (shuffledp.clients.settings.data_settings_from_configs), so the
     bundle
     and `deploy local` write the data settings there: bundle flags, or the run's (app defaults + --run-config)."""
-    from shuffledp.clients.core import data_settings_from_configs
+    from shuffledp.clients.settings import data_settings_from_configs
 
     keys = create_deploy_keys(tmp_path / "keys", 2)
     plain = tomllib.loads((create_device_bundle(keys, 0, tmp_path / "b0", eps0=1.0, clip_l1=1.0)

@@ -196,8 +196,9 @@ def honest_factory(keys: Keys, n_partitions: int = N_CLIENTS) -> Behaviour:
     The pinned eps0 / clip are read from the first request it gets, as if the operator had configured the
     same values as the server (a client pinned to other values is the ``refusing`` behaviour).
     """
-    from shuffledp.clients.core import PinnedSettings, make_envelope
+    from shuffledp.clients.core import make_envelope
     from shuffledp.clients.data import load_partition
+    from shuffledp.clients.settings import PinnedSettings
 
     def behaviour(msg: Message, pid: int) -> Message:
         cfg = M.TrainConfig.from_mapping(msg.content[M.CONFIG_KEY])
