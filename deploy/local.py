@@ -165,14 +165,11 @@ class LocalDeployment:
         from shuffledp.clients.data import check_data_available
         from shuffledp.server.config import ConfigError, parse_run_config
 
-        settings = self.data_settings()
-        app = Path(self.app_dir).resolve() if self.app_dir is not None else self.app()
+        run_config = self._run_config()
+        settings = device_data_settings(run_config)
         try:
-            defaults = app_table().get("config", {}) if app is None else run_config_defaults(app)
-            parse_run_config({**defaults, **self.run_config})
+            parse_run_config(run_config)
             check_data_available(str(settings.get("dataset", "digits")), str(settings.get("data-dir") or "") or None)
-        except AppNotFoundError as exc:
-            raise DeployUsageError(f"cannot read the run-config defaults of {app}: {exc}") from None
         except ConfigError as exc:
             raise DeployUsageError(f"--run-config: {exc}") from None
         except (ValueError, FileNotFoundError) as exc:
@@ -182,19 +179,26 @@ class LocalDeployment:
         """The data settings every SuperNode pins, so that the devices read what the run's dataset and PCA say.
 
         Returns:
-            :func:`shuffledp.deploy.bundle.device_data_settings` of the app's run-config defaults
-            (:func:`shuffledp.deploy.flower_app.run_config_defaults`; the installed package's without an app
-            directory) with ``run_config`` on top.
+            :func:`shuffledp.deploy.bundle.device_data_settings` of the run config (:meth:`_run_config`).
 
         Raises:
             DeployUsageError: the defaults cannot be read, or a data setting is bad.
+        """
+        return device_data_settings(self._run_config())
+
+    def _run_config(self) -> dict[str, object]:
+        """The app's run-config defaults (:func:`shuffledp.deploy.flower_app.run_config_defaults`; the installed
+        package's without an app directory) with ``run_config`` on top.
+
+        Raises:
+            DeployUsageError: the defaults cannot be read.
         """
         app = Path(self.app_dir).resolve() if self.app_dir is not None else self.app()
         try:
             defaults = app_table().get("config", {}) if app is None else run_config_defaults(app)
         except AppNotFoundError as exc:
             raise DeployUsageError(f"cannot read the run-config defaults of {app}: {exc}") from None
-        return device_data_settings({**defaults, **self.run_config})
+        return {**defaults, **self.run_config}
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from shuffledp.accounting.cli_common import plural
 from shuffledp.deploy.console import ProgressWatcher, RunConsole, is_shown
 from shuffledp.deploy.errors import DeployError, DeployUsageError
 from shuffledp.deploy.flower import (
@@ -54,7 +55,7 @@ from shuffledp.deploy.flower import (
     write_flower_config,
 )
 from shuffledp.deploy.flower_app import AppNotFoundError, find_app_dir
-from shuffledp.deploy.processes import ProcessGroup, platform_problem, start_time
+from shuffledp.deploy.processes import ProcessGroup, platform_problem, start_time, tail
 from shuffledp.deploy.processes import alive as _alive
 from shuffledp.deploy.processes import descendants as _descendants
 from shuffledp.deploy.watchdog import DeployWatchdog, Kind, WatchdogError
@@ -366,10 +367,6 @@ def _total_rounds(spec: Mapping[str, Any]) -> int:
     return int(spec["run_config"].get("num-server-rounds", DEFAULTS["num-server-rounds"]))
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 def _journal_of(spec: Mapping[str, Any], out_dir: Path) -> Path:
     """The shuffler's journal of a run that ``shuffledp run`` started (``<keys>/journal``, as its shuffler.toml
     says)."""
@@ -409,8 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C
     total = _total_rounds(spec)
     console = RunConsole(total)
-    console.line(f"[shuffledp] {args[0]} {out_dir.name}: {_plural(int(spec['clients']), 'simulated client')}, "
-                 f"{_plural(total, 'round')}; outputs in {out_dir}")
+    console.line(f"[shuffledp] {args[0]} {out_dir.name}: {plural(int(spec['clients']), 'simulated client')}, "
+                 f"{plural(total, 'round')}; outputs in {out_dir}")
     try:
         code = _launch(project, out_dir, spec, flwr_home=flwr_home, console=console)
     except DeployError as exc:
@@ -441,9 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _log_tail(path: Path, lines: int = 25) -> str:
-    """The last ``lines`` lines of ``path`` that are not Flower's or Ray's routine chatter."""
-    from shuffledp.deploy.processes import tail
-
+    """The last ``lines`` lines of ``path``, indented."""
     return "\n".join(f"  {line}" for line in tail(path, lines).splitlines())
 
 
