@@ -4,6 +4,10 @@
   Laplace sampler.
 * :mod:`shuffledp.clients.randomizer` — ``clip_l1`` and ``DiscreteLaplaceRandomizer``: eps0-LDP for ANY two inputs of a
   client (noise calibrated to the L1 diameter 2C of the clipped report, never to one record's 2C/m).
+* :mod:`shuffledp.clients.mechanism` — one interface over the local mechanisms (``laplace``, ``duchi``,
+  ``privunit2``): ``randomize`` / ``decode`` / ``report_length``; :mod:`shuffledp.clients.duchi` and
+  :mod:`shuffledp.clients.privunit` are the L2 mechanisms, on :mod:`shuffledp.clients.coins` (exact coins) and
+  :mod:`shuffledp.clients.sphere` (L2 clip, uniform directions); docs/mechanisms.md.
 * :mod:`shuffledp.clients.report` — the fixed-length report payload (``encode_report`` / ``decode_report``).
 * :mod:`shuffledp.clients.messages` — the Flower message schema (names, ``TrainConfig``, ``arrays_digest``).
 * :mod:`shuffledp.clients.data`, :mod:`shuffledp.clients.models` — digits / MNIST (IDX), partitions, PyTorch models.

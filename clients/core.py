@@ -15,12 +15,13 @@ Signature (what the ClientApp's mod and the server's tests with a fake Grid call
   :mod:`shuffledp.clients.mod` derives from a wrapped ClientApp's updated model).
 
 It raises :class:`shuffledp.clients.messages.RequestError` for a malformed request and :class:`PinnedMismatchError` when
-the request's eps0 or clip-l1 differ from the pinned values (the server is the adversary: the client never lets
+the request's mechanism, eps0 or clip differ from the pinned values (the server is the adversary: the client never lets
 it choose its privacy parameters) or it asks for more local work than the pinned work limits allow
 (:func:`check_pinned`). Those decisions never depend on the data (see :func:`make_payload`: a local
 computation that fails is reported as the zero update). Otherwise it returns the envelope: the report computed
-at ``arrays`` (average gradient, or model delta after E local epochs), clipped to L1 ``clip_l1``, randomized
-with the exact discrete Laplace mechanism (eps0-LDP for any two inputs), encoded (shuffledp.clients.report), and sealed
+at ``arrays`` (average gradient, or model delta after E local epochs), clipped and randomized by the pinned
+mechanism (:mod:`shuffledp.clients.mechanism`: by default L1 ``clip_l1`` and the exact discrete Laplace mechanism;
+each is eps0-LDP for any two inputs), encoded as its fixed-length report, and sealed
 with ``shuffledp.shuffler.envelope.seal`` (inner to the server key, outer to the pinned shuffler key, binding round id,
 key epoch and ``arrays_digest(arrays)``, signed with the client key).
 """
@@ -33,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from shuffledp.clients.mechanism import Mechanism, make_mechanism
 from shuffledp.clients.messages import RequestError, TrainConfig, arrays_digest
 from shuffledp.clients.noise import ChaCha20Rng
-from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer, flatten_arrays
+from shuffledp.clients.randomizer import flatten_arrays
 from shuffledp.clients.settings import PinnedSettings, check_pinned
 
 __all__ = [
@@ -89,10 +91,11 @@ def _parse(
     return cfg
 
 
-def _mechanism(pinned: PinnedSettings, rng: ChaCha20Rng | None) -> DiscreteLaplaceRandomizer:
+def _mechanism(pinned: PinnedSettings, rng: ChaCha20Rng | None) -> Mechanism:
     if rng is None:
-        return pinned.randomizer()
-    return DiscreteLaplaceRandomizer(pinned.eps0, pinned.clip_l1, log2_grid=pinned.log2_grid, rng=rng)
+        return pinned.local_mechanism()
+    return make_mechanism(pinned.mechanism, eps0=pinned.eps0, clip_l1=pinned.clip_l1, clip_l2=pinned.clip_l2,
+                          log2_grid=pinned.log2_grid, rng=rng)
 
 
 def _n_parameters(arrays: Sequence[np.ndarray]) -> int:
@@ -133,7 +136,7 @@ def make_payload(
     if failure is not None:
         _log.warning("the local update failed (%s); reporting the zero update, randomized as usual", failure)
         vec = np.zeros(_n_parameters(arrays), dtype=np.float64)
-    return rnd.encode(vec)
+    return rnd.randomize(vec)
 
 
 def payload_from_update(
@@ -174,7 +177,7 @@ def payload_from_update(
     if not np.all(np.isfinite(vec)):
         _log.warning("the local update has non-finite values; reporting the zero update, randomized as usual")
         vec = np.zeros(n, dtype=np.float64)
-    return _mechanism(pinned, rng).encode(vec)
+    return _mechanism(pinned, rng).randomize(vec)
 
 
 def local_model(

@@ -32,6 +32,8 @@ __all__ = [
     "CFG_LOCAL_EPOCHS",
     "CFG_LOCAL_LR",
     "CFG_BATCH_SIZE",
+    "CFG_MECHANISM",
+    "CFG_CLIP_L2",
     "REPORT_KINDS",
     "ERR_PINNED_MISMATCH",
     "ERR_BAD_REQUEST",
@@ -58,11 +60,13 @@ CFG_REPORT = "report"
 CFG_LOCAL_EPOCHS = "local-epochs"
 CFG_LOCAL_LR = "local-lr"
 CFG_BATCH_SIZE = "batch-size"
+CFG_MECHANISM = "mechanism"  # optional: absent means "laplace"
+CFG_CLIP_L2 = "clip-l2"  # optional: the L2 clip of the duchi / privunit2 mechanisms
 
 REPORT_KINDS = ("gradient", "delta")
 
 # Error codes of refusal replies (Message(Error(code, reason), reply_to=msg)).
-ERR_PINNED_MISMATCH = 4001  # the request's eps0 / clip-l1 differ from the client's pinned values
+ERR_PINNED_MISMATCH = 4001  # the request's mechanism / eps0 / clip differ from the client's pinned values
 ERR_BAD_REQUEST = 4002  # malformed request: missing/ill-typed config, wrong arrays, bad round
 ERR_CLIENT_SETUP = 5001  # the client itself is misconfigured (missing key file, pinned values absent)
 
@@ -111,21 +115,31 @@ class TrainConfig:
     local_epochs: int = 1
     local_lr: float = 0.1
     batch_size: int = 32
+    #: the local randomizer the server asks for (shuffledp.clients.mechanism.MECHANISMS); the client refuses any
+    #: other than its pinned one
+    mechanism: str = "laplace"
+    #: the L2 clip of the duchi / privunit2 mechanisms (None: not sent)
+    clip_l2: float | None = None
 
     def __post_init__(self) -> None:
         # Validate through the parser (one source of truth for the rules) and store normalised types.
+        parsed = TrainConfig.from_mapping(self._raw())
+        for name in _FIELDS:
+            object.__setattr__(self, name, getattr(parsed, name))
+
+    def _raw(self) -> dict[str, Any]:
         raw = {
             CFG_ROUND: self.round, CFG_KEY_EPOCH: self.key_epoch, CFG_EPS0: self.eps0,
             CFG_CLIP_L1: self.clip_l1, CFG_REPORT: self.report, CFG_LOCAL_EPOCHS: self.local_epochs,
-            CFG_LOCAL_LR: self.local_lr, CFG_BATCH_SIZE: self.batch_size,
+            CFG_LOCAL_LR: self.local_lr, CFG_BATCH_SIZE: self.batch_size, CFG_MECHANISM: self.mechanism,
         }
-        parsed = TrainConfig.from_mapping(raw)
-        for name in ("round", "key_epoch", "eps0", "clip_l1", "report", "local_epochs", "local_lr", "batch_size"):
-            object.__setattr__(self, name, getattr(parsed, name))
+        if self.clip_l2 is not None:
+            raw[CFG_CLIP_L2] = self.clip_l2
+        return raw
 
     def to_dict(self) -> dict[str, Any]:
-        """The ConfigRecord contents (keys as in docs/interfaces.md)."""
-        return {
+        """The ConfigRecord contents (keys as in docs/interfaces.md; ``clip-l2`` only when set)."""
+        out: dict[str, Any] = {
             CFG_ROUND: int(self.round),
             CFG_KEY_EPOCH: int(self.key_epoch),
             CFG_EPS0: float(self.eps0),
@@ -134,7 +148,11 @@ class TrainConfig:
             CFG_LOCAL_EPOCHS: int(self.local_epochs),
             CFG_LOCAL_LR: float(self.local_lr),
             CFG_BATCH_SIZE: int(self.batch_size),
+            CFG_MECHANISM: str(self.mechanism),
         }
+        if self.clip_l2 is not None:
+            out[CFG_CLIP_L2] = float(self.clip_l2)
+        return out
 
     def to_config_record(self) -> Any:
         """A ``flwr.app.ConfigRecord`` for ``content["config"]``."""
@@ -160,6 +178,10 @@ class TrainConfig:
         local_epochs = _int(cfg, CFG_LOCAL_EPOCHS, 1, 10_000)
         local_lr = _pos_float(cfg, CFG_LOCAL_LR)
         batch_size = _int(cfg, CFG_BATCH_SIZE, 1, 2**31 - 1)
+        mechanism = cfg.get(CFG_MECHANISM, "laplace")
+        if mechanism not in _MECHANISM_NAMES:
+            raise RequestError(f"config[{CFG_MECHANISM!r}] must be one of {_MECHANISM_NAMES}, got {mechanism!r}")
+        clip_l2 = _pos_float(cfg, CFG_CLIP_L2) if CFG_CLIP_L2 in cfg else None
         obj = object.__new__(cls)
         for name, val in (
             ("round", rnd),
@@ -170,9 +192,17 @@ class TrainConfig:
             ("local_epochs", local_epochs),
             ("local_lr", local_lr),
             ("batch_size", batch_size),
+            ("mechanism", str(mechanism)),
+            ("clip_l2", clip_l2),
         ):
             object.__setattr__(obj, name, val)
         return obj
+
+
+_FIELDS = ("round", "key_epoch", "eps0", "clip_l1", "report", "local_epochs", "local_lr", "batch_size", "mechanism",
+           "clip_l2")
+#: shuffledp.clients.mechanism.MECHANISMS (kept here too: this schema module imports no randomizer)
+_MECHANISM_NAMES = ("laplace", "duchi", "privunit2")
 
 
 def array_chunks(arrays: Sequence[np.ndarray]) -> Iterator[bytes]:

@@ -21,6 +21,10 @@ the envelope size is dominated by this vector. The value ``-2**31`` is never pro
 out of range (it is what a naive int32 overflow would produce).
 
 All reports of one round therefore have the same length, ``REPORT_HEADER_BYTES + 4 * d``.
+
+The L2 mechanisms (:mod:`shuffledp.clients.duchi`, :mod:`shuffledp.clients.privunit`) use the same 20-byte header
+shape with their own magic (:func:`encode_mechanism_header`, :func:`decode_mechanism_header`): magic, version,
+two reserved fields (0), ``d`` and ``eps_used``, followed by a body whose length depends only on ``d``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ __all__ = [
     "encode_report",
     "decode_report",
     "decode_report_full",
+    "encode_mechanism_header",
+    "decode_mechanism_header",
 ]
 
 REPORT_MAGIC = b"SDPR"
@@ -153,3 +159,56 @@ def decode_report(payload: bytes, *, expected_dim: int, expected_log2_grid: int 
     Raises :class:`ReportError` on wrong length, version, dimension, grid or out-of-range integers.
     """
     return decode_report_full(payload, expected_dim=expected_dim, expected_log2_grid=expected_log2_grid).values
+
+
+_MECH_HEADER = struct.Struct("<4sBBHId")
+
+
+def encode_mechanism_header(magic: bytes, dim: int, eps_used: float) -> bytes:
+    """The 20-byte header of an L2 mechanism's report (module docstring): ``magic``, version 1, ``dim``, ``eps_used``.
+
+    Returns:
+        The header bytes.
+
+    Raises:
+        ValueError: ``magic`` is not 4 bytes, ``eps_used`` is not finite and positive; TypeError/ValueError: ``dim``
+        is not an int in [1, 2**28].
+    """
+    if not isinstance(magic, bytes) or len(magic) != 4:
+        raise ValueError(f"magic must be 4 bytes, got {magic!r}")
+    dim = check_int("dim", dim, 1, MAX_DIM)
+    eps = float(eps_used)
+    if not (math.isfinite(eps) and eps > 0.0):
+        raise ValueError(f"eps_used must be a finite positive number, got {eps_used!r}")
+    return _MECH_HEADER.pack(magic, REPORT_VERSION, 0, 0, dim, eps)
+
+
+def decode_mechanism_header(payload: bytes, *, magic: bytes, expected_dim: int, body_bytes: int) -> float:
+    """Validate an L2 mechanism's report: magic, version, reserved fields, dimension, ``eps_used`` and length.
+
+    Returns:
+        The declared ``eps_used`` (informational; the server never trusts it).
+
+    Raises:
+        ReportError: any defect, named.
+    """
+    dim = check_int("expected_dim", expected_dim, 1, MAX_DIM)
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ReportError(f"payload must be bytes, got {type(payload).__name__}")
+    buf = bytes(payload)
+    if len(buf) < _MECH_HEADER.size:
+        raise ReportError(f"payload too short: {len(buf)} bytes < header {_MECH_HEADER.size}")
+    got, version, r8, r16, d, eps = _MECH_HEADER.unpack_from(buf, 0)
+    if got != magic:
+        raise ReportError(f"bad magic {got!r}, expected {magic!r}")
+    if version != REPORT_VERSION:
+        raise ReportError(f"unsupported report version {version}, this decoder reads {REPORT_VERSION}")
+    if r8 != 0 or r16 != 0:
+        raise ReportError("reserved header fields must be 0")
+    if d != dim:
+        raise ReportError(f"report dimension {d} != expected dimension {dim}")
+    if not (math.isfinite(eps) and eps > 0.0):
+        raise ReportError(f"eps_used must be finite and positive, got {eps!r}")
+    if len(buf) != _MECH_HEADER.size + body_bytes:
+        raise ReportError(f"payload length {len(buf)} != {_MECH_HEADER.size + body_bytes} for dimension {dim}")
+    return float(eps)

@@ -1,6 +1,6 @@
-"""What a client pins and refuses before it touches its data: the pinned settings (eps0, clip-l1, keys, reply
-floor, work limits) read from the node's own configs, the data settings every device pins, and the check of a
-request against them.
+"""What a client pins and refuses before it touches its data: the pinned settings (mechanism, eps0, clip-l1 or
+clip-l2, keys, reply floor, work limits) read from the node's own configs, the data settings every device pins,
+and the check of a request against them.
 
 Used by the ClientApp's mod (:mod:`shuffledp.clients.mod`), the report path (:mod:`shuffledp.clients.core`), the
 deployment's device bundles and the server's simulation config. The server is the adversary here: nothing in a
@@ -19,6 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from shuffledp.clients.data import DATASETS
+from shuffledp.clients.mechanism import (
+    DEFAULT_MECHANISM,
+    L2_MECHANISMS,
+    MECHANISMS,
+    RESEARCH_ONLY,
+    LaplaceMechanism,
+    Mechanism,
+    make_mechanism,
+)
 from shuffledp.clients.messages import TrainConfig
 from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
 
@@ -40,8 +49,9 @@ __all__ = [
 _log = logging.getLogger("shuffledp.client")
 
 class PinnedMismatchError(ValueError):
-    """The server asked for eps0 / clip-l1 different from the client's pinned values, for more local work than
-    the client's pinned work limits allow, or (in a deployment) for another dataset or PCA than the device's."""
+    """The server asked for a mechanism / eps0 / clip different from the client's pinned values, for more local
+    work than the client's pinned work limits allow, or (in a deployment) for another dataset or PCA than the
+    device's."""
 
 
 class ClientSetupError(ValueError):
@@ -88,13 +98,31 @@ class PinnedSettings:
     min_batch_size: int = DEFAULT_MIN_BATCH_SIZE
     #: the largest model (total number of parameters) the client trains: the work per sample grows with it
     max_model_parameters: int = DEFAULT_MAX_MODEL_PARAMETERS
+    #: the local randomizer (shuffledp.clients.mechanism.MECHANISMS): ``laplace`` clips to L1 ``clip_l1``, the L2
+    #: mechanisms ``duchi`` and ``privunit2`` clip to L2 ``clip_l2``
+    mechanism: str = DEFAULT_MECHANISM
+    clip_l2: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("eps0", "clip_l1"):
+        if not isinstance(self.mechanism, str) or self.mechanism not in MECHANISMS:
+            raise ClientSetupError(f"pinned mechanism must be one of {', '.join(MECHANISMS)}; got {self.mechanism!r}")
+        if self.mechanism in L2_MECHANISMS and self.clip_l2 is None:
+            raise ClientSetupError(f"pinned mechanism {self.mechanism!r} needs a pinned clip-l2 (its L2 clip radius)")
+        names = ("eps0", "clip_l1") + (("clip_l2",) if self.clip_l2 is not None else ())
+        for name in names:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-                raise ClientSetupError(f"pinned {name} must be a finite number > 0, got {v!r}")
+                raise ClientSetupError(f"pinned {name.replace('_', '-')} must be a finite number > 0, got {v!r}")
             object.__setattr__(self, name, float(v))
+        if self.mechanism != "laplace":
+            if self.log2_grid is not None:
+                raise ClientSetupError(f"pinned log2-grid belongs to the laplace mechanism; {self.mechanism!r} has no "
+                                       "grid (leave log2-grid out)")
+            try:  # an eps0 the mechanism refuses is a setup error, found before any request uses the data
+                self.local_mechanism()
+            except (TypeError, ValueError) as exc:
+                raise ClientSetupError(f"pinned mechanism={self.mechanism!r}, eps0={self.eps0!r}, "
+                                       f"clip-l2={self.clip_l2!r}: {exc}") from None
         for name in ("client_key", "server_public_key", "shuffler_public_key"):
             v = getattr(self, name)
             if not isinstance(v, (bytes, bytearray)) or len(v) != 32:
@@ -114,12 +142,14 @@ class PinnedSettings:
             raise ClientSetupError(
                 f"partition-id must be in [0, num-partitions={self.num_partitions}), got {self.partition_id}"
             )
+        if self.mechanism != "laplace":
+            return
         try:  # settings the randomizer refuses (eps0 above its cap, a clip beyond the report format, a bad grid)
             self.randomizer()  # are a setup error, found before any request uses the data
             grid = _randomizer(self.eps0, self.clip_l1, None).log2_grid
         except (TypeError, ValueError) as exc:
             raise ClientSetupError(f"pinned eps0={self.eps0!r}, clip-l1={self.clip_l1!r}: {exc}") from None
-        if self.log2_grid is not None and self.log2_grid != grid:
+        if self.mechanism == "laplace" and self.log2_grid is not None and self.log2_grid != grid:
             # The server decodes every report on the grid that (eps0, clip-l1) give (shuffledp.server.rounds). A report
             # on another grid carries it in its header and its values' scale, so it stands out of the shuffled batch
             # (this client gets no amplification), and the server, which drops it only after charging the round
@@ -132,6 +162,24 @@ class PinnedSettings:
     def randomizer(self) -> DiscreteLaplaceRandomizer:
         """The client's randomizer for the pinned eps0, clip and grid (one per process and setting, cached)."""
         return _randomizer(self.eps0, self.clip_l1, self.log2_grid)
+
+    def local_mechanism(self) -> Mechanism:
+        """The client's pinned mechanism (shuffledp.clients.mechanism.Mechanism), one per process and setting.
+
+        Returns:
+            For ``laplace``, the discrete Laplace mechanism around :meth:`randomizer`; for ``duchi`` and
+            ``privunit2``, the L2 mechanism for (eps0, clip-l2).
+        """
+        return _mechanism(self.mechanism, self.eps0, self.clip_l1 if self.mechanism == "laplace" else self.clip_l2,
+                          self.log2_grid)
+
+
+@functools.lru_cache(maxsize=8)
+def _mechanism(name: str, eps0: float, clip: float | None, log2_grid: int | None) -> Mechanism:
+    # one mechanism (and CSPRNG, keyed from os.urandom) per process and setting
+    if name == "laplace":
+        return LaplaceMechanism(_randomizer(eps0, clip, log2_grid))  # type: ignore[arg-type] - laplace has a clip
+    return make_mechanism(name, eps0=eps0, clip_l2=clip)
 
 
 @functools.lru_cache(maxsize=8)
@@ -192,16 +240,20 @@ def _simulation_key_paths(keys_dir: str, partition_id: int) -> tuple[Path, Path,
     return kd.client_key(partition_id), kd.server_hpke_pub, kd.shuffler_hpke_pub
 
 
-def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> PinnedSettings:
+def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str, Any],
+                        run_id: int | None = None) -> PinnedSettings:
     """Pinned settings as docs/interfaces.md says.
 
     Deployment (``eps0`` in node_config): node_config supplies ``eps0``, ``clip-l1``, ``client-key``,
     ``server-public-key``, ``shuffler-public-key`` (paths), ``partition-id``, ``num-partitions`` and optionally
-    ``log2-grid``, ``reply-floor``, ``max-local-epochs``, ``min-batch-size`` and ``max-model-parameters``.
-    Simulation: run_config supplies ``eps0``, ``clip-l1``, ``keys-dir`` (client i uses
+    ``mechanism`` (default ``laplace``; ``privunit2`` is research-only and refused here), ``clip-l2`` (required by
+    the L2 mechanisms, which need no ``clip-l1``), ``log2-grid``, ``reply-floor``, ``max-local-epochs``,
+    ``min-batch-size`` and ``max-model-parameters``.
+    Simulation: run_config supplies ``eps0``, ``clip-l1``, ``mechanism``, ``clip-l2``, ``keys-dir`` (client i uses
     ``keys-dir/clients/client-<i>.key`` and ``keys-dir/public/*``) and optionally the same five; node_config supplies
-    ``partition-id`` and ``num-partitions`` (Flower's simulation engine sets them). Values are checked by
-    :class:`PinnedSettings`.
+    ``partition-id`` and ``num-partitions`` (Flower's simulation engine sets them). An empty ``keys-dir`` means the
+    run's own key directory, which the ServerApp creates in the run folder (``run_id`` names it:
+    :func:`shuffledp.clients.run_paths.simulation_keys_dir`). Values are checked by :class:`PinnedSettings`.
     """
     if "eps0" in node_config:
         where = "node_config"
@@ -215,16 +267,38 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
     else:
         where = "run_config"
         src = run_config
-        if "keys-dir" not in run_config or not str(run_config["keys-dir"]):
-            raise ClientSetupError("run_config has no 'keys-dir' (and node_config pins no 'eps0')")
+        from shuffledp.clients.run_paths import simulation_keys_dir
+
+        if not str(run_config.get("keys-dir", "") or "").strip() and run_id is None:
+            raise ClientSetupError("run_config has no 'keys-dir' (and node_config pins no 'eps0'), and no run id to "
+                                   "find the run's own key directory by")
+        keys_dir, derived = simulation_keys_dir(run_config, 0 if run_id is None else run_id)
+        if derived and not (keys_dir / "enrolment.json").is_file():
+            raise ClientSetupError(f"the run's key directory {keys_dir} does not exist yet: run config 'keys-dir' is "
+                                   "empty, so the ServerApp creates it before the first round (is the ServerApp "
+                                   "of this run one that does? a relative output-dir must resolve to the same folder "
+                                   "on both sides)")
         pid = _int(node_config, "partition-id", "node_config")
-        keys = _load_keys(*_simulation_key_paths(str(run_config["keys-dir"]), pid))
+        keys = _load_keys(*_simulation_key_paths(str(keys_dir), pid))
     grid = src.get("log2-grid")
     if grid is not None and (isinstance(grid, bool) or not isinstance(grid, int)):
         raise ClientSetupError(f"{where}['log2-grid'] must be an int, got {grid!r}")
+    mechanism = src.get("mechanism", DEFAULT_MECHANISM)
+    if not isinstance(mechanism, str) or mechanism not in MECHANISMS:
+        raise ClientSetupError(f"{where}['mechanism'] must be one of {', '.join(MECHANISMS)}; got {mechanism!r}")
+    if where == "node_config" and mechanism in RESEARCH_ONLY:
+        raise ClientSetupError(
+            f"node_config pins mechanism={mechanism!r}, which is research-only (its eps0-LDP argument under floating "
+            "point is not certified in code, see docs/mechanisms.md): a deployed client uses "
+            f"{', '.join(m for m in MECHANISMS if m not in RESEARCH_ONLY)}"
+        )
+    l2 = mechanism in L2_MECHANISMS
     return PinnedSettings(
         eps0=_num(src, "eps0", where),
-        clip_l1=_num(src, "clip-l1", where),
+        # the L2 mechanisms do not use clip-l1 (nor compare it): 1.0 stands in when it is not pinned
+        clip_l1=_num(src, "clip-l1", where) if not l2 or "clip-l1" in src else 1.0,
+        clip_l2=_num(src, "clip-l2", where) if l2 or "clip-l2" in src else None,
+        mechanism=mechanism,
         client_key=keys[0],
         server_public_key=keys[1],
         shuffler_public_key=keys[2],
@@ -315,10 +389,12 @@ def data_settings_from_configs(node_config: Mapping[str, Any], run_config: Mappi
 def check_pinned(cfg: TrainConfig, pinned: PinnedSettings, n_parameters: int | None = None) -> None:
     """Refuse a request that the pinned settings do not allow. Raises :class:`PinnedMismatchError`.
 
-    eps0 and clip-l1 must equal the pinned values exactly (the pinned values are the contract; any difference
-    is refused, not "close enough"). The model (``n_parameters``, the total size of the request's arrays) must
-    have at most ``max-model-parameters``; with ``report = "delta"``, ``local-epochs`` must be at most the
-    pinned ``max-local-epochs`` and ``batch-size`` at least the pinned ``min-batch-size``. The decision reads
+    The mechanism must be the pinned one (a request without ``mechanism`` asks for ``laplace``); eps0 and the
+    mechanism's clip (clip-l1 for ``laplace``, clip-l2 for ``duchi`` / ``privunit2``) must equal the pinned values
+    exactly (the pinned values are the contract; any difference is refused, not "close enough"). The model
+    (``n_parameters``, the total size of the request's arrays) must have at most ``max-model-parameters``; with
+    ``report = "delta"``, ``local-epochs`` must be at most the pinned ``max-local-epochs`` and ``batch-size`` at
+    least the pinned ``min-batch-size``. The decision reads
     the request and the pinned settings only, never the data, so a refusal says nothing about the data.
     """
     if n_parameters is not None and n_parameters > pinned.max_model_parameters:
@@ -326,7 +402,18 @@ def check_pinned(cfg: TrainConfig, pinned: PinnedSettings, n_parameters: int | N
             f"the model has {n_parameters} parameters; this client's limit is max-model-parameters="
             f"{pinned.max_model_parameters}"
         )
-    if cfg.eps0 != pinned.eps0 or cfg.clip_l1 != pinned.clip_l1:
+    if cfg.mechanism != pinned.mechanism:
+        raise PinnedMismatchError(
+            f"request asks mechanism={cfg.mechanism!r}; this client is pinned to mechanism={pinned.mechanism!r} and "
+            "refuses to change it"
+        )
+    if pinned.mechanism in L2_MECHANISMS:
+        if cfg.eps0 != pinned.eps0 or cfg.clip_l2 != pinned.clip_l2:
+            raise PinnedMismatchError(
+                f"request asks eps0={cfg.eps0!r}, clip-l2={cfg.clip_l2!r}; this client is pinned to "
+                f"eps0={pinned.eps0!r}, clip-l2={pinned.clip_l2!r} ({pinned.mechanism}) and refuses to change them"
+            )
+    elif cfg.eps0 != pinned.eps0 or cfg.clip_l1 != pinned.clip_l1:
         raise PinnedMismatchError(
             f"request asks eps0={cfg.eps0!r}, clip-l1={cfg.clip_l1!r}; this client is pinned to "
             f"eps0={pinned.eps0!r}, clip-l1={pinned.clip_l1!r} and refuses to change them"

@@ -96,7 +96,8 @@ def time_worst_case(node_config: Mapping[str, Any], *, repeat: int = 3) -> dict[
         times = []
         for rnd in range(1, repeat + 1):
             cfg = TrainConfig(round=rnd, key_epoch=0, eps0=pinned.eps0, clip_l1=pinned.clip_l1, report="delta",
-                              local_epochs=epochs, local_lr=_TIMED_LR, batch_size=batch)
+                              local_epochs=epochs, local_lr=_TIMED_LR, batch_size=batch,
+                              mechanism=pinned.mechanism, clip_l2=pinned.clip_l2)
             t = time.perf_counter()
             make_envelope(arrays, cfg, pinned, (x, y))
             times.append(time.perf_counter() - t)

@@ -1,12 +1,12 @@
-"""A device's bundle (``shuffledp deploy bundle``): the files one device needs, and nothing else, with the node
-config it pins.
+"""A device's bundle (``shuffledp deploy bundle``): the files one device needs, and nothing else, with the node config
+it pins.
 
-The node config (:func:`device_node_config`) pins eps0, clip-l1, the reply floor, the work limits (the device
-refuses requests for more local epochs or smaller minibatches) and the data settings; the key paths point into
-the bundle where it will live on the device. A bundle holds the device's own secrets (its SuperNode key and its
-client signing key, 0600) and public files only (the SuperLink CA and the pinned server and shuffler HPKE public
-keys). :func:`node_config` is the same node config for a SuperNode of ``deploy local``, reading the
-one-directory layout in place.
+The node config (:func:`device_node_config`) pins the mechanism, eps0, its clip (clip-l1 or clip-l2), the reply floor,
+the work limits (the device refuses requests for more local epochs or smaller minibatches) and the data settings; the
+key paths point into the bundle where it will live on the device. A bundle holds the device's own secrets (its SuperNode
+key and its client signing key, 0600) and public files only (the SuperLink CA and the pinned server and shuffler HPKE
+public keys). :func:`node_config` is the same node config for a SuperNode of ``deploy local``, reading the one-directory
+layout in place.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shuffledp.clients.mechanism import L2_MECHANISMS, MECHANISMS, RESEARCH_ONLY
 from shuffledp.clients.settings import (
     DATA_SETTINGS_DEFAULTS,
     DEFAULT_MAX_LOCAL_EPOCHS,
@@ -74,12 +75,15 @@ def device_node_config(node: int, nodes: int, *, eps0: float, clip_l1: float, ke
                        reply_floor: float = 0.0, max_local_epochs: int = DEFAULT_MAX_LOCAL_EPOCHS,
                        min_batch_size: int = DEFAULT_MIN_BATCH_SIZE,
                        max_model_parameters: int = DEFAULT_MAX_MODEL_PARAMETERS,
-                       data: Mapping[str, object] | None = None) -> dict[str, object]:
+                       data: Mapping[str, object] | None = None, mechanism: str = "laplace",
+                       clip_l2: float | None = None) -> dict[str, object]:
     """The node config device ``node`` of ``nodes`` runs with (the keys the ClientApp reads, docs/interfaces.md).
 
     Args:
         node, nodes: its partition id and the number of partitions.
         eps0, clip_l1: the local epsilon and L1 clip it pins.
+        mechanism, clip_l2: the local randomizer it pins (``laplace``, default, or ``duchi``; ``privunit2`` is
+            research-only and refused) and, for ``duchi``, its L2 clip.
         key_paths: ``client-key``, ``server-public-key``, ``shuffler-public-key``: paths on the device.
         reply_floor, max_local_epochs, min_batch_size, max_model_parameters: the timing and work limits it pins.
         data: its data settings (:func:`device_data_settings`).
@@ -93,6 +97,20 @@ def device_node_config(node: int, nodes: int, *, eps0: float, clip_l1: float, ke
     nodes = check_int("the number of nodes", nodes, 1, MAX_NODES)
     node = check_int("--node", node, 0, nodes - 1)
     eps0, clip_l1 = check_positive("--eps0", eps0), check_positive("--clip-l1", clip_l1)
+    if mechanism not in MECHANISMS:
+        raise DeployUsageError(f"--mechanism must be one of {', '.join(MECHANISMS)}; got {mechanism!r}")
+    if mechanism in RESEARCH_ONLY:
+        raise DeployUsageError(f"--mechanism {mechanism} is research-only (its eps0-LDP argument under floating point "
+                               "is not certified in code, see docs/mechanisms.md); a device pins one of "
+                               f"{', '.join(m for m in MECHANISMS if m not in RESEARCH_ONLY)}")
+    pinned_mechanism: dict[str, object] = {"mechanism": mechanism}
+    if mechanism in L2_MECHANISMS:
+        if clip_l2 is None:
+            raise DeployUsageError(f"--mechanism {mechanism} needs --clip-l2 (the L2 clip radius the device pins)")
+        pinned_mechanism["clip-l2"] = check_positive("--clip-l2", clip_l2)
+    elif clip_l2 is not None:
+        raise DeployUsageError(f"--clip-l2 belongs to the L2 mechanisms ({', '.join(L2_MECHANISMS)}); "
+                               f"--mechanism {mechanism} uses --clip-l1")
     reply_floor = check_reply_floor(reply_floor)
     max_local_epochs, min_batch_size, max_model_parameters = check_work_limits(
         max_local_epochs, min_batch_size, max_model_parameters)
@@ -103,6 +121,7 @@ def device_node_config(node: int, nodes: int, *, eps0: float, clip_l1: float, ke
         "num-partitions": nodes,
         "eps0": eps0,
         "clip-l1": clip_l1,
+        **pinned_mechanism,
         "reply-floor": reply_floor,
         "max-local-epochs": max_local_epochs,
         "min-batch-size": min_batch_size,
@@ -135,8 +154,8 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
         eps0, clip_l1: what the device pins.
         prefix: where the bundle will live on the device (default: ``out`` itself), e.g. ``/device`` for the
             client container.
-        limits_and_data: :func:`device_node_config`'s ``reply_floor``, work limits and ``data`` (``data-dir`` is
-            a path on the device).
+        limits_and_data: :func:`device_node_config`'s ``reply_floor``, work limits, ``data`` (``data-dir`` is
+            a path on the device), ``mechanism`` and ``clip_l2``.
 
     Returns:
         The bundle's directory.

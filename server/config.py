@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shuffledp.clients.mechanism import L2_MECHANISMS, MECHANISMS
 from shuffledp.clients.settings import DATA_SETTINGS_DEFAULTS
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "MODELS",
     "DATASETS",
     "PARTITIONS",
+    "MECHANISMS",
 ]
 
 REPORT_MODES = ("gradient", "delta")
@@ -47,7 +49,9 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "reply-timeout": 900.0,
     "reply-floor": 0.0,
     "eps0": 4.0,
+    "mechanism": "laplace",
     "clip-l1": 1.0,
+    "clip-l2": 1.0,
     "report": "gradient",
     "local-epochs": 1,
     "local-lr": 0.1,
@@ -89,8 +93,9 @@ class ConfigError(ValueError):
 class ServerConfig:
     """The validated settings of one run (see ``DEFAULTS`` for the run-config key of each field).
 
-    Privacy-relevant fields: ``eps0`` and ``clip_l1`` are sent to the clients, which refuse values different from
-    their own pinned ones; ``min_reports`` (k) is the smallest number of envelopes for which a round is sent to
+    Privacy-relevant fields: ``mechanism``, ``eps0`` and the mechanism's clip (``clip_l1`` for ``laplace``,
+    ``clip_l2`` for ``duchi`` / ``privunit2``) are sent to the clients, which refuse values different from their
+    own pinned ones; ``min_reports`` (k) is the smallest number of envelopes for which a round is sent to
     the shuffler at all; ``budget_epsilon`` at ``target_delta`` is enforced with ``accounting_family`` before each
     round (``math.inf`` disables the stop but still accounts).
     """
@@ -137,6 +142,9 @@ class ServerConfig:
     run_name: str
     max_message_bytes: int
     heap_tuning: bool = True
+    #: the local randomizer (shuffledp.clients.mechanism.MECHANISMS) and the L2 clip of duchi / privunit2
+    mechanism: str = "laplace"
+    clip_l2: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -299,7 +307,9 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         reply_timeout=_float(raw, "reply-timeout", low=0.0),
         reply_floor=_float(raw, "reply-floor", low=0.0, high=MAX_REPLY_FLOOR, low_inclusive=True),
         eps0=_float(raw, "eps0", low=0.0),
+        mechanism=_str(raw, "mechanism", choices=MECHANISMS),
         clip_l1=_float(raw, "clip-l1", low=0.0),
+        clip_l2=_float(raw, "clip-l2", low=0.0),
         report=_str(raw, "report", choices=REPORT_MODES),
         local_epochs=_int(raw, "local-epochs", minimum=1),
         local_lr=_float(raw, "local-lr", low=0.0),
@@ -349,10 +359,12 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         )
     if not config.output_dir.strip():
         raise ConfigError("run config 'output-dir' must be a non-empty path")
-    from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
+    from shuffledp.clients.mechanism import make_mechanism
 
+    clip_key = "clip-l2" if config.mechanism in L2_MECHANISMS else "clip-l1"
     try:  # the clients' mechanism must exist for these values, or every report of the run would fail
-        DiscreteLaplaceRandomizer(config.eps0, config.clip_l1)
+        make_mechanism(config.mechanism, eps0=config.eps0, clip_l1=config.clip_l1, clip_l2=config.clip_l2)
     except ValueError as exc:
-        raise ConfigError(f"run config 'eps0' / 'clip-l1' give no usable client mechanism: {exc}") from None
+        raise ConfigError(f"run config 'mechanism' = {config.mechanism!r} with 'eps0' / {clip_key!r} gives no usable "
+                          f"client mechanism: {exc}") from None
     return config

@@ -50,8 +50,8 @@ from shuffledp.accounting.accountant import ShuffleAccountant
 from shuffledp.accounting.events import ShuffleRound
 from shuffledp.accounting.ledger import Ledger
 from shuffledp.clients import messages as M
-from shuffledp.clients.report import decode_report
-from shuffledp.server.config import ConfigError, ServerConfig
+from shuffledp.clients.mechanism import L2_MECHANISMS, Mechanism, make_mechanism
+from shuffledp.server.config import DEFAULTS, ConfigError, ServerConfig
 from shuffledp.server.optim import ReportAccumulator, ServerOptimizer, num_parameters
 from shuffledp.server.report import epsilon_label
 from shuffledp.server.state import Checkpoint, CheckpointError, CheckpointStore
@@ -76,7 +76,9 @@ log = logging.getLogger("shuffledp.server")
 #: learning rate and momentum, the accountant with its comparison families, so a new value would be ignored).
 RESUME_KEYS = (
     "eps0",
+    "mechanism",
     "clip-l1",
+    "clip-l2",
     "report",
     "model",
     "hidden-units",
@@ -133,8 +135,8 @@ class ShufflerLike(Protocol):
         """The shuffler's counters, its key epoch and its Submit message limit."""
 
 
-#: ``evaluate(arrays) -> (loss, accuracy)`` on the server's held-out test set.
-Evaluator = Callable[[Sequence[np.ndarray]], tuple[float, float]]
+#: ``evaluate(arrays) -> (loss, accuracy)`` on the server's test split (None for a metric it does not compute).
+Evaluator = Callable[[Sequence[np.ndarray]], tuple[float | None, float | None]]
 #: ``open_inner(inner, round_id) -> payload`` (the server's HPKE private key is bound inside).
 InnerOpener = Callable[[bytes, int], bytes]
 
@@ -248,8 +250,16 @@ def envelope_of(reply: Any, *, max_bytes: int) -> tuple[bytes | None, str]:
     return envelope, "ok"
 
 
+def _decoder(cfg: ServerConfig) -> Mechanism:
+    """The run's mechanism (shuffledp.clients.mechanism), used here to decode: the clients' pinned one."""
+    return make_mechanism(cfg.mechanism, eps0=cfg.eps0, clip_l1=cfg.clip_l1, clip_l2=cfg.clip_l2)
+
+
 def _mechanism_label(cfg: ServerConfig, dim: int) -> str:
-    return f"discrete-laplace-l1(d={dim},C={cfg.clip_l1:g},eps0={cfg.eps0:g},report={cfg.report})"
+    if cfg.mechanism == "laplace":
+        return f"discrete-laplace-l1(d={dim},C={cfg.clip_l1:g},eps0={cfg.eps0:g},report={cfg.report})"
+    label = _decoder(cfg).label(dim)  # "name(parameters)": the report kind goes inside the parentheses
+    return f"{label[:-1]},report={cfg.report})"
 
 
 class RoundEngine:
@@ -269,6 +279,11 @@ class RoundEngine:
         on_attestation: called with (round id, attestation, charged) for every batch the shuffler sealed: right
             after it is charged, or, ``charged=False``, when it is left unfetched (below min-reports, or over the
             budget at the attested n), so the record of sealed batches is complete.
+        array_names: the names of the model's arrays in the train messages (an app's own, e.g. a torch
+            state_dict's); default "0", "1", ...
+        train_config: the app's own entries for the clients' train config, next to the protocol's (whose keys it
+            may not use).
+        on_round_started: called with each round id before the round does anything.
     """
 
     def __init__(
@@ -285,6 +300,9 @@ class RoundEngine:
         node_wait: float = 0.0,
         on_round: Callable[[RoundOutcome], None] | None = None,
         on_attestation: Callable[[int, Any, bool], None] | None = None,
+        array_names: Sequence[str] | None = None,
+        train_config: Mapping[str, Any] | None = None,
+        on_round_started: Callable[[int], None] | None = None,
     ) -> None:
         self.cfg = config
         self.grid = grid
@@ -301,25 +319,26 @@ class RoundEngine:
         self.arrays: list[np.ndarray] = [np.array(a, copy=True) for a in initial_arrays]
         if not self.arrays:
             raise ValueError("the initial model has no arrays")
+        self.on_round_started = on_round_started
+        self.array_names = self._check_names(array_names)
+        self.extra_train_config = self._check_extra_config(train_config)
         self.shapes = [tuple(a.shape) for a in self.arrays]
         self.dim = num_parameters(self.shapes)
         self.mechanism = _mechanism_label(config, self.dim)
         # Every honest envelope of a round has this length (fixed-length reports); announcing it lets the shuffler
         # drop an envelope of any other length as a counted `wrong_length` instead of refusing the whole batch.
-        from shuffledp.clients.report import report_length
         from shuffledp.shuffler.envelope import ENVELOPE_OVERHEAD
 
-        self.envelope_length = report_length(self.dim) + ENVELOPE_OVERHEAD
+        self.decoder = _decoder(config)
+        self.envelope_length = self.decoder.report_length(self.dim) + ENVELOPE_OVERHEAD
         if config.max_message_bytes < self.envelope_length:
             raise ConfigError(
                 f"run config 'max-message-bytes' ({config.max_message_bytes}) is below this model's envelope length "
                 f"({self.envelope_length} bytes for {self.dim} parameters): every reply would be dropped as malformed"
             )
-        # Honest clients randomize on the default grid for the pinned (eps0, C); a report on any other grid is
-        # rejected (a rescaled report would be an outsized contribution).
-        from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
-
-        self.expected_log2_grid = DiscreteLaplaceRandomizer(config.eps0, config.clip_l1).log2_grid
+        # Honest laplace clients randomize on the default grid for the pinned (eps0, C); the decoder rejects a report
+        # on any other grid (a rescaled report would be an outsized contribution).
+        self.expected_log2_grid = getattr(self.decoder, "expected_log2_grid", None)
         self.optimizer = ServerOptimizer(config.server_optimizer, config.server_lr, momentum=config.server_momentum)
         self.accountant = ShuffleAccountant(
             target_delta=config.target_delta,
@@ -332,6 +351,36 @@ class RoundEngine:
         self.budget_changes: list[dict[str, Any]] = []
         self.last_round = 0
         self.stopped: RoundOutcome | None = None
+
+    def _check_names(self, names: Sequence[str] | None) -> list[str]:
+        """The names of the model's arrays in the train messages: ``names``, or "0", "1", ... (Flower's names for
+        an ArrayRecord built from a list). Raises ConfigError unless one distinct string per array."""
+        if names is None:
+            return [str(i) for i in range(len(self.arrays))]
+        names = list(names)
+        if len(names) != len(self.arrays) or len(set(names)) != len(names) or not all(
+                isinstance(n, str) and n for n in names):
+            raise ConfigError(f"array_names must be {len(self.arrays)} distinct non-empty strings, one per array of "
+                              f"the model; got {names!r}")
+        return names
+
+    def _check_extra_config(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The app's own entries for the clients' train config. Raises ConfigError for a key of the protocol's own
+        train config (those come from the run config, where the clients' pinned values are checked against
+        them) and for a value a Flower ConfigRecord cannot hold."""
+        from flwr.app import ConfigRecord
+
+        extra = dict(extra or {})
+        protocol = set(self._train_config(1).to_dict())
+        for key in extra:
+            if key in protocol:
+                raise ConfigError(f"train_config key {key!r} is part of the protocol's train config "
+                                  f"({sorted(protocol)}): set it in the run config instead")
+        try:
+            ConfigRecord(extra)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"train_config is not a valid Flower ConfigRecord: {exc}") from None
+        return extra
 
     # -- checkpoint / resume -----------------------------------------------------------------------------------
     def _checkpoint(self) -> Checkpoint:
@@ -418,7 +467,9 @@ class RoundEngine:
             return 1
 
         current = self.cfg.as_dict()
-        changed = {k: (ckpt.config.get(k), current.get(k)) for k in RESUME_KEYS if ckpt.config.get(k) != current.get(k)}
+        # a checkpoint written before a key existed holds no value for it: it ran with the key's default (laplace)
+        saved = {k: ckpt.config.get(k, DEFAULTS.get(k)) for k in RESUME_KEYS}
+        changed = {k: (saved[k], current.get(k)) for k in RESUME_KEYS if saved[k] != current.get(k)}
         if changed:
             raise ResumeError(
                 "the configuration changed since the checkpoint in settings that a resume must keep: "
@@ -510,6 +561,8 @@ class RoundEngine:
             key_epoch=c.key_epoch,
             eps0=c.eps0,
             clip_l1=c.clip_l1,
+            mechanism=c.mechanism,
+            clip_l2=c.clip_l2 if c.mechanism in L2_MECHANISMS else None,
             report=c.report,
             local_epochs=c.local_epochs,
             local_lr=c.local_lr,
@@ -517,10 +570,11 @@ class RoundEngine:
         )
 
     def _build_messages(self, nodes: Sequence[int], round_id: int) -> list[Any]:
-        from flwr.app import ArrayRecord, Message, RecordDict
+        from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
-        config_record = self._train_config(round_id).to_config_record()
-        arrays_record = ArrayRecord(self.arrays)
+        config_record = ConfigRecord({**self.extra_train_config, **self._train_config(round_id).to_dict()})
+        arrays_record = ArrayRecord({name: Array.from_numpy_ndarray(np.ascontiguousarray(a))
+                                     for name, a in zip(self.array_names, self.arrays)})
         msgs = []
         for node in nodes:
             content = RecordDict({M.ARRAYS_KEY: arrays_record, M.CONFIG_KEY: config_record})
@@ -692,6 +746,8 @@ class RoundEngine:
         cfg = self.cfg
         out = RoundOutcome(round=round_id, status="skipped", eps0=cfg.eps0, delta=cfg.target_delta)
         t0 = time.perf_counter()
+        if self.on_round_started is not None:
+            self.on_round_started(round_id)
 
         nodes = self._connected_nodes()
         if len(nodes) < cfg.min_reports:
@@ -810,7 +866,7 @@ class RoundEngine:
             for inner in self.shuffler.fetch(attestation):
                 try:
                     payload = self.open_inner(bytes(inner), round_id)
-                    acc.add(decode_report(payload, expected_dim=self.dim, expected_log2_grid=self.expected_log2_grid))
+                    acc.add(self.decoder.decode(payload, self.dim))  # the run's mechanism: unbiased estimate
                 except Exception:  # noqa: BLE001 - one bad report is counted and skipped, never fatal
                     bad += 1
             out.n_bad_reports = bad
@@ -846,7 +902,8 @@ class RoundEngine:
             else:
                 out.status = "applied"
                 out.reason = f"charged, but none of the {n_attested} reports opened and decoded; the model is unchanged"
-            out.loss, out.accuracy = (float(v) for v in self.evaluator(self.arrays))
+            # an evaluator may answer None for a metric it does not compute (report.json: null, the progress line: n/a)
+            out.loss, out.accuracy = (None if v is None else float(v) for v in self.evaluator(self.arrays))
             out.seconds["evaluate"] = time.perf_counter() - t4
         except BaseException as exc:
             # The round is charged (accountant + ledger): the engine must not forget it, or a caller that goes on

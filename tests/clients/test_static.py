@@ -13,7 +13,7 @@ import pytest
 from shuffledp import clients, server
 
 REPORT_PATH = ["app.py", "core.py", "messages.py", "mod.py", "noise.py", "randomizer.py", "report.py", "settings.py",
-               "validation.py", "worktime.py"]
+               "validation.py", "worktime.py", "mechanism.py", "coins.py", "sphere.py", "duchi.py", "privunit.py"]
 
 
 _TORCH_SAMPLERS = {"manual_seed", "seed", "bernoulli", "normal", "multinomial", "poisson", "Generator"}

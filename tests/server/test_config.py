@@ -75,6 +75,10 @@ def test_default_family_is_removed_from_comparisons() -> None:
         ("reply-floor", 900.0, "'reply-floor' (900 s) must be below 'reply-timeout' (900 s)"),
         ("max-local-epochs", 0, "'max-local-epochs' must be an integer in [1, 10000]"),
         ("min-batch-size", 0, "'min-batch-size' must be an integer in [1, 2147483647]"),
+        ("mechanism", "gaussian", "'mechanism' must be one of laplace, duchi, privunit2"),
+        ("mechanism", 1, "'mechanism' must be a string"),
+        ("clip-l2", 0.0, "'clip-l2' must be in (0.0, inf]"),
+        ("clip-l2", "1", "'clip-l2' must be a number"),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(key: str, value: object, fragment: str) -> None:
@@ -105,7 +109,18 @@ def test_mnist_needs_a_path() -> None:
     assert parse_run_config({"dataset": "mnist", "data-dir": "data/mnist"}).dataset == "mnist"
 
 
-@pytest.mark.parametrize("over", [{"clip-l1": 2**45}, {"eps0": 100.0}])
+@pytest.mark.parametrize("over", [{"clip-l1": 2**45}, {"eps0": 100.0}, {"mechanism": "duchi", "eps0": 65.0}])
 def test_privacy_values_without_a_client_mechanism_are_refused_at_startup(over: dict) -> None:
     with pytest.raises(ConfigError, match="no usable client mechanism"):
         parse_run_config(over)
+
+
+def test_the_mechanism_and_its_clip_are_run_config_keys() -> None:
+    cfg = parse_run_config({})
+    assert (cfg.mechanism, cfg.clip_l2) == ("laplace", 1.0)
+    cfg = parse_run_config({"mechanism": "privunit2", "clip-l2": 0.5})
+    assert (cfg.mechanism, cfg.clip_l2) == ("privunit2", 0.5)
+    assert cfg.as_dict()["mechanism"] == "privunit2" and cfg.as_dict()["clip-l2"] == 0.5  # in report.json
+    from shuffledp.server.rounds import RESUME_KEYS
+
+    assert {"mechanism", "clip-l2"} <= set(RESUME_KEYS)

@@ -660,7 +660,8 @@ def test_resume_refuses_a_changed_privacy_setting(h: Any) -> None:
     with pytest.raises(ResumeError, match="eps0: 8.0 -> 2.0"):
         resumed.restore()
     # settings the checkpoint restores from its own state would be silently ignored: refused as well
-    for key, value in (("server-lr", 0.01), ("server-momentum", 0.5), ("comparison-families", "girgis")):
+    for key, value in (("server-lr", 0.01), ("server-momentum", 0.5), ("comparison-families", "girgis"),
+                       ("mechanism", "duchi")):
         resumed = h.engine(h.config(**{key: value}), h.grid([h.honest()] * h.N))
         with pytest.raises(ResumeError, match=key):
             resumed.restore()
@@ -852,3 +853,50 @@ def test_messages_the_grid_could_not_push_get_no_slot(h: Any) -> None:
     assert out.status == "applied", out.reason
     assert (out.n_not_pushed, out.n_replies, out.n_reports) == (2, h.N - 2, h.N - 2)
     assert _stats(h)["batches_refused"] == 0 and _stats(h)["reports_accepted"] == h.N - 2
+
+
+def _l2_client(h: Any, name: str, eps0: float, clip_l2: float) -> Any:
+    """An honest client pinned to an L2 mechanism: the clients package's make_envelope on its digits partition."""
+    from shuffledp.clients.core import make_envelope
+    from shuffledp.clients.data import load_partition
+    from shuffledp.clients.settings import PinnedSettings
+
+    def behaviour(msg: Any, pid: int) -> Any:
+        pinned = PinnedSettings(eps0=eps0, clip_l1=1.0, client_key=h.keys.client_key(pid),
+                                server_public_key=h.keys.server_pk, shuffler_public_key=h.keys.shuffler_pk,
+                                partition_id=pid, num_partitions=h.N, mechanism=name, clip_l2=clip_l2)
+        arrays = msg.content[M.ARRAYS_KEY].to_numpy_ndarrays()
+        envelope = make_envelope(arrays, msg.content[M.CONFIG_KEY], pinned, load_partition(pid, h.N))
+        return h.kit_envelope_reply(msg, envelope)
+
+    return behaviour
+
+
+def test_a_duchi_round_is_decoded_with_the_runs_mechanism_and_labelled_in_the_ledger(h: Any) -> None:
+    from shuffledp.clients.mechanism import make_mechanism
+
+    cfg = h.config(mechanism="duchi", eps0=2.0, **{"clip-l2": 0.5})
+    opened: list[bytes] = []
+    opener = h.opener(cfg)
+
+    def recording_opener(inner: bytes, round_id: int) -> bytes:
+        payload = opener(inner, round_id)
+        opened.append(payload)
+        return payload
+
+    grid = h.grid([_l2_client(h, "duchi", 2.0, 0.5)] * (h.N - 1) + [h.refusing])  # one pinned to another mechanism
+    engine = h.engine(cfg, grid, open_inner=recording_opener)
+    engine.restore()
+    before = flatten(engine.arrays)
+    out = engine.run_round(1)
+    request = dict(grid.sent[0].content[M.CONFIG_KEY])
+    assert (request["mechanism"], request["clip-l2"]) == ("duchi", 0.5)
+    # the client pinned to another mechanism refused (pinned mismatch): an error reply, not a report
+    assert out.status == "applied", out.reason
+    assert (out.n_reports, out.n_applied, out.n_bad_reports, out.n_error_replies) == (h.N - 1, h.N - 1, 0, 1)
+    mech = make_mechanism("duchi", eps0=2.0, clip_l2=0.5)
+    assert all(len(p) == mech.report_length(engine.dim) == 53 for p in opened)
+    mean = np.mean([mech.decode(p, engine.dim) for p in opened], axis=0)
+    np.testing.assert_allclose(flatten(engine.arrays), before - cfg.server_lr * mean, rtol=1e-5, atol=1e-4)
+    [row] = engine.ledger.rows()
+    assert row["mechanism"] == f"duchi-l2(d={engine.dim},C=0.5,eps0=2,report=gradient)"

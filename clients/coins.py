@@ -1,0 +1,117 @@
+"""Exact coins for the L2 mechanisms: a Bernoulli(p) drawn exactly for a float p, and the randomized-response
+interval of eps0 rounded so that its ratio bound provably holds for the floats used.
+
+Why exact. A mechanism whose data enter only through one coin is eps0-LDP when the coin's probability lies in
+``[p_lo, p_hi]`` with ``p_hi / p_lo <= e^eps0`` and ``(1 - p_lo) / (1 - p_hi) <= e^eps0`` (Warner, JASA 1965;
+Kairouz, Oh, Viswanath, ICML 2014). Both must hold for the probabilities the coin is actually drawn with, not
+for their real-number ideals:
+
+* :func:`rr_interval` returns floats ``p_lo >= 1 / (e^eps0 + 1)`` and ``p_hi <= e^eps0 / (e^eps0 + 1)``, certified
+  with exact rational arithmetic on the floats against a correctly rounded 60-digit ``e^eps0`` (Python's
+  :mod:`decimal` rounds ``exp`` correctly), so both ratios are at most ``e^eps0`` exactly;
+* :func:`bernoulli` draws ``P[1] = p`` exactly for a float ``p``: a float is a dyadic rational ``n / 2**k``, and
+  a uniform ``k``-bit integer ``r`` from the CSPRNG satisfies ``P[r < n] = n / 2**k`` with no rounding anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal, localcontext
+from fractions import Fraction
+
+from shuffledp.clients.noise import ChaCha20Rng
+from shuffledp.clients.validation import check_positive_finite
+
+__all__ = ["RR_MAX_EPS0", "rr_interval", "rr_epsilon", "bernoulli", "exp_lower"]
+
+#: The largest eps0 the L2 mechanisms accept (their flip probability 1 / (e^eps0 + 1) stays above 2**-93).
+RR_MAX_EPS0 = 64.0
+_EXP_DIGITS = 60
+
+
+def exp_lower(x: float) -> Fraction:
+    """A rational lower bound on ``e^x`` for a float ``x`` in ``[0, 709]``, within a relative ``10**-57``.
+
+    Returns:
+        ``E * (1 - 10**-58)`` where ``E`` is ``e^x`` correctly rounded to 60 significant digits (so ``E`` is within
+        a relative ``10**-59`` of ``e^x``, and the result is below it).
+    """
+    if not (isinstance(x, float) and 0.0 <= x <= 709.0):
+        raise ValueError(f"exp_lower needs a float in [0, 709], got {x!r}")
+    with localcontext() as ctx:
+        ctx.prec = _EXP_DIGITS
+        e = Decimal(x).exp()  # Decimal(float) is exact; exp is correctly rounded at this precision
+    return Fraction(e) * (1 - Fraction(1, 10**58))
+
+
+def _float_at_least(q: Fraction) -> float:
+    f = float(q)
+    while Fraction(f) < q:
+        f = math.nextafter(f, math.inf)
+    return f
+
+
+def _float_at_most(q: Fraction) -> float:
+    f = float(q)
+    while Fraction(f) > q:
+        f = math.nextafter(f, -math.inf)
+    return f
+
+
+def rr_interval(eps0: float) -> tuple[float, float]:
+    """The randomized-response interval of ``eps0`` as floats whose ratios provably stay within ``e^eps0``
+    (Warner, "Randomized response", JASA 1965).
+
+    Args:
+        eps0: the local epsilon, in (0, :data:`RR_MAX_EPS0`].
+
+    Returns:
+        ``(p_lo, p_hi)``: the smallest float ``>= 1 / (E + 1)`` and the largest float ``<= E / (E + 1)`` for a
+        certified lower bound ``E <= e^eps0`` (:func:`exp_lower`). Then ``p_hi / p_lo <= E`` and
+        ``(1 - p_lo) / (1 - p_hi) <= E`` hold exactly for the two floats (checked here in rationals).
+
+    Raises:
+        TypeError, ValueError: ``eps0`` is not a finite number in (0, 64].
+    """
+    eps = check_positive_finite("eps0", eps0)
+    if eps > RR_MAX_EPS0:
+        raise ValueError(f"eps0 must be <= {RR_MAX_EPS0} for the L2 mechanisms, got {eps0!r}")
+    e_lo = exp_lower(eps)
+    p_lo = _float_at_least(1 / (e_lo + 1))
+    p_hi = _float_at_most(e_lo / (e_lo + 1))
+    lo, hi = Fraction(p_lo), Fraction(p_hi)
+    if not (0 < lo < Fraction(1, 2) < hi < 1 and hi <= e_lo * lo and 1 - lo <= e_lo * (1 - hi)):
+        raise ArithmeticError(f"the randomized-response interval for eps0={eps!r} failed its exact check")
+    return p_lo, p_hi
+
+
+def rr_epsilon(p_lo: float, p_hi: float) -> float:
+    """The privacy loss of a coin whose probability lies in ``[p_lo, p_hi]``.
+
+    Returns:
+        ``max(log(p_hi / p_lo), log((1 - p_lo) / (1 - p_hi)))`` (float; informational: the guarantee is the
+        exact check of :func:`rr_interval`).
+    """
+    return max(math.log(p_hi) - math.log(p_lo), math.log1p(-p_lo) - math.log1p(-p_hi))
+
+
+def bernoulli(p: float, rng: ChaCha20Rng) -> bool:
+    """One coin with ``P[True] = p`` exactly (relative to the CSPRNG), for a float ``p`` in ``[0, 1]``.
+
+    ``p = n / 2**k`` exactly (a float is a dyadic rational); ``r`` is a uniform ``k``-bit integer from ``rng``, and
+    ``r < n`` has probability ``n / 2**k = p``. This is the lazy comparison of uniform bits with ``p``'s binary
+    expansion, carried to the expansion's last bit at once (Knuth and Yao, 1976).
+
+    Returns:
+        True with probability exactly ``p``.
+
+    Raises:
+        ValueError: ``p`` is not a float in ``[0, 1]``.
+    """
+    if not isinstance(p, float) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"a coin's probability must be a float in [0, 1], got {p!r}")
+    n, den = Fraction(p).as_integer_ratio()
+    k = den.bit_length() - 1  # den = 2**k
+    if k == 0:
+        return n == 1
+    return rng.getrandbits(k) < n

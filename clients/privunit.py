@@ -1,0 +1,256 @@
+"""PrivUnit2 (Bhowmick, Duchi, Freudiger, Kapoor, Rogers, "Protection against reconstruction and its
+applications in private federated learning", arXiv:1812.00984, 2018, Algorithm 1) on the L2-clipped update,
+sampled by rejection from a data-independent proposal.
+
+Mechanism. The update is clipped to L2 radius C: ``g``. Its direction ``u`` is rounded to ``+-u`` with
+``P[+] = 1/2 + ||g||_2 / (2C)`` (so that ``E[+-u] C = g``; Duchi, Jordan, Wainwright, JASA 2018, use the same
+rounding). PrivUnit2 then outputs a point ``V`` of the unit sphere: with probability ``p`` uniform on the cap
+``{v : <v, +-u> >= gamma}``, else uniform on its complement. Its density ratio between any two unit inputs is
+``(p / (1 - p)) * ((1 - A) / A)`` with ``A`` the cap's share of the sphere, ``A = I_{1 - gamma^2}((d-1)/2, 1/2) / 2``
+(regularised incomplete beta). eps0 is split as ``log(p / (1 - p)) + log((1 - A) / A)``; the split is chosen to
+maximise ``m`` below (as Asi, Feldman, Talwar, ICML 2022, optimise PrivUnit's parameters numerically).
+
+Sampling (where the data enter). The region coin (cap or not) is drawn with probability ``p`` exactly
+(:func:`shuffledp.clients.coins.bernoulli`), independently of the data. Then uniform directions are drawn from
+the CSPRNG (:func:`shuffledp.clients.sphere.directions`), independently of the data, until one falls in the drawn
+region; the data enter only through that acceptance test ``<V, +-u> >= gamma``. Floating point can therefore
+change only the proposal mass of the tested region, never which outputs are possible; ``gamma`` is chosen with
+a relative margin :data:`CAP_MARGIN` on the cap mass for that. docs/mechanisms.md gives the argument and its
+assumption (the accuracy of the platform's ``log``, ``cos``, ``sin``); it is not certified in code, so PrivUnit2
+is research-only: a deployed client refuses it (:data:`shuffledp.clients.mechanism.RESEARCH_ONLY`).
+
+Decode (unbiased). With ``t = <V, u>`` of density proportional to ``(1 - t^2)^((d-3)/2)``,
+``E[t 1{t >= gamma}] = K = (1 - gamma^2)^((d-1)/2) / ((d - 1) B(1/2, (d-1)/2))``, so ``E[V] = m u`` with
+``m = K (p / A - (1 - p) / (1 - A))`` (Bhowmick et al., Sec. 4.1) and ``g_hat = (C / m) V`` has ``E[g_hat] = g`` and
+``||g_hat||_2^2 = C^2 / m^2``.
+
+Report: the 20-byte mechanism header (magic ``b"SDPU"``) and ``V`` as float32[d] (rounding ``V`` is
+post-processing; it moves the estimate by a relative 2**-24 at most).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from shuffledp.clients.coins import RR_MAX_EPS0, bernoulli
+from shuffledp.clients.noise import ChaCha20Rng
+from shuffledp.clients.report import ReportError, decode_mechanism_header, encode_mechanism_header
+from shuffledp.clients.sphere import clip_l2, directions, unit_or_default
+from shuffledp.clients.validation import check_int, check_positive_finite
+
+__all__ = ["PRIVUNIT_MAGIC", "CAP_MARGIN", "MIN_CAP_MASS", "PrivUnitParams", "privunit_params", "cap_mass",
+           "PrivUnit2Mechanism"]
+
+PRIVUNIT_MAGIC = b"SDPU"
+#: The cap mass used in the privacy bound is ``A * (1 - CAP_MARGIN)``: the float acceptance test may shrink the
+#: tested cap's proposal mass by this much (relatively) before the loss exceeds eps0 (docs/mechanisms.md).
+CAP_MARGIN = 2.0**-10
+#: Splits whose cap holds less of the sphere are not used (the rejection sampler would draw more than about
+#: 1 / MIN_CAP_MASS directions per report).
+MIN_CAP_MASS = 2.0**-10
+_HEADER_BYTES = 20
+_SPLITS = 256
+_MAX_BATCH_ELEMENTS = 2**22
+_NORM_TOLERANCE = 1e-4
+
+
+def cap_mass(gamma: float, d: int) -> float:
+    """The share of the unit sphere of R^d in the cap ``{v : <v, u> >= gamma}`` (Bhowmick et al. 2018, Sec. 4.1).
+
+    Returns:
+        ``I_{1 - gamma^2}((d-1)/2, 1/2) / 2`` for ``gamma >= 0`` (one minus that at ``-gamma`` otherwise).
+    """
+    from scipy.special import betainc
+
+    half = 0.5 * float(betainc((d - 1) / 2.0, 0.5, 1.0 - gamma * gamma))
+    return half if gamma >= 0 else 1.0 - half
+
+
+@dataclass(frozen=True)
+class PrivUnitParams:
+    """PrivUnit2's parameters for one (eps0, d): region probability ``p``, cap threshold ``gamma``, cap mass ``A``,
+    the decode factor ``m`` (``E[V] = m u``) and the privacy loss they give, with the cap margin."""
+
+    d: int
+    p: float
+    gamma: float
+    cap: float
+    m: float
+    eps_used: float
+
+
+def _log_k(gamma: float, d: int) -> float:
+    from scipy.special import betaln
+
+    a = (d - 1) / 2.0
+    return a * math.log1p(-gamma * gamma) - math.log(d - 1) - float(betaln(0.5, a))
+
+
+def _eps(p: float, cap: float) -> float:
+    low = cap * (1.0 - CAP_MARGIN)
+    return (math.log(p) - math.log1p(-p)) + (math.log1p(-low) - math.log(low))
+
+
+def _gamma_for(cap: float, d: int) -> float:
+    """The threshold whose cap has mass about ``cap`` (< 1/2); the caller recomputes the mass."""
+    from scipy.special import betaincinv
+
+    g2 = float(betaincinv(0.5, (d - 1) / 2.0, 1.0 - 2.0 * cap))  # gamma^2: I_{gamma^2}(1/2, (d-1)/2) = 1 - 2A
+    return math.sqrt(min(max(g2, 0.0), 1.0))
+
+
+@functools.lru_cache(maxsize=64)
+def privunit_params(eps0: float, d: int) -> PrivUnitParams:
+    """The PrivUnit2 parameters for ``eps0`` and dimension ``d`` that maximise ``m`` (the smallest variance
+    ``C^2 / m^2``) among :data:`_SPLITS` splits of eps0 (Bhowmick et al. 2018, Theorem 1 and Sec. 4.1).
+
+    Returns:
+        :class:`PrivUnitParams` with ``eps_used <= eps0`` counted with the cap margin.
+
+    Raises:
+        ValueError: ``d < 2``, or no split keeps the cap mass at least :data:`MIN_CAP_MASS`.
+    """
+    eps = check_positive_finite("eps0", eps0)
+    if eps > RR_MAX_EPS0:
+        raise ValueError(f"eps0 must be <= {RR_MAX_EPS0} for privunit2, got {eps0!r}")
+    d = check_int("d", d, 2, 2**28)
+    best: PrivUnitParams | None = None
+    for i in range(1, _SPLITS):
+        eps_p = eps * i / _SPLITS
+        p = 1.0 / (1.0 + math.exp(-eps_p))
+        logit = math.log(p) - math.log1p(-p)
+        eps_cap = eps - logit
+        # the bound counts A (1 - margin): need (1 - A_low) / A_low <= e^eps_cap, A_low = A (1 - margin)
+        need = 1.0 / ((1.0 + math.exp(eps_cap)) * (1.0 - CAP_MARGIN))
+        if need < MIN_CAP_MASS or need >= 0.5:
+            continue
+        gamma = _gamma_for(need * (1.0 + 2.0**-30), d)
+        cap = cap_mass(gamma, d)
+        step = max(gamma * 2.0**-40, 2.0**-60)
+        while cap < need and gamma > 0.0:  # the inverse is approximate: lower the threshold until the mass fits
+            gamma = max(0.0, gamma - step)
+            step *= 2.0
+            cap = cap_mass(gamma, d)
+        used = _eps(p, cap)
+        if cap >= 0.5 or used > eps:
+            continue
+        m = math.exp(_log_k(gamma, d)) * (p / cap - (1.0 - p) / (1.0 - cap))
+        if m > 0 and (best is None or m > best.m):
+            best = PrivUnitParams(d=d, p=p, gamma=gamma, cap=cap, m=m, eps_used=used)
+    if best is None:
+        raise ValueError(f"privunit2 has no split of eps0={eps!r} with a cap mass >= {MIN_CAP_MASS:g} in d={d}")
+    return best
+
+
+class PrivUnit2Mechanism:
+    """eps0-LDP randomizer of an L2-clipped update by PrivUnit2 (module docstring; Bhowmick, Duchi, Freudiger,
+    Kapoor, Rogers, arXiv:1812.00984, 2018), research-only (docs/mechanisms.md).
+
+    Args:
+        eps0: the pinned local epsilon, in (0, 64].
+        clip_l2: the L2 clip radius C > 0.
+        rng: the CSPRNG (coins and directions). Default: a :class:`ChaCha20Rng` keyed from ``os.urandom``.
+    """
+
+    name = "privunit2"
+
+    def __init__(self, eps0: float, clip_l2: float, *, rng: ChaCha20Rng | None = None) -> None:
+        self.eps0 = check_positive_finite("eps0", eps0)
+        if self.eps0 > RR_MAX_EPS0:
+            raise ValueError(f"eps0 must be <= {RR_MAX_EPS0} for privunit2, got {eps0!r}")
+        self.clip = check_positive_finite("clip_l2", clip_l2)
+        self.rng = rng if rng is not None else ChaCha20Rng()
+
+    def params(self, dim: int) -> PrivUnitParams:
+        """The parameters for dimension ``dim`` (:func:`privunit_params`).
+
+        Returns:
+            :class:`PrivUnitParams`.
+        """
+        if isinstance(dim, int) and not isinstance(dim, bool) and dim < 2:
+            raise ValueError(f"privunit2 needs an update of at least 2 coordinates (the sphere of R^1 has no caps), "
+                             f"got d={dim}")
+        return privunit_params(self.eps0, check_int("dim", dim, 2, 2**28))
+
+    def sample(self, u: np.ndarray, par: PrivUnitParams) -> np.ndarray:
+        """One PrivUnit2 output for the unit vector ``u``: the region coin, then rejection from uniform directions.
+
+        Returns:
+            A float64 unit vector of shape ``(d,)``.
+        """
+        d = u.size
+        in_cap = bernoulli(par.p, self.rng)
+        share = par.cap if in_cap else 1.0 - par.cap
+        batch = int(min(max(8, math.ceil(2.0 / share)), max(1, _MAX_BATCH_ELEMENTS // d)))
+        while True:
+            v = directions(batch, d, self.rng)
+            hits = np.flatnonzero((v @ u >= par.gamma) == in_cap)
+            if hits.size:
+                return v[int(hits[0])]
+
+    def randomize(self, vec: np.ndarray) -> bytes:
+        """Clip to L2 radius C, round the direction's sign by the norm, and apply PrivUnit2.
+
+        Returns:
+            The fixed-length report (:meth:`report_length`).
+
+        Raises:
+            ValueError: ``vec`` has a non-finite entry or fewer than 2 entries.
+        """
+        g = clip_l2(vec, self.clip)
+        par = self.params(int(g.size))
+        u, norm = unit_or_default(g)
+        keep = bernoulli(0.5 + 0.5 * min(1.0, norm / self.clip), self.rng)
+        v = self.sample(u if keep else -u, par)
+        return encode_mechanism_header(PRIVUNIT_MAGIC, par.d, par.eps_used) + v.astype("<f4").tobytes()
+
+    def decode(self, report: bytes, dim: int) -> np.ndarray:
+        """The unbiased estimate ``(C / m) V`` of the client's clipped update.
+
+        Returns:
+            A float64 vector of shape ``(dim,)``.
+
+        Raises:
+            ReportError: a malformed report, or a ``V`` that is not finite or not of unit norm (within 1e-4).
+        """
+        par = self.params(dim)
+        decode_mechanism_header(report, magic=PRIVUNIT_MAGIC, expected_dim=dim, body_bytes=4 * dim)
+        v = np.frombuffer(bytes(report), dtype="<f4", offset=_HEADER_BYTES, count=dim).astype(np.float64)
+        if not np.all(np.isfinite(v)):
+            raise ReportError("the privunit2 report has non-finite coordinates")
+        norm = float(np.linalg.norm(v))
+        if abs(norm - 1.0) > _NORM_TOLERANCE:
+            raise ReportError(f"the privunit2 report's vector has norm {norm!r}, not 1")
+        return (self.clip / par.m) * v
+
+    def report_length(self, dim: int) -> int:
+        """Bytes of one report.
+
+        Returns:
+            ``20 + 4 * dim``.
+        """
+        return _HEADER_BYTES + 4 * check_int("dim", dim, 2, 2**28)
+
+    def variance(self, dim: int) -> float:
+        """``E||g_hat||_2^2 = (C / m)^2``, a bound on the estimate's variance for every input.
+
+        Returns:
+            The bound (float).
+        """
+        return (self.clip / self.params(dim).m) ** 2
+
+    def label(self, dim: int) -> str:
+        """The mechanism's name and parameters, as the ledger records them.
+
+        Returns:
+            e.g. ``"privunit2-l2(d=650,C=1,eps0=2,p=0.73,gamma=0.041)"``.
+        """
+        par = self.params(dim)
+        return f"privunit2-l2(d={dim},C={self.clip:g},eps0={self.eps0:g},p={par.p:.6g},gamma={par.gamma:.6g})"
+
+    def __repr__(self) -> str:
+        return f"PrivUnit2Mechanism(eps0={self.eps0}, clip_l2={self.clip})"
