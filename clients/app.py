@@ -92,7 +92,7 @@ def train_model(msg: Message, context: Context) -> Message:
     try:
         # in a deployment, the device's own (node config); the run's dataset and PCA must be the device's
         settings = data_settings_from_configs(context.node_config, context.run_config)
-        pinned = pinned_from_configs(context.node_config, context.run_config)
+        pinned = pinned_from_configs(context.node_config, context.run_config, int(context.run_id))
     except PinnedMismatchError as exc:
         return _refuse(msg, ERR_PINNED_MISMATCH, f"refused: {exc}")
     except ClientSetupError as exc:

@@ -184,7 +184,7 @@ def _handle(msg: Message, context: Context, call_next: ClientAppCallable, seal: 
 
     # the client's own settings
     try:
-        pinned = pinned_from_configs(context.node_config, context.run_config)
+        pinned = pinned_from_configs(context.node_config, context.run_config, int(context.run_id))
     except ClientSetupError as exc:
         return Error(code=ERR_CLIENT_SETUP, reason=f"client setup: {exc}"), 0.0
     try:

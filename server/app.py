@@ -1,37 +1,32 @@
 """The Flower ServerApp of shuffledp (``[tool.flwr.app.components] serverapp = "shuffledp.server.app:app"``).
 
-``@app.main()`` drives the rounds itself with the Grid (no ``Strategy.start``: FedAvg would need per-client
-metrics and plaintext arrays). Everything it does is in :func:`shuffledp.server.job.run_job`; see
-:mod:`shuffledp.server.rounds` for one round.
+``@app.main()`` is a user of :class:`shuffledp.server.strategy.ShuffleStrategy`, as any Flower app can be: the
+strategy runs the shuffled rounds (see :mod:`shuffledp.server.rounds` for one round); this app adds the project's
+own model (``model``) and central evaluation on the held-out test split (``dataset``).
 
-Keys: the simulated ClientApps read ``keys-dir`` from the same run config, so the server and the clients must
-agree on one key directory. ``shuffledp run`` creates fresh keys for each run in ``outputs/<run>/keys`` and
-passes absolute paths for ``keys-dir`` and ``output-dir``, because the simulated apps run in the working
-directory of the SuperLink process, not in the project. Plain ``flwr run .`` works the same way once a key
-directory exists (absolute paths; and without Flower's per-run ``uv sync``, which needs the network)::
-
-    export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED=0
-    shuffledp keys init --out "$PWD/keys" --clients 1437 --k 1000
-    flwr run . --run-config "keys-dir='$PWD/keys' output-dir='$PWD/outputs'" \
-        --federation-config "num-supernodes=1437 client-resources-num-cpus=1" --stream
-
-Without ``keys-dir`` the ServerApp stops at once with a message saying this. (Flower's managed local SuperLink
-keeps running after ``flwr run``; ``shuffledp run`` starts and stops a private one instead.)
+Keys: the server and the simulated ClientApps must agree on one key directory. In a simulation whose run config
+leaves ``keys-dir`` empty (plain ``flwr run .``), the ServerApp counts the nodes, creates the run's keys in
+``<output-dir>/<run-name or run-<run id>>/keys`` and the ClientApps find theirs there
+(:mod:`shuffledp.clients.run_paths`); if there are fewer nodes than ``min-reports``, it lowers that threshold to
+the node count and says so. ``shuffledp run`` creates the keys itself and passes absolute paths. Relative paths
+resolve against the working directory of the SuperLink that runs the simulation: for Flower's managed local
+SuperLink, the directory of the first ``flwr run`` that started it. Without Flower's per-run ``uv sync``
+(which needs the network) set ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``.
 
 (In simulation every client key lives in that one directory: a simulation-only trust shortcut. In a deployment
-each device holds only its own key, named by its node config.)
+each device holds only its own key, named by its node config, and an empty ``keys-dir`` is refused.)
 """
 
 from __future__ import annotations
 
 import logging
 
-from flwr.app import Context
+from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
 from shuffledp.server.config import parse_run_config
-from shuffledp.server.job import run_job
+from shuffledp.server.strategy import ShuffleStrategy
 
 __all__ = ["app"]
 
@@ -48,6 +43,15 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run (or resume) the configured job on this Grid; outputs go to ``<output-dir>/<run-name>/``."""
+    from shuffledp.server.evaluation import CentralEvaluator
+
     logging.getLogger("shuffledp").setLevel(logging.INFO)
-    config = parse_run_config(context.run_config)
-    run_job(config, grid, run_id=int(context.run_id))
+    config = parse_run_config(context.run_config)  # the project's own app: an unknown key is a typo, refused
+    central = CentralEvaluator(config)
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        loss, accuracy = central.evaluate(arrays.to_numpy_ndarrays())
+        return MetricRecord({"loss": float(loss), "accuracy": float(accuracy)})
+
+    strategy = ShuffleStrategy(config, run_id=int(context.run_id))
+    strategy.start(grid=grid, initial_arrays=ArrayRecord(central.initial_arrays()), evaluate_fn=evaluate)

@@ -20,8 +20,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +38,11 @@ from shuffledp.server.report import (
     write_plot,
     write_report,
 )
-from shuffledp.server.rounds import Evaluator, GridLike, RoundEngine, RoundOutcome
+from shuffledp.server.rounds import Evaluator, GridLike, RoundEngine, RoundOutcome, wait_for_nodes
 from shuffledp.server.state import SqliteCheckpointStore
 
-__all__ = ["RunPaths", "resolve_paths", "ShufflerConnection", "run_job", "JobResult", "format_progress",
-           "RunInUseError", "hold_run_lock"]
+__all__ = ["RunPaths", "resolve_paths", "ensure_simulation_keys", "ShufflerConnection", "run_job", "JobResult",
+           "format_progress", "RunInUseError", "hold_run_lock"]
 
 log = logging.getLogger("shuffledp.server")
 
@@ -95,6 +95,8 @@ class RunPaths:
 
     out_dir: Path
     keys_dir: Path
+    #: the key directory was derived from the run folder (a simulation with an empty ``keys-dir``)
+    derived_keys: bool = False
 
     @property
     def ledger(self) -> Path:
@@ -127,28 +129,80 @@ class RunPaths:
         return self.out_dir / ATTESTATIONS_FILE
 
 
-def resolve_paths(cfg: ServerConfig, *, run_id: int = 0, base: Path | None = None) -> RunPaths:
+def resolve_paths(cfg: ServerConfig, *, run_id: int = 0, base: Path | None = None,
+                  simulation: bool = False) -> RunPaths:
     """Resolve ``output-dir``/``run-name`` and ``keys-dir`` (relative paths against ``base`` or the cwd).
 
+    With ``simulation`` and an empty ``keys-dir`` the key directory is the run folder's ``keys/``
+    (:func:`shuffledp.clients.run_paths.simulation_keys_dir`, the rule the simulated clients follow too); it need
+    not exist yet (:func:`ensure_simulation_keys` creates it).
+
     Raises:
-        ConfigError: ``keys-dir`` is empty (the clients could not find their keys) or does not hold a key
-            directory.
+        ConfigError: ``keys-dir`` is empty outside a simulation (the clients could not find their keys), or it
+            names a directory that does not hold a key directory.
     """
-    name = cfg.run_name or f"run-{run_id}"
-    out_dir = cfg.resolved_path(cfg.output_dir, base=base) / name
+    from shuffledp.clients.run_paths import run_folder, simulation_keys_dir
+
+    out_dir = run_folder(cfg.output_dir, cfg.run_name, run_id, base=base)
     if not cfg.keys_dir.strip():
+        if simulation:
+            keys_dir, _ = simulation_keys_dir(cfg.as_dict(), run_id, base=base)
+            return RunPaths(out_dir=out_dir, keys_dir=keys_dir, derived_keys=True)
         raise ConfigError(
-            "run config 'keys-dir' is empty: the server and the simulated clients must share a key directory. "
-            "Use `shuffledp run` (it creates fresh keys for the run and passes their absolute path), or create one "
-            "with `shuffledp keys init --out DIR --clients N` and pass --run-config \"keys-dir='/abs/DIR'\""
+            "run config 'keys-dir' is empty, and this is not a simulation (where the ServerApp creates the run's "
+            "keys itself): the server and the clients must share a key directory. Create one with "
+            "`shuffledp keys init --out DIR --clients N` (or `shuffledp deploy keys` for a deployment) and pass "
+            "--run-config \"keys-dir='/abs/DIR'\""
         )
     keys_dir = cfg.resolved_path(cfg.keys_dir, base=base)
     if not (keys_dir / "public" / "server_hpke.pub").is_file():
         raise ConfigError(
             f"run config 'keys-dir' = {str(keys_dir)!r} does not hold a key directory (no public/server_hpke.pub); "
-            "create it with `shuffledp keys init --out DIR --clients N`"
+            "create it with `shuffledp keys init --out DIR --clients N`, or leave 'keys-dir' empty in a simulation "
+            "and the run creates its own"
         )
     return RunPaths(out_dir=out_dir, keys_dir=keys_dir)
+
+
+def ensure_simulation_keys(cfg: ServerConfig, paths: RunPaths, grid: GridLike, *, node_wait: float,
+                           say: Callable[[str], None]) -> ServerConfig:
+    """Create a simulation's derived key directory (once; a resumed run reuses it) and return the config to run.
+
+    The clients' keys are one per connected node (partition ids 0..N-1), so the nodes are counted first (waiting
+    up to ``node_wait`` s for the count to settle). The shuffler's threshold k is ``min-reports``; when fewer nodes
+    than that are connected, k and ``min-reports`` are lowered to the node count, and this is said (a smaller k
+    means less amplification, so it is never silent); report.json's config records the value the run used.
+
+    Returns:
+        ``cfg`` unchanged when the keys were given (``keys-dir`` set), else ``cfg`` with ``min-reports`` at most
+        the number of enrolled clients.
+
+    Raises:
+        ConfigError: no node connected within ``node_wait``.
+    """
+    if not paths.derived_keys:
+        return cfg
+    from shuffledp.shuffler.keys import KeyDirectory, init_key_directory, load_enrolment
+
+    keys = KeyDirectory(paths.keys_dir)
+    if keys.enrolment.is_file():
+        n_clients = len(load_enrolment(keys.enrolment))
+    else:
+        nodes = wait_for_nodes(grid, 1, node_wait=node_wait, settle=min(3.0, node_wait))
+        if not nodes:
+            raise ConfigError(f"no node connected within {node_wait:g} s: cannot create the simulation's keys")
+        n_clients = len(nodes)
+    k = min(cfg.min_reports, n_clients)
+    if not keys.enrolment.is_file():
+        paths.keys_dir.parent.mkdir(parents=True, exist_ok=True)
+        init_key_directory(paths.keys_dir, n_clients, key_epoch=cfg.key_epoch, k=k)
+        say(f"[shuffledp] created this simulation's keys for {n_clients} clients in {paths.keys_dir} "
+            "(run config 'keys-dir' is empty)")
+    if k < cfg.min_reports:
+        say(f"[shuffledp] min-reports (the shuffler's threshold k) lowered from {cfg.min_reports} to {k}: only "
+            f"{n_clients} simulated clients; fewer reports per round means less amplification")
+        cfg = replace(cfg, min_reports=k)
+    return cfg
 
 
 class ShufflerConnection:
@@ -242,6 +296,8 @@ class JobResult:
     stopped: RoundOutcome | None
     epsilon: float
     report: dict[str, Any]
+    #: the final model, in the order of the initial arrays
+    arrays: list[np.ndarray]
 
 
 def format_progress(o: RoundOutcome) -> str:
@@ -310,6 +366,10 @@ def run_job(
     base: Path | None = None,
     progress: Callable[[str], None] | None = None,
     plot: bool = True,
+    simulation: bool | None = None,
+    array_names: Sequence[str] | None = None,
+    train_config: Mapping[str, Any] | None = None,
+    on_round_started: Callable[[int], None] | None = None,
 ) -> JobResult:
     """Run (or resume) the job described by ``cfg`` on ``grid`` and write its outputs.
 
@@ -323,13 +383,24 @@ def run_job(
         base: directory relative paths are resolved against (default: the current directory).
         progress: where per-round progress lines go (default: stdout, flushed).
         plot: also write the PNG.
+        simulation: the grid is Flower's simulation grid (None: decided from its type); only then may an empty
+            ``keys-dir`` mean "create this run's keys" (:func:`ensure_simulation_keys`).
+        array_names, train_config, on_round_started: passed to :class:`RoundEngine` (the names of the model's
+            arrays in the train messages, more entries for the clients' train config, a callback before each
+            round).
+
+    Returns:
+        the run's :class:`JobResult` (paths, history, stop, final epsilon, report.json's document, final model).
     """
     from shuffledp.accounting.ledger import Ledger
     from shuffledp.shuffler.envelope import open_inner
     from shuffledp.shuffler.keys import load_private_key
 
-    paths = resolve_paths(cfg, run_id=run_id, base=base)
+    if simulation is None:
+        simulation = type(grid).__name__ == "InMemoryGrid"  # flwr.superlink.grid's, what simulations run on
+    paths = resolve_paths(cfg, run_id=run_id, base=base, simulation=simulation)
     paths.out_dir.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda line: print(line, file=sys.stdout, flush=True))
     if evaluator is None or initial_arrays is None:
         from shuffledp.server.evaluation import CentralEvaluator
 
@@ -342,13 +413,14 @@ def run_job(
             f"the model has {n_parameters} parameters, more than run config 'max-model-parameters' "
             f"({cfg.max_model_parameters}), the clients' limit: every client would refuse it"
         )
-    server_key = load_private_key(paths.keys_dir / "server" / "hpke.key", "x25519")
 
-    def opener(inner: bytes, round_id: int) -> bytes:
-        return open_inner(inner, server_private_key=server_key, key_epoch=cfg.key_epoch, round_id=round_id)
-
-    say = progress or (lambda line: print(line, file=sys.stdout, flush=True))
     with hold_run_lock(paths.out_dir):  # one server process per run: each would charge its own accountant
+        cfg = ensure_simulation_keys(cfg, paths, grid, node_wait=node_wait, say=say)
+        server_key = load_private_key(paths.keys_dir / "server" / "hpke.key", "x25519")
+
+        def opener(inner: bytes, round_id: int) -> bytes:
+            return open_inner(inner, server_private_key=server_key, key_epoch=cfg.key_epoch, round_id=round_id)
+
         ledger = Ledger(paths.ledger)
         store = SqliteCheckpointStore(paths.state)
         try:
@@ -381,6 +453,9 @@ def run_job(
                     node_wait=node_wait,
                     on_round=on_round,
                     on_attestation=on_attestation,
+                    array_names=array_names,
+                    train_config=train_config,
+                    on_round_started=on_round_started,
                 )
                 holder.append(engine)
                 first = engine.restore()
@@ -398,4 +473,4 @@ def run_job(
     say(f"[shuffledp] done: epsilon={format_epsilon(epsilon, 'upper')} at delta={cfg.target_delta:g} "
         f"({cfg.accounting_family}, upper bound); outputs in {paths.out_dir}")
     return JobResult(paths=paths, history=list(engine.history), stopped=engine.stopped, epsilon=epsilon,
-                     report=report)
+                     report=report, arrays=[np.array(a, copy=True) for a in engine.arrays])

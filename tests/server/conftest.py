@@ -332,6 +332,7 @@ def kit() -> Any:
         model_arrays=model_arrays,
         digits_evaluator=digits_evaluator,
         silent=silent,
+        envelope_reply=envelope_reply,
         N=N_CLIENTS,
         K=K,
     )
