@@ -320,7 +320,7 @@ DATA_SETTINGS_DEFAULTS: dict[str, Any] = {
     "pca-components": 10,
     "partition": "iid",
     "dirichlet-alpha": 0.5,
-    "partition-seed": 0,
+    "seed": 0,
 }
 #: The data settings that fix the model's input (its width and the features' meaning). In a deployment a run
 #: config that names other values than the device pins is refused (pinned-mismatch): the server's model and
@@ -343,7 +343,7 @@ def parse_data_settings(src: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise ClientSetupError(f"{where}: dataset 'mnist' needs 'data-dir' (a folder with MNIST/raw/*-ubyte[.gz])")
     if v["partition"] not in _PARTITION_SCHEMES:
         raise ClientSetupError(f"{where}['partition'] must be one of {_PARTITION_SCHEMES}, got {v['partition']!r}")
-    for key in ("pca-components", "partition-seed"):
+    for key in ("pca-components", "seed"):
         if isinstance(v[key], bool) or not isinstance(v[key], int) or v[key] < 0:
             raise ClientSetupError(f"{where}[{key!r}] must be an int >= 0, got {v[key]!r}")
     alpha = v["dirichlet-alpha"]
@@ -355,14 +355,14 @@ def parse_data_settings(src: Mapping[str, Any], where: str) -> dict[str, Any]:
         "pca_components": v["pca-components"] or None,
         "scheme": v["partition"],
         "alpha": float(alpha),
-        "seed": v["partition-seed"],
+        "seed": v["seed"],
     }
 
 
 def data_settings_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> dict[str, Any]:
     """Keyword arguments for :func:`shuffledp.clients.data.load_partition`: ``dataset`` ("digits" | "mnist"),
     ``data-dir`` (a folder; "" = none), ``pca-components`` (10; 0 = none), ``partition`` ("iid" | "dirichlet"),
-    ``dirichlet-alpha`` (0.5), ``partition-seed`` (0), each optional.
+    ``dirichlet-alpha`` (0.5), ``seed`` (0), each optional.
 
     Deployment (``eps0`` in node_config, as for :func:`pinned_from_configs`): from the node config. Which files
     on the device are read, and which of their records, is the device's choice: a server that chose

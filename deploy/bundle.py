@@ -54,7 +54,7 @@ def device_data_settings(values: Mapping[str, object] | None) -> dict[str, objec
 
     Args:
         values: overrides of shuffledp.clients.settings.DATA_SETTINGS_DEFAULTS (``dataset``, ``data-dir``,
-            ``pca-components``, ``partition``, ``dirichlet-alpha``, ``partition-seed``); other keys are ignored.
+            ``pca-components``, ``partition``, ``dirichlet-alpha``, ``seed``); other keys are ignored.
 
     Returns:
         The defaults overridden by the data keys of ``values``, checked as the ClientApp checks them

@@ -118,7 +118,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--pca-components", type=int, default=None, help="PCA components (default 10; 0 = none)")
     b.add_argument("--partition", default=None, help="iid (default) | dirichlet: this device's share of the data")
     b.add_argument("--dirichlet-alpha", type=float, default=None, help="Dirichlet concentration (default 0.5)")
-    b.add_argument("--partition-seed", type=int, default=None, help="seed of the partition (default 0)")
+    b.add_argument("--seed", type=int, default=None,
+                   help="seed of the data splits and the partition (default 0; must equal the run's)")
     b.add_argument("--prefix", default=None,
                    help="where the bundle will be on the device (default: --out; /device for the client image)")
 
@@ -214,7 +215,7 @@ def _bundle(args: argparse.Namespace) -> int:
         "data": {key: value for key, value in (
             ("dataset", args.dataset), ("data-dir", args.data_dir), ("pca-components", args.pca_components),
             ("partition", args.partition), ("dirichlet-alpha", args.dirichlet_alpha),
-            ("partition-seed", args.partition_seed)) if value is not None}}
+            ("seed", args.seed)) if value is not None}}
     device_flags = {"--nodes": args.nodes, "--superlink-ca": args.superlink_ca,
                     "--server-public-key": args.server_public_key, "--shuffler-public-key": args.shuffler_public_key}
     if args.keys is not None:

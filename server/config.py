@@ -38,7 +38,7 @@ __all__ = [
 REPORT_MODES = ("gradient", "delta")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 MODELS = ("logreg", "mlp")
-DATASETS = ("digits", "mnist")
+DATASETS = ("digits", "mnist5k", "mnist")
 PARTITIONS = ("iid", "dirichlet")
 
 #: The defaults, identical to ``[tool.flwr.app.config]`` in pyproject.toml (a test checks they agree).
@@ -64,7 +64,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "server-momentum": 0.9,
     "model": "logreg",
     "hidden-units": 64,
-    **DATA_SETTINGS_DEFAULTS,  # dataset, data-dir, pca-components, partition, dirichlet-alpha, partition-seed
+    **DATA_SETTINGS_DEFAULTS,  # dataset, data-dir, pca-components, partition, dirichlet-alpha, seed
     "target-delta": 1e-6,
     "budget-epsilon": 10.0,
     "accounting-family": "clones",
@@ -127,7 +127,7 @@ class ServerConfig:
     pca_components: int
     partition: str
     dirichlet_alpha: float
-    partition_seed: int
+    seed: int
     target_delta: float
     budget_epsilon: float
     accounting_family: str
@@ -327,7 +327,7 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         pca_components=_int(raw, "pca-components", minimum=0),
         partition=_str(raw, "partition", choices=PARTITIONS),
         dirichlet_alpha=_float(raw, "dirichlet-alpha", low=0.0),
-        partition_seed=_int(raw, "partition-seed", minimum=0),
+        seed=_int(raw, "seed", minimum=0),
         target_delta=_float(raw, "target-delta", low=0.0, high=1.0, high_inclusive=False),
         budget_epsilon=_float(raw, "budget-epsilon", low=0.0, allow_inf=True),
         accounting_family=family,

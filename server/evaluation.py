@@ -35,14 +35,16 @@ class CentralEvaluator:
         self.cfg = cfg
         pca = cfg.pca_components if cfg.pca_components > 0 else None
         self.dataset = load_data(cfg.dataset, data_dir=cfg.data_dir or None, pca_components=pca,
-                                 seed=cfg.partition_seed)
+                                 seed=cfg.seed)
 
     def initial_arrays(self) -> list[np.ndarray]:
-        """The round-1 model: ``shuffledp.clients.models.initial_arrays`` for the configured model and data shape."""
+        """The round-1 model: ``shuffledp.clients.models.initial_arrays`` for the configured model and data shape,
+        initialised with the run's ``seed``."""
         from shuffledp.clients.models import initial_arrays
 
         ds = self.dataset
-        return initial_arrays(self.cfg.model, ds.n_features, ds.n_classes, hidden=self.cfg.hidden_units)
+        return initial_arrays(self.cfg.model, ds.n_features, ds.n_classes, hidden=self.cfg.hidden_units,
+                              seed=self.cfg.seed)
 
     def evaluate(self, arrays: Sequence[np.ndarray]) -> tuple[float, float]:
         """Mean cross-entropy and accuracy on the test split (reported only)."""

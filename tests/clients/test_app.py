@@ -277,7 +277,7 @@ def test_pinned_settings_resolution_errors(keys) -> None:
     assert data_settings_from_configs(node, {"pca-components": 0})["pca_components"] is None
     for key, bad in (("dataset", 3), ("data-dir", 1.0), ("pca-components", 2.5), ("pca-components", -1),
                      ("pca-components", True), ("partition", "zipf"), ("dirichlet-alpha", 0.0),
-                     ("dirichlet-alpha", float("nan")), ("dirichlet-alpha", "0.5"), ("partition-seed", -3)):
+                     ("dirichlet-alpha", float("nan")), ("dirichlet-alpha", "0.5"), ("seed", -3)):
         with pytest.raises(ClientSetupError, match=f"run_config\\['{key}'\\] must be"):
             data_settings_from_configs(node, {key: bad})
 
@@ -304,10 +304,10 @@ def test_deployment_reads_the_data_its_node_config_names_not_the_servers(keys, m
 
     monkeypatch.setattr(shuffledp.clients.data, "load_partition", recording)
     (tmp_path / "MNIST" / "raw").mkdir(parents=True)  # a server-chosen folder holding a dataset
-    node = _deployment_node(keys, **{"pca-components": 0, "data-dir": "/device/data", "partition-seed": 3})
+    node = _deployment_node(keys, **{"pca-components": 0, "data-dir": "/device/data", "seed": 3})
     # the run names the device's dataset and PCA, and its own data-dir and partition: a report, read as pinned
     run = {"pca-components": 0, "dataset": "digits", "data-dir": str(tmp_path), "partition": "dirichlet",
-           "partition-seed": 11}
+           "seed": 11}
     r = train_shuffled(_msg(model, _cfg(1)), Context(run_id=1, node_id=7, node_config=node, state=RecordDict(),
                                                      run_config=run))
     assert not r.has_error(), r.error

@@ -68,16 +68,16 @@ def test_devices_pin_their_data_settings(tmp_path: Path, shuffledp_app: Callable
     plain = tomllib.loads((create_device_bundle(keys, 0, tmp_path / "b0", eps0=1.0, clip_l1=1.0)
                            / "node-config.toml").read_text())
     assert {k: plain[k] for k in ("dataset", "data-dir", "pca-components", "partition", "dirichlet-alpha",
-                                  "partition-seed")} == {"dataset": "digits", "data-dir": "", "pca-components": 10,
+                                  "seed")} == {"dataset": "digits", "data-dir": "", "pca-components": 10,
                                                          "partition": "iid", "dirichlet-alpha": 0.5,
-                                                         "partition-seed": 0}
+                                                         "seed": 0}
     assert deploy_cli.main(["deploy", "bundle", "--keys", str(keys.root), "--node", "1", "--out", str(tmp_path / "b1"),
                     "--eps0", "1", "--clip-l1", "1", "--dataset", "mnist", "--data-dir", "/device/data",
                     "--pca-components", "0", "--partition", "dirichlet", "--dirichlet-alpha", "0.3",
-                    "--partition-seed", "7"]) == 0
+                    "--seed", "7"]) == 0
     conf = tomllib.loads((tmp_path / "b1" / "node-config.toml").read_text())
     # what the device's ClientApp reads, whatever the server's run config says about data-dir or partitions
-    assert data_settings_from_configs(conf, {"data-dir": "/srv", "partition-seed": 0, "dataset": "mnist"}) == {
+    assert data_settings_from_configs(conf, {"data-dir": "/srv", "seed": 0, "dataset": "mnist"}) == {
         "dataset": "mnist", "data_dir": "/device/data", "pca_components": None, "scheme": "dirichlet",
         "alpha": 0.3, "seed": 7}
     for flags, data in ((["--pca-components", "-1"], {"pca-components": -1}),
@@ -92,11 +92,11 @@ def test_devices_pin_their_data_settings(tmp_path: Path, shuffledp_app: Callable
     with pytest.raises(DeployError, match="dataset 'mnist' needs 'data-dir'"):  # else it fails on the device
         create_device_bundle(keys, 0, tmp_path / "bad", eps0=1.0, clip_l1=1.0, data={"dataset": "mnist"})
     # deploy local: the app's run-config defaults with --run-config on top, the same for every node
-    app = shuffledp_app(tmp_path / "app", 'dataset = "digits"\npca-components = 20\npartition-seed = 4\n')
+    app = shuffledp_app(tmp_path / "app", 'dataset = "digits"\npca-components = 20\nseed = 4\n')
     local = LocalDeployment(app_dir=app, run_config={"pca-components": 0, "local-epochs": 2})
     local.validate()
     data = local.data_settings()
-    assert (data["pca-components"], data["partition-seed"], data["dataset"]) == (0, 4, "digits")
+    assert (data["pca-components"], data["seed"], data["dataset"]) == (0, 4, "digits")
     assert node_config(keys, 1, 2, eps0=1.0, clip_l1=1.0, data=data)["pca-components"] == 0
     with pytest.raises(DeployError, match="pca-components"):
         LocalDeployment(app_dir=app, run_config={"pca-components": "many"}).validate()

@@ -29,10 +29,10 @@ def test_node_config_file_round_trips_through_toml(tmp_path: Path) -> None:
     loaded = tomllib.loads(path.read_text())
     assert loaded == conf
     assert Path(loaded["client-key"]).is_file() and " " in loaded["client-key"]
-    assert set(conf) == {"partition-id", "num-partitions", "eps0", "clip-l1", "reply-floor", "max-local-epochs",
-                         "min-batch-size", "max-model-parameters", "client-key", "server-public-key",
-                         "shuffler-public-key", "dataset", "data-dir", "pca-components", "partition",
-                         "dirichlet-alpha", "partition-seed"}
+    assert set(conf) == {"partition-id", "num-partitions", "eps0", "mechanism", "clip-l1", "reply-floor",
+                         "max-local-epochs", "min-batch-size", "max-model-parameters", "client-key",
+                         "server-public-key", "shuffler-public-key", "dataset", "data-dir", "pca-components",
+                         "partition", "dirichlet-alpha", "seed"}
     flwr_conf = tomllib.loads(write_flower_config(tmp_path / "home", "127.0.0.1:9", keys.superlink_ca_cert)
                               .read_text())
     conn = flwr_conf["superlink"][CONNECTION_NAME]
