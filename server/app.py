@@ -53,5 +53,6 @@ def main(grid: Grid, context: Context) -> None:
         loss, accuracy = central.evaluate(arrays.to_numpy_ndarrays())
         return MetricRecord({"loss": float(loss), "accuracy": float(accuracy)})
 
-    strategy = ShuffleStrategy(config, run_id=int(context.run_id))
+    strategy = ShuffleStrategy(config, run_id=int(context.run_id),
+                               report_sections={"data": central.dataset.describe_splits()})
     strategy.start(grid=grid, initial_arrays=ArrayRecord(central.initial_arrays()), evaluate_fn=evaluate)

@@ -335,8 +335,10 @@ def _accounting_summary(engine: RoundEngine) -> dict[str, Any]:
     return summary
 
 
-def write_outputs(engine: RoundEngine, paths: RunPaths, *, plot: bool = True, finished: bool = False) -> dict[str, Any]:
-    """Write report.json (and the PNG) from the engine's history; return the report document."""
+def write_outputs(engine: RoundEngine, paths: RunPaths, *, plot: bool = True, finished: bool = False,
+                  sections: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Write report.json (and the PNG) from the engine's history, with the app's ``sections``; return the report
+    document."""
     skipped = [
         {"round": o.round, "reason": o.reason, "n_sampled": o.n_sampled, "n_envelopes": o.n_envelopes,
          "n_reports": o.n_reports}
@@ -347,7 +349,7 @@ def write_outputs(engine: RoundEngine, paths: RunPaths, *, plot: bool = True, fi
     rows = engine.report_rows()
     document = report_document(config=engine.cfg.as_dict(), rounds=rows, skipped=skipped, stopped=stopped,
                                accounting=_accounting_summary(engine), finished=finished,
-                               budget_changes=engine.budget_changes)
+                               budget_changes=engine.budget_changes, sections=sections)
     write_report(paths.report, document)
     if plot and rows:
         write_plot(paths.plot, rows, title=f"{paths.out_dir.name}: eps0={engine.cfg.eps0:g}, "
@@ -370,6 +372,7 @@ def run_job(
     array_names: Sequence[str] | None = None,
     train_config: Mapping[str, Any] | None = None,
     on_round_started: Callable[[int], None] | None = None,
+    report_sections: Mapping[str, Any] | None = None,
 ) -> JobResult:
     """Run (or resume) the job described by ``cfg`` on ``grid`` and write its outputs.
 
@@ -388,6 +391,7 @@ def run_job(
         array_names, train_config, on_round_started: passed to :class:`RoundEngine` (the names of the model's
             arrays in the train messages, more entries for the clients' train config, a callback before each
             round).
+        report_sections: more top-level sections of report.json (e.g. ``"data"``: what each split did).
 
     Returns:
         the run's :class:`JobResult` (paths, history, stop, final epsilon, report.json's document, final model).
@@ -439,7 +443,8 @@ def run_job(
 
                 def on_round(outcome: RoundOutcome) -> None:
                     say(format_progress(outcome))
-                    write_outputs(holder[0], paths, plot=False)  # a partial report survives a killed run
+                    # a partial report survives a killed run
+                    write_outputs(holder[0], paths, plot=False, sections=report_sections)
 
                 engine = RoundEngine(
                     cfg,
@@ -463,7 +468,7 @@ def run_job(
                     say(f"[shuffledp] resuming {paths.out_dir} at round {first} "
                         f"({len(engine.accountant.rounds)} rounds already charged)")
                 engine.run(start_round=first)
-                report = write_outputs(engine, paths, plot=plot, finished=True)
+                report = write_outputs(engine, paths, plot=plot, finished=True, sections=report_sections)
         finally:
             store.close()
             ledger.close()

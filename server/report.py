@@ -9,7 +9,9 @@
      "accounting": {"family", "kind": "upper", "target_delta", "epsilon", "comparison": {family: ...}},
      "finished": true once the run has ended (finished its rounds or stopped at the budget),
      "budget_changes": [{"after_round", "from", "to"}, ...]: each resume that changed budget-epsilon,
-     "versions": {"shuffledp", "dp-accounting", "numpy", "scipy"}: the installed versions that wrote the report}
+     "versions": {"shuffledp", "dp-accounting", "numpy", "scipy"}: the installed versions that wrote the report,
+     ...sections the app adds: the project's own app writes "data" (what each split of the dataset did: train,
+     public, test, and the seed) and, for a run planned from a target epsilon, "plan"}
 
 ``skipped`` also lists the rounds ``abandoned`` in a crash or failure before their charge (their ids were used,
 nothing was released). ``rounds`` holds the charged rounds only; ``epsilon`` is cumulative, for the default family
@@ -88,6 +90,7 @@ def report_document(
     finished: bool = False,
     budget_changes: Sequence[Mapping[str, Any]] = (),
     versions: Mapping[str, str] | None = None,
+    sections: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the ``report.json`` document.
 
@@ -103,11 +106,13 @@ def report_document(
         budget_changes: each resume that changed budget-epsilon.
         versions: distribution -> version of shuffledp and the accounting libraries; None reads the installed
             ones (:func:`shuffledp.accounting.versions.library_versions`).
+        sections: more top-level sections from the app (e.g. ``"data"``); a name the document already has is
+            refused with ValueError.
 
     Returns:
         The document, with the keys listed in the module docstring.
     """
-    return {
+    document = {
         "finished": bool(finished),
         "config": dict(config),
         "rounds": [dict(r) for r in rounds],
@@ -117,6 +122,11 @@ def report_document(
         "budget_changes": [dict(c) for c in budget_changes],
         "versions": library_versions() if versions is None else dict(versions),
     }
+    for name, value in (sections or {}).items():
+        if name in document:
+            raise ValueError(f"report section {name!r} would replace the report's own {name!r}")
+        document[name] = value
+    return document
 
 
 def write_report(path: str | os.PathLike[str], document: Mapping[str, Any]) -> Path:

@@ -82,6 +82,8 @@ class ShuffleStrategy(Strategy):
         base: directory relative paths in the config resolve against (default: the working directory).
         progress: where the per-round progress lines go (default: stdout).
         plot: also write ``accuracy_epsilon.png`` next to ``report.json``.
+        report_sections: more top-level sections of report.json, e.g. ``{"data": ...}`` saying what each split of
+            your dataset did (which one the test metrics come from, which one anything was fitted on).
     """
 
     def __init__(
@@ -93,7 +95,9 @@ class ShuffleStrategy(Strategy):
         base: Path | None = None,
         progress: Callable[[str], None] | None = None,
         plot: bool = True,
+        report_sections: Mapping[str, Any] | None = None,
     ) -> None:
+        self.report_sections = dict(report_sections or {})
         self.config = config if isinstance(config, ServerConfig) else parse_run_config(config, allow_unknown=True)
         self.run_id = int(run_id)
         self.node_wait = float(node_wait)
@@ -205,7 +209,8 @@ class ShuffleStrategy(Strategy):
         self.summary()
         job = run_job(cfg, grid, run_id=self.run_id, evaluator=evaluator, initial_arrays=arrays,
                       array_names=names, train_config=dict(train_config or {}), node_wait=self.node_wait,
-                      base=self.base, progress=self.progress, plot=self.plot, on_round_started=on_round_started)
+                      base=self.base, progress=self.progress, plot=self.plot, on_round_started=on_round_started,
+                      report_sections=self.report_sections)
         self.job = job
         served: dict[int, MetricRecord] = {}
         for outcome in job.history:

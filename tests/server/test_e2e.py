@@ -64,6 +64,10 @@ def test_shuffledp_run_end_to_end(tmp_path: Path) -> None:
     assert all(r["n_reports"] == 20 for r in report["rounds"]), seen  # every simulated client's envelope attested
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in report["rounds"])
     assert report["rounds"][0]["epsilon"] < report["rounds"][1]["epsilon"]
+    # what each split did: the test accuracy above comes from a split nothing was fitted on
+    assert {k: v["samples"] for k, v in report["data"].items() if k != "seed"} == {"train": 1437, "public": 180,
+                                                                                   "test": 180}
+    assert "fitted" in report["data"]["public"]["use"] and report["data"]["seed"]["value"] == 0
     with Ledger(out_dir / "ledger.sqlite", create=False) as ledger:
         assert [(r["round"], r["n_reports"]) for r in ledger.rows()] == [(1, 20), (2, 20)]
     assert (out_dir / "accuracy_epsilon.png").stat().st_size > 1000

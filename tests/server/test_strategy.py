@@ -41,7 +41,8 @@ def test_start_runs_the_shuffled_rounds_and_returns_a_flower_result(tmp_path: Pa
         loss, accuracy = kit.digits_evaluator(arrays.to_numpy_ndarrays())
         return MetricRecord({"loss": loss, "accuracy": accuracy, "calls": len(calls)})
 
-    strategy = ShuffleStrategy(cfg, node_wait=0.0, progress=lambda line: None, plot=False)
+    strategy = ShuffleStrategy(cfg, node_wait=0.0, progress=lambda line: None, plot=False,
+                               report_sections={"data": {"test": "the app's own held-out images"}})
     assert isinstance(strategy, Strategy)
     initial = _named(kit.model_arrays())
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=2, evaluate_fn=evaluate_fn,
@@ -59,6 +60,7 @@ def test_start_runs_the_shuffled_rounds_and_returns_a_flower_result(tmp_path: Pa
     assert [c[0] for c in calls] == [1, 2]
     report = json.loads((tmp_path / "outputs" / "t" / "report.json").read_text())
     assert [r["round"] for r in report["rounds"]] == [1, 2]
+    assert report["data"] == {"test": "the app's own held-out images"}  # the app's own report section
     assert sorted(result.evaluate_metrics_serverapp) == [1, 2]
     for row in report["rounds"]:
         metrics = result.evaluate_metrics_serverapp[row["round"]]
@@ -160,3 +162,11 @@ def test_a_simulation_without_keys_dir_creates_the_runs_keys_and_lowers_k(tmp_pa
     again = run_job(cfg2, grid, run_id=77, node_wait=0.5, simulation=True, progress=lines.append, plot=False,
                     evaluator=kit.digits_evaluator, initial_arrays=kit.model_arrays())
     assert [h.round for h in again.history] == [1, 2]
+
+
+def test_a_report_section_may_not_replace_the_reports_own() -> None:
+    from shuffledp.server.report import report_document
+
+    assert report_document(config={}, rounds=[], versions={}, sections={"data": 1})["data"] == 1
+    with pytest.raises(ValueError, match="would replace the report's own 'rounds'"):
+        report_document(config={}, rounds=[], versions={}, sections={"rounds": []})
