@@ -10,14 +10,18 @@ ClientApps (the simulation process and its workers share it).
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_folder", "simulation_keys_dir", "KEYS_SUBDIR"]
+__all__ = ["run_folder", "simulation_keys_dir", "planned_eps0", "KEYS_SUBDIR", "PLAN_FILE"]
 
 #: The key directory's name inside the run folder when the run config does not name one.
 KEYS_SUBDIR = "keys"
+#: The plan of a run planned from a target epsilon, in its run folder (written by the ServerApp before round 1).
+PLAN_FILE = "plan.json"
 
 
 def _resolved(value: str, base: Path | None) -> Path:
@@ -53,3 +57,33 @@ def simulation_keys_dir(run_config: Mapping[str, Any], run_id: int, *, base: Pat
     folder = run_folder(str(run_config.get("output-dir", "outputs") or "outputs"),
                         str(run_config.get("run-name", "") or ""), run_id, base=base)
     return folder / KEYS_SUBDIR, True
+
+
+def planned_eps0(run_config: Mapping[str, Any], run_id: int, *, base: Path | None = None) -> float:
+    """Return the eps0 the ServerApp planned for this simulation run from its ``target-epsilon``.
+
+    The ServerApp calibrates eps0 before the first round and writes it to ``<run folder>/plan.json``; a simulated
+    client pins that value (the same trust shortcut as the simulation's shared key directory). The plan must be
+    for this run config's target epsilon.
+
+    Raises:
+        ValueError: no plan yet, a plan for another target, or an eps0 that is not a finite number > 0.
+    """
+    folder = run_folder(str(run_config.get("output-dir", "outputs") or "outputs"),
+                        str(run_config.get("run-name", "") or ""), run_id, base=base)
+    path = folder / PLAN_FILE
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"run config 'target-epsilon' is set but {path} does not exist yet: the ServerApp writes "
+                         "it before the first round") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the run's plan {path}: {exc}") from None
+    target = run_config.get("target-epsilon")
+    planned_for = plan.get("target_epsilon") if isinstance(plan, dict) else None
+    if planned_for != target:
+        raise ValueError(f"the plan {path} is for target epsilon {planned_for!r}, this run config's is {target!r}")
+    eps0 = plan.get("eps0")
+    if isinstance(eps0, bool) or not isinstance(eps0, (int, float)) or not math.isfinite(eps0) or eps0 <= 0:
+        raise ValueError(f"the plan {path} has no usable eps0 (a finite number > 0), got {eps0!r}")
+    return float(eps0)

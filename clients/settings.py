@@ -251,7 +251,9 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
     ``min-batch-size`` and ``max-model-parameters``.
     Simulation: run_config supplies ``eps0``, ``clip-l1``, ``mechanism``, ``clip-l2``, ``keys-dir`` (client i uses
     ``keys-dir/clients/client-<i>.key`` and ``keys-dir/public/*``) and optionally the same five; node_config supplies
-    ``partition-id`` and ``num-partitions`` (Flower's simulation engine sets them). An empty ``keys-dir`` means the
+    ``partition-id`` and ``num-partitions`` (Flower's simulation engine sets them); with ``target-epsilon`` > 0 the
+    pinned eps0 is the one the ServerApp planned for the run (:func:`shuffledp.clients.run_paths.planned_eps0`,
+    ``<run folder>/plan.json``), not the run config's. An empty ``keys-dir`` means the
     run's own key directory, which the ServerApp creates in the run folder (``run_id`` names it:
     :func:`shuffledp.clients.run_paths.simulation_keys_dir`). Values are checked by :class:`PinnedSettings`.
     """
@@ -293,8 +295,17 @@ def pinned_from_configs(node_config: Mapping[str, Any], run_config: Mapping[str,
             f"{', '.join(m for m in MECHANISMS if m not in RESEARCH_ONLY)}"
         )
     l2 = mechanism in L2_MECHANISMS
+    eps0 = _num(src, "eps0", where)
+    target = src.get("target-epsilon", 0.0) if where == "run_config" else 0.0
+    if target:  # a simulation planned from a target epsilon: the eps0 the ServerApp calibrated for this run
+        from shuffledp.clients.run_paths import planned_eps0
+
+        try:
+            eps0 = planned_eps0(run_config, 0 if run_id is None else run_id)
+        except ValueError as exc:
+            raise ClientSetupError(str(exc)) from None
     return PinnedSettings(
-        eps0=_num(src, "eps0", where),
+        eps0=eps0,
         # the L2 mechanisms do not use clip-l1 (nor compare it): 1.0 stands in when it is not pinned
         clip_l1=_num(src, "clip-l1", where) if not l2 or "clip-l1" in src else 1.0,
         clip_l2=_num(src, "clip-l2", where) if l2 or "clip-l2" in src else None,

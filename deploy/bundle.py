@@ -190,7 +190,8 @@ def create_device_bundle(keys: DeployKeys, node: int, out: str | os.PathLike[str
 
 def node_config(keys: DeployKeys, partition_id: int, num_partitions: int, *, eps0: float,
                 clip_l1: float, reply_floor: float = 0.0,
-                data: Mapping[str, object] | None = None) -> dict[str, object]:
+                data: Mapping[str, object] | None = None, mechanism: str = "laplace",
+                clip_l2: float | None = None) -> dict[str, object]:
     """The node config one SuperNode of ``deploy local`` runs with.
 
     Returns:
@@ -198,7 +199,7 @@ def node_config(keys: DeployKeys, partition_id: int, num_partitions: int, *, eps
         ``keys``.
     """
     return device_node_config(partition_id, num_partitions, eps0=eps0, clip_l1=clip_l1, reply_floor=reply_floor,
-                              data=data, key_paths={
+                              data=data, mechanism=mechanism, clip_l2=clip_l2, key_paths={
                                   "client-key": str(keys.client_key(partition_id).resolve()),
                                   "server-public-key": str(keys.server_public_key.resolve()),
                                   "shuffler-public-key": str(keys.shuffler_public_key.resolve())})

@@ -100,8 +100,14 @@ def parser() -> argparse.ArgumentParser:
                    help="the server operator's public/server_hpke.pub (with --device)")
     b.add_argument("--shuffler-public-key", type=Path, default=None,
                    help="the shuffler operator's public/shuffler_hpke.pub (with --device)")
-    b.add_argument("--eps0", required=True, type=float, help="eps0 the device pins (it refuses any other)")
-    b.add_argument("--clip-l1", required=True, type=float, help="L1 clip C the device pins")
+    b.add_argument("--eps0", type=float, default=None, help="eps0 the device pins (it refuses any other)")
+    b.add_argument("--calibration", type=Path, default=None, metavar="FILE.json",
+                   help="pin the eps0 of a plan: the output of `shuffledp account calibrate --json` (an upper-bound "
+                        "family's); instead of --eps0")
+    b.add_argument("--mechanism", default="laplace",
+                   help="the local randomizer the device pins: laplace (default, L1 clip) | duchi (L2 clip)")
+    b.add_argument("--clip-l1", type=float, default=None, help="L1 clip C the device pins (laplace)")
+    b.add_argument("--clip-l2", type=float, default=None, help="L2 clip C the device pins (duchi)")
     b.add_argument("--reply-floor", type=float, default=0.0,
                    help="seconds before which the device sends no reply, so the reply time does not reveal how "
                         "long its local work took (set it above the slowest round's work); 0 = off")
@@ -137,6 +143,9 @@ def parser() -> argparse.ArgumentParser:
     loc.add_argument("--app", type=Path, default=None, help="the Flower app directory (default: this project)")
     loc.add_argument("--eps0", type=float, default=4.0, help="eps0 pinned on every SuperNode")
     loc.add_argument("--clip-l1", type=float, default=1.0, help="L1 clip C pinned on every SuperNode")
+    loc.add_argument("--mechanism", default="laplace", help="the local randomizer every SuperNode pins: laplace "
+                                                             "(default) | duchi (with --clip-l2)")
+    loc.add_argument("--clip-l2", type=float, default=None, help="L2 clip C pinned on every SuperNode (duchi)")
     loc.add_argument("--min-reports", type=int, default=None, help="k: smallest batch shuffled (default: --nodes)")
     loc.add_argument("--reply-timeout", type=float, default=300.0, help="seconds the server waits for replies")
     loc.add_argument("--reply-floor", type=float, default=0.0,
@@ -207,9 +216,36 @@ def _check(root: Path) -> int:
     return 1 if problems else 0
 
 
+def _calibrated_eps0(path: Path) -> float:
+    """The eps0 of ``shuffledp account calibrate --json`` output; DeployUsageError unless it is a certified one (an
+    upper-bound family's eps0 for a finite target)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DeployUsageError(f"--calibration {path}: not a readable JSON file ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("quantity") != "eps0":
+        raise DeployUsageError(f"--calibration {path}: not the output of `shuffledp account calibrate --json` (no "
+                               "\"quantity\": \"eps0\")")
+    if doc.get("kind") != "upper":
+        raise DeployUsageError(f"--calibration {path}: calibrated with {doc.get('bound')!r}, a family of kind "
+                               f"{doc.get('kind')!r}; a device pins only a certified eps0 (calibrate with an "
+                               "upper-bound family such as clones)")
+    value = doc.get("value")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise DeployUsageError(f"--calibration {path}: eps0 must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def _bundle(args: argparse.Namespace) -> int:
     """``deploy bundle``: from a one-directory layout (``--keys``), or a device's own directory (``--device``)."""
+    if (args.eps0 is None) == (args.calibration is None):
+        raise DeployUsageError("bundle needs the eps0 the device pins: --eps0 E, or --calibration FILE.json (from "
+                               "`shuffledp account calibrate --json`), not both")
+    eps0 = args.eps0 if args.calibration is None else _calibrated_eps0(args.calibration)
+    if args.mechanism == "laplace" and args.clip_l1 is None:
+        raise DeployUsageError("bundle with --mechanism laplace needs --clip-l1 (the L1 clip the device pins)")
     limits_and_data: dict[str, Any] = {
+        "mechanism": args.mechanism, "clip_l2": args.clip_l2,
         "reply_floor": args.reply_floor, "max_local_epochs": args.max_local_epochs,
         "min_batch_size": args.min_batch_size, "max_model_parameters": args.max_model_parameters,
         "data": {key: value for key, value in (
@@ -224,8 +260,9 @@ def _bundle(args: argparse.Namespace) -> int:
             raise DeployUsageError("bundle --keys needs --node and --out" + (
                 f", and takes no {', '.join(wrong)} (those complete a device's own directory, with --device)"
                 if wrong else ""))
-        dest = create_device_bundle(DeployKeys(args.keys), args.node, args.out, eps0=args.eps0,
-                                    clip_l1=args.clip_l1, prefix=args.prefix, **limits_and_data)
+        dest = create_device_bundle(DeployKeys(args.keys), args.node, args.out, eps0=eps0,
+                                    clip_l1=1.0 if args.clip_l1 is None else args.clip_l1, prefix=args.prefix,
+                                    **limits_and_data)
         start = f"wrote the bundle of device {args.node} to {dest}; copy it to the device and start it with"
     else:
         missing = [flag for flag, value in device_flags.items() if value is None]
@@ -235,8 +272,9 @@ def _bundle(args: argparse.Namespace) -> int:
                               + " and takes no --node or --out (the node is in the directory's deploy.json)")
         dest = party_keys.complete_device_bundle(args.device, nodes=args.nodes, superlink_ca=args.superlink_ca,
                                       server_public_key=args.server_public_key,
-                                      shuffler_public_key=args.shuffler_public_key, eps0=args.eps0,
-                                      clip_l1=args.clip_l1, prefix=args.prefix, **limits_and_data)
+                                      shuffler_public_key=args.shuffler_public_key, eps0=eps0,
+                                      clip_l1=1.0 if args.clip_l1 is None else args.clip_l1, prefix=args.prefix,
+                                      **limits_and_data)
         start = f"completed the device's bundle {dest}; start it with"
     print(start)
     print("  flower-supernode --superlink <superlink-host>:8000 --root-certificates <dir>/superlink-ca.crt "
@@ -306,6 +344,7 @@ def main(argv: Sequence[str]) -> int:
             raise DeployUsageError(f"deploy local {problem}")
         cfg = LocalDeployment(nodes=args.nodes, rounds=args.rounds, workdir=args.workdir, keys_dir=args.keys,
                               app_dir=args.app, eps0=args.eps0, clip_l1=args.clip_l1,
+                              mechanism=args.mechanism, clip_l2=args.clip_l2,
                               min_reports=args.min_reports, reply_timeout=args.reply_timeout,
                               reply_floor=args.reply_floor, timeout=args.timeout,
                               run_config=parse_run_config_args(args.run_config), isolation=args.isolation)

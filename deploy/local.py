@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from shuffledp.deploy.bundle import device_data_settings, node_config
+from shuffledp.deploy.bundle import KEY_PATH_NAMES, device_data_settings, device_node_config, node_config
 from shuffledp.deploy.errors import DeployError, DeployUsageError
 from shuffledp.deploy.flower import (
     CONNECTION_NAME,
@@ -65,6 +65,9 @@ OWNED_RUN_CONFIG: dict[str, str] = {
     "reply-timeout": "use --reply-timeout",
     "eps0": "use --eps0",
     "clip-l1": "use --clip-l1",
+    "mechanism": "use --mechanism",
+    "clip-l2": "use --clip-l2",
+    "target-epsilon": "the nodes pin eps0: plan it with `shuffledp account calibrate` and pass --eps0",
     "fraction": "every node takes part",
     "key-epoch": "the keys' manifest says it",
     **{key: "the deployment wires it up" for key in (
@@ -84,6 +87,8 @@ class LocalDeployment:
     app_dir: Path | None = None
     eps0: float = 4.0
     clip_l1: float = 1.0
+    mechanism: str = "laplace"
+    clip_l2: float | None = None
     min_reports: int | None = None
     reply_timeout: float = 300.0
     reply_floor: float = 0.0
@@ -107,6 +112,9 @@ class LocalDeployment:
                                    f"({self.reply_timeout:g} s)")
         if self.min_reports is not None:
             check_int("--min-reports", self.min_reports, 1, self.nodes)
+        # what every SuperNode will pin: the same checks as a device's bundle (mechanism, research-only, clips)
+        device_node_config(0, 1, eps0=self.eps0, clip_l1=self.clip_l1, mechanism=self.mechanism,
+                           clip_l2=self.clip_l2, key_paths=dict.fromkeys(KEY_PATH_NAMES, ""))
         check_isolation("--isolation", self.isolation)
         app = self.app()
         for flag, directory, holds in (("--workdir", self.workdir, "key paths, the enrolment file"),
@@ -301,7 +309,8 @@ def _start_services(run: _Run) -> None:
     data = cfg.data_settings()  # what every SuperNode pins (the devices read their data as their config says)
     confs = [write_toml(work / "supernodes" / f"node-{i}" / "node-config.toml",
                         node_config(run.keys, i, cfg.nodes, eps0=cfg.eps0, clip_l1=cfg.clip_l1,
-                                    reply_floor=cfg.reply_floor, data=data))
+                                    reply_floor=cfg.reply_floor, data=data, mechanism=cfg.mechanism,
+                                    clip_l2=cfg.clip_l2))
              for i in range(cfg.nodes)]
     start_supernodes(run.group, run.keys, run.address, confs, work / "supernodes", run.base_env, logs,
                      host=run.host)
@@ -323,6 +332,8 @@ def _submit(run: _Run) -> None:
         "reply-timeout": float(cfg.reply_timeout),
         "eps0": float(cfg.eps0),
         "clip-l1": float(cfg.clip_l1),
+        "mechanism": cfg.mechanism,
+        **({} if cfg.clip_l2 is None else {"clip-l2": float(cfg.clip_l2)}),
         "shuffler-address": run.shuffler.address,
         "shuffler-root-cert": str(keys.shuffler_ca_cert),
         "shuffler-client-cert": str(keys.serverapp_cert),

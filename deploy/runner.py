@@ -1,6 +1,7 @@
 """``shuffledp run`` and ``shuffledp resume``: the main job as one command.
 
-``shuffledp run [--rounds R] [--clients N] [--eps0 E] [--run-name NAME] [--output-dir DIR] [--run-config K=V ...]``
+``shuffledp run [--rounds R] [--clients N] [--eps0 E | --target-epsilon E] [--run-name NAME] [--output-dir DIR]
+[--run-config K=V ...]``
 
 1. creates ``<output-dir>/<run>/keys`` with fresh keys for the run (``shuffledp keys init``: shuffler, server and
    N client keys, the enrolment, mTLS certificates, the shuffler config with threshold k = min-reports);
@@ -276,6 +277,9 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None, help="number of rounds (run config num-server-rounds)")
     p.add_argument("--clients", type=int, default=1437, help="simulated clients (one partition each; default 1437)")
     p.add_argument("--eps0", type=float, default=None, help="local epsilon of each report")
+    p.add_argument("--target-epsilon", type=float, default=None,
+                   help="plan eps0 so that the run's rounds stay within this epsilon at target-delta (run config "
+                        "target-epsilon; the plan assumes min-reports reports per round)")
     p.add_argument("--run-name", default=None, help="name of outputs/<run> (default: run-<UTC time>)")
     p.add_argument("--output-dir", default="outputs", help="parent folder of the run's outputs (default outputs)")
     p.add_argument("--run-config", action="append", default=[], metavar="K=V",
@@ -296,12 +300,16 @@ def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
 
     ns = _run_parser().parse_args(list(argv))
     overrides = parse_run_config_args(ns.run_config)
-    for flag, key, value in (("--rounds", "num-server-rounds", ns.rounds), ("--eps0", "eps0", ns.eps0)):
+    for flag, key, value in (("--rounds", "num-server-rounds", ns.rounds), ("--eps0", "eps0", ns.eps0),
+                             ("--target-epsilon", "target-epsilon", ns.target_epsilon)):
         if value is None:
             continue
         if key in overrides:
             raise RunnerError(f"{flag} {value:g} and --run-config {key}={overrides[key]} both set {key}; give one")
         overrides[key] = value
+    if overrides.get("target-epsilon") and "eps0" in overrides:
+        raise RunnerError(f"both eps0 ({overrides['eps0']}) and target-epsilon ({overrides['target-epsilon']}) are "
+                          "given: a target plans eps0 itself; give one")
     if ns.clients < 1:
         raise RunnerError(f"--clients must be >= 1, got {ns.clients}")
     run_name = ns.run_name or overrides.get("run-name") or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
@@ -326,6 +334,14 @@ def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
             f"run config 'min-reports' ({cfg.min_reports}) is more than --clients ({ns.clients}): no round could "
             "ever have that many reports (the shuffler's threshold k is min-reports)"
         )
+    if cfg.target_epsilon > 0:  # plan now, so that a target no eps0 can meet is refused before anything starts
+        from shuffledp.server.plan import plan_from_target
+
+        try:
+            plan = plan_from_target(cfg)
+        except ConfigError as exc:
+            raise RunnerError(str(exc)) from None
+        sys.stdout.write(f"[shuffledp] {plan.describe()}\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     project = _app_dir(out_dir)
     from shuffledp.shuffler import cli as shuffler_cli

@@ -66,6 +66,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "hidden-units": 64,
     **DATA_SETTINGS_DEFAULTS,  # dataset, data-dir, pca-components, partition, dirichlet-alpha, seed
     "target-delta": 1e-6,
+    "target-epsilon": 0.0,
     "budget-epsilon": 10.0,
     "accounting-family": "clones",
     "comparison-families": "rr-lower,no-shuffle",
@@ -129,6 +130,7 @@ class ServerConfig:
     dirichlet_alpha: float
     seed: int
     target_delta: float
+    target_epsilon: float  # 0: eps0 is given; > 0: eps0 is planned from it before the first round (server/plan.py)
     budget_epsilon: float
     accounting_family: str
     comparison_families: tuple[str, ...]
@@ -329,6 +331,7 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         dirichlet_alpha=_float(raw, "dirichlet-alpha", low=0.0),
         seed=_int(raw, "seed", minimum=0),
         target_delta=_float(raw, "target-delta", low=0.0, high=1.0, high_inclusive=False),
+        target_epsilon=_float(raw, "target-epsilon", low=0.0, low_inclusive=True),
         budget_epsilon=_float(raw, "budget-epsilon", low=0.0, allow_inf=True),
         accounting_family=family,
         comparison_families=comparison,
@@ -359,6 +362,11 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         )
     if not config.output_dir.strip():
         raise ConfigError("run config 'output-dir' must be a non-empty path")
+    if config.target_epsilon > config.budget_epsilon:
+        raise ConfigError(
+            f"run config 'target-epsilon' ({config.target_epsilon:g}) is above 'budget-epsilon' "
+            f"({config.budget_epsilon:g}): the plan would spend more than the budget allows; lower the target or "
+            "raise the budget")
     from shuffledp.clients.mechanism import make_mechanism
 
     clip_key = "clip-l2" if config.mechanism in L2_MECHANISMS else "clip-l1"

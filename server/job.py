@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from shuffledp.server.config import ConfigError, ServerConfig
+from shuffledp.server.plan import apply_plan
 from shuffledp.server.report import (
     PLOT_FILE,
     REPORT_FILE,
@@ -420,6 +421,9 @@ def run_job(
 
     with hold_run_lock(paths.out_dir):  # one server process per run: each would charge its own accountant
         cfg = ensure_simulation_keys(cfg, paths, grid, node_wait=node_wait, say=say)
+        cfg, plan = apply_plan(cfg, paths.out_dir, say)  # a target epsilon: eps0 planned before any round
+        if plan is not None:
+            report_sections = {**(report_sections or {}), "plan": plan.as_dict()}
         server_key = load_private_key(paths.keys_dir / "server" / "hpke.key", "x25519")
 
         def opener(inner: bytes, round_id: int) -> bytes:

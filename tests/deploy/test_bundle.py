@@ -103,3 +103,30 @@ def test_devices_pin_their_data_settings(tmp_path: Path, shuffledp_app: Callable
     (app / "pyproject.toml").write_text("[project]\nname = 'x'\n")
     with pytest.raises(DeployError, match="run-config defaults"):
         local.data_settings()
+
+
+def test_a_bundle_pins_the_eps0_of_a_calibration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`deploy bundle --calibration` takes the eps0 `shuffledp account calibrate --json` planned, only a certified
+    one (an upper-bound family's), and never together with --eps0."""
+    import json
+
+    from shuffledp.deploy import cli as shuffledp_cli
+
+    keys = create_deploy_keys(tmp_path / "keys", 2)
+    assert shuffledp_cli.main(["account", "calibrate", "--target-epsilon", "4", "--n", "1000", "--rounds", "10",
+                            "--delta", "1e-6", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    base = ["deploy", "bundle", "--keys", str(keys.root), "--node", "1", "--clip-l1", "1"]
+    assert deploy_cli.main([*base, "--out", str(tmp_path / "d"), "--calibration", str(tmp_path / "plan.json")]) == 0
+    conf = tomllib.loads((tmp_path / "d" / "node-config.toml").read_text())
+    assert conf["eps0"] == plan["value"] and plan["kind"] == "upper"
+    (tmp_path / "approx.json").write_text(json.dumps({**plan, "kind": "approximate", "bound": "ccg"}))
+    assert deploy_cli.main([*base, "--out", str(tmp_path / "e"), "--calibration", str(tmp_path / "approx.json")]) == 2
+    assert "a device pins only a certified eps0" in capsys.readouterr().err
+    assert deploy_cli.main([*base, "--out", str(tmp_path / "f"), "--calibration", str(tmp_path / "plan.json"),
+                            "--eps0", "2"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert deploy_cli.main([*base[:-2], "--out", str(tmp_path / "g"), "--eps0", "2"]) == 2
+    assert "needs --clip-l1" in capsys.readouterr().err
+    assert not any((tmp_path / d).exists() for d in "efg")

@@ -38,10 +38,17 @@ def test_a_used_workdir_and_run_config_keys_the_deployment_sets_are_refused(tmp_
     (tmp_path / "file").write_text("x")
     with pytest.raises(DeployError, match="not an empty directory"):
         LocalDeployment(workdir=tmp_path / "file").validate()
-    for key, hint in (("eps0", "--eps0"), ("run-name", "wires it up"), ("key-epoch", "manifest")):
+    for key, hint in (("eps0", "--eps0"), ("run-name", "wires it up"), ("key-epoch", "manifest"),
+                      ("mechanism", "--mechanism"), ("target-epsilon", "account calibrate")):
         with pytest.raises(DeployError, match=f"--run-config {key} is set by deploy local itself.*{hint}"):
             LocalDeployment(run_config={key: 1}).validate()
     LocalDeployment(run_config={"local-epochs": 2}).validate()  # keys the deployment leaves alone pass
+    # the SuperNodes' mechanism is checked as a device's bundle is
+    LocalDeployment(mechanism="duchi", clip_l2=0.5).validate()
+    with pytest.raises(DeployError, match="research-only"):
+        LocalDeployment(mechanism="privunit2", clip_l2=0.5).validate()
+    with pytest.raises(DeployError, match="needs --clip-l2"):
+        LocalDeployment(mechanism="duchi").validate()
 
 
 

@@ -53,6 +53,13 @@ def test_errors_found_before_anything_starts(tmp_path: Path, capsys: pytest.Capt
     assert "both set num-server-rounds" in capsys.readouterr().err
     assert runner.main(["run", "--output-dir", str(tmp_path), "--run-config", "nosuch=1"]) == 2
     assert "nosuch" in capsys.readouterr().err
+    # a run planned from a target: not with an eps0 too, not above the budget, not a target no eps0 can meet
+    assert runner.main(["run", "--output-dir", str(tmp_path), "--eps0", "2", "--target-epsilon", "4"]) == 2
+    assert "a target plans eps0 itself; give one" in capsys.readouterr().err
+    assert runner.main(["run", "--output-dir", str(tmp_path), "--target-epsilon", "12"]) == 2
+    assert "'target-epsilon' (12) is above 'budget-epsilon' (10)" in capsys.readouterr().err
+    assert runner.main(["run", "--output-dir", str(tmp_path), "--target-epsilon", "1e-9", "--rounds", "1000"]) == 2
+    assert "cannot plan eps0 for target epsilon 1e-09" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
