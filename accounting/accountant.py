@@ -5,10 +5,17 @@
 accountants: a :class:`~shuffledp.accounting.events.ShuffleRound` says what happened, the accountant says what it
 costs).
 
-Every round is kept, so rounds may differ in ``n`` and ``eps0``; the cumulative privacy loss is recomputed from
-the whole history with :func:`shuffledp.accounting.bounds.epsilon_for_rounds`, which composes privacy loss distributions
-pessimistically for the exact families (Feldman, McMillan, Talwar, SODA'23 clone reduction; Wang et al.,
-NeurIPS'23), sums Renyi divergences for the RDP families, and adds ``mu^2`` for the GDP families.
+Every round is kept, so rounds may differ in ``n`` and ``eps0``. For a clone family as the default (``clones``,
+``clones-focs``: Feldman, McMillan, Talwar, SODA'23 clone reduction; Wang et al., NeurIPS'23) the composed privacy
+loss distribution is kept and each new round is composed into it (:class:`shuffledp.accounting.composed.
+ComposedClones`, via :func:`shuffledp.accounting.bounds.clones_in_order`), so a charge costs the same at round 1,000
+as at round 1, and the value equals :func:`shuffledp.accounting.bounds.epsilon_for_rounds` (same composition, same
+``no-shuffle`` cap); a history of one repeated round uses the homogeneous bound (exact for one round). The other
+families are recomputed from the whole history with :func:`~shuffledp.accounting.bounds.epsilon_for_rounds`, which
+composes privacy loss distributions pessimistically for the exact families, sums Renyi divergences for the RDP
+families, and adds ``mu^2`` for the GDP families. A checkpoint (:meth:`ShuffleAccountant.state_dict`) stores the
+round list; restoring it replays the composition in the same order, which rebuilds the composed distribution bit
+for bit.
 
 The default family must be one that yields a guarantee (an *upper bound* on the privacy loss). Comparison
 families may be approximations (CLT-based, e.g. Chen-Cao-Ge ICASSP'24 Thm 2) or lower bounds, and are reported
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shuffledp.accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError, bounds
+from shuffledp.accounting import families as fam
 from shuffledp.accounting.events import ShuffleRound
 from shuffledp.accounting.validation import check_delta, check_real, check_rounds
 
@@ -124,9 +132,17 @@ class ShuffleAccountant:
             raise TypeError(f"allow_approximate must be a bool, got {allow_approximate!r}")
         self._allow_approximate = allow_approximate
         self._rounds: list[ShuffleRound] = []
-        # (family, delta, rounds) -> result; small, most recent last. would_exceed's prospective result is kept,
-        # so the usual would_exceed -> compose -> epsilon sequence computes the default family once.
-        self._cache: dict[tuple[str, float, tuple[ShuffleRound, ...]], Bound | Refusal] = {}
+        # (family, delta, history id) -> result; small, most recent last. would_exceed's prospective result is kept,
+        # so the usual would_exceed -> compose -> epsilon sequence computes the default family once. A history id
+        # names a sequence of rounds: 0 the empty one, (parent id, event, count) -> child id in _children, and a
+        # fresh id for a history loaded from a state (an id never names two different sequences).
+        self._cache: dict[tuple[str, float, int], Bound | Refusal] = {}
+        self._history = 0
+        self._next_id = 1
+        self._children: dict[tuple[int, ShuffleRound, int], int] = {}
+        # ((n, eps0) of the rounds composed, composed clone PLD), most recent last: the default clone family's
+        # running state (see bounds.clones_in_order)
+        self._states: list[tuple[tuple, Any]] = []
 
     # -- properties --------------------------------------------------------------------------------------------
     @property
@@ -172,7 +188,18 @@ class ShuffleAccountant:
             raise TypeError(f"compose takes a ShuffleRound, got {type(event).__name__}")
         count = check_rounds(count, "count")
         event = _revalidated(event)  # before any state changes: a rejected round leaves the history intact
+        self._history = self._child(event, count)
         self._rounds.extend([event] * count)
+
+    def _child(self, event: ShuffleRound, count: int) -> int:
+        """The id of this history followed by ``count`` rounds ``event``."""
+        key = (self._history, event, count)
+        if key not in self._children:
+            if len(self._children) >= _CACHE_SIZE:
+                self._children = {}  # ids stay unique (never reused), only the lookup of older children is lost
+            self._children[key] = self._next_id
+            self._next_id += 1
+        return self._children[key]
 
     # -- queries -----------------------------------------------------------------------------------------------
     def _delta_or_target(self, delta: float | None) -> float:
@@ -182,11 +209,18 @@ class ShuffleAccountant:
         if not rounds:
             # No release yet: nothing has been learnt, for every family.
             return Bound(value=0.0, kind=FAMILY_KINDS[family], family=family, details={"rounds": 0})
+        if family == self._family and family in fam.CLONE_VARIANTS:
+            pairs = [(r.n, r.eps0) for r in rounds]  # validated when composed
+            if len(set(pairs)) > 1:
+                # the running composed PLD, extended by the new rounds (what epsilon_for_rounds computes from scratch)
+                return bounds.clones_in_order(family, pairs, delta, self._states)
         return bounds.epsilon_for_rounds(family, rounds, delta, allow_approximate=self._allow_approximate)
 
-    def _cached(self, family: str, delta: float, rounds: tuple[ShuffleRound, ...] | None = None) -> Bound | Refusal:
+    def _cached(
+        self, family: str, delta: float, rounds: tuple[ShuffleRound, ...] | None = None, history_id: int | None = None
+    ) -> Bound | Refusal:
         history = tuple(self._rounds) if rounds is None else rounds
-        key = (family, delta, history)
+        key = (family, delta, self._history if history_id is None else history_id)
         if key not in self._cache:
             try:
                 result: Bound | Refusal = self._compute(family, history, delta)
@@ -239,8 +273,9 @@ class ShuffleAccountant:
         if math.isnan(budget) or budget <= 0.0:
             raise ValueError(f"budget_epsilon must be a real number > 0 (or inf), got {budget!r}")
         count = check_rounds(count, "count")
-        prospective = (*self._rounds, *([_revalidated(event)] * count))
-        result = self._cached(self._family, self._target_delta, prospective)
+        event = _revalidated(event)
+        prospective = (*self._rounds, *([event] * count))
+        result = self._cached(self._family, self._target_delta, prospective, self._child(event, count))
         if isinstance(result, Refusal):
             raise RefusedError(result.reason)
         return float(result.value) > budget
@@ -297,6 +332,8 @@ class ShuffleAccountant:
                 allow_approximate=state["allow_approximate"],
             )
             accountant._rounds = [ShuffleRound.from_dict(r) for r in rounds]
+            if accountant._rounds:
+                accountant._history, accountant._next_id = 1, 2
         except TypeError as exc:
             raise ValueError(f"accountant state has a field of the wrong type: {exc}") from None
         return accountant
@@ -305,12 +342,19 @@ class ShuffleAccountant:
         """Replace this accountant's state with ``state`` (Flower's protocol name); validated before anything
         changes, so an invalid state leaves the accountant as it was."""
         other = ShuffleAccountant.from_state_dict(state)
+        # kept composed states are looked up by the rounds they compose, so they stay valid for any history of the
+        # same clone pair (a rollback after a failed ledger write reuses the one before the round)
+        if other._family != self._family:
+            self._states = []
         self._target_delta = other._target_delta
         self._family = other._family
         self._comparison = other._comparison
         self._allow_approximate = other._allow_approximate
         self._rounds = other._rounds
         self._cache = {}
+        self._children = {}
+        self._history = self._next_id if self._rounds else 0  # a fresh id: the loaded rounds may be any sequence
+        self._next_id += 1
 
     def __repr__(self) -> str:
         return (

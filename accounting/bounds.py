@@ -17,6 +17,7 @@ measured below the exact value there) unless ``allow_approximate=True``; familie
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -57,6 +58,7 @@ __all__ = [
     "renyi",
     "calibrate",
     "epsilon_for_rounds",
+    "clones_in_order",
     "epsilon_bracket",
     "EpsilonBracket",
 ]
@@ -325,10 +327,14 @@ def epsilon_for_rounds(
     if len(rounds) == 0:
         raise ValueError("rounds must hold at least one ShuffleRound")
     groups: dict[tuple[int, float], int] = {}
+    pairs = []
     for i, r in enumerate(rounds):
         key = _check_round(i, r)
+        pairs.append(key)
         groups[key] = groups.get(key, 0) + 1
     extra: dict[str, Any] = {}
+    if family in fam.CLONE_VARIANTS and len(groups) > 1:
+        return clones_in_order(family, pairs, delta)
     if found.merge_by_eps0:  # n plays no role: merge by eps0 (exact)
         groups = het.merge(groups, lambda n, eps0: (1, eps0))
     elif found.bucketed and len(groups) > het.HETEROGENEOUS_EXACT_GROUPS:
@@ -362,6 +368,77 @@ def epsilon_for_rounds(
     return _bound(found, max(value, 0.0), details)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _dominating_upper(n: int, eps0: float) -> tuple[int, float]:
+    return het.dominating_round(n, eps0, lower=False)
+
+
+def clones_in_order(
+    family: str, pairs: Sequence[tuple[int, float]], delta: float, states: list[tuple[tuple, Any]] | None = None
+) -> Bound:
+    """A clone family's epsilon over rounds of several ``(n, eps0)`` groups: the rounds composed in order, one
+    run of equal rounds at a time (:func:`shuffledp.accounting.composed.fold`), capped by ``no-shuffle``.
+
+    With more than ``HETEROGENEOUS_EXACT_GROUPS`` groups each round is first moved to its dominating grid point
+    (n DOWN, eps0 UP: :func:`shuffledp.accounting.heterogeneous.dominating_round`), as for the other bucketed
+    families. ``states`` (the accountant's) holds ``(rounds as composed, composed state)`` pairs: the longest one
+    that is a prefix of these rounds is extended instead of starting afresh, and the result is added to it (at
+    most three kept). The value does not depend on ``states``: the composed state is a function of the rounds.
+
+    Args:
+        family: ``"clones"`` or ``"clones-focs"``.
+        pairs: ``(n, eps0)`` of the rounds, in order, already validated (e.g. taken from ShuffleRound events).
+        delta: 0 < delta < 1.
+        states: composed states to start from and to keep, or None.
+
+    Returns:
+        A :class:`Bound` (details: ``groups``, ``rounds``, ``interval``, and ``bucketed`` when rounds were moved).
+    """
+    from shuffledp.accounting import composed
+    from shuffledp.accounting.composition import pld_epsilon
+
+    found = fam.lookup(family)
+    distinct = set(pairs)
+    extra: dict[str, Any] = {}
+    if len(distinct) > het.HETEROGENEOUS_EXACT_GROUPS:
+        moved = {p: _dominating_upper(*p) for p in distinct}
+        pairs = [moved[p] for p in pairs]
+        extra = {"bucketed": {"groups_before": len(distinct), "n_ratio": het.HETEROGENEOUS_N_GRID_RATIO,
+                              "eps0_ratio": het.HETEROGENEOUS_EPS0_GRID_RATIO}}
+    key = tuple(pairs)
+    start, state = 0, None
+    for prefix, kept in states or ():
+        if start < len(prefix) <= len(key) and key[: len(prefix)] == prefix:
+            start, state = len(prefix), kept
+    state = composed.fold(pairs[start:], fam.CLONE_VARIANTS[found.name], state)
+    if states is not None and start != len(key):
+        states[:] = [(p, k) for p, k in states if p != key][-2:] + [(key, state)]
+    value = pld_epsilon(state.delta_pld(), delta)
+    details: dict[str, Any] = {
+        "method": "pld, composed round by round",
+        "discretisation": "pessimistic (mean-preserving spread, connect the dots; clone blocks at their lowest c)",
+        "interval": state.h,
+        **extra,
+        "groups": len(set(pairs)),
+        "rounds": len(pairs),
+    }
+    by_eps0: dict[float, int] = {}
+    for _, e in pairs:
+        by_eps0[e] = by_eps0.get(e, 0) + 1
+    if len(by_eps0) == 1:
+        (eps0,) = by_eps0
+        # the cap binds only where no-shuffle's delta at this value is within delta: skip the root find otherwise
+        if math.isfinite(value) and lit.no_shuffle_delta(eps0, len(pairs), value) > delta:
+            cap = math.inf
+        else:
+            cap = lit.no_shuffle_epsilon(eps0, len(pairs), delta)
+    else:
+        merged = [(1, e, c) for e, c in by_eps0.items()]
+        cap, _ = fam.REGISTRY["no-shuffle"].heterogeneous_epsilon(merged, len(pairs), delta, False)
+    value, details = _capped(value, details, cap)
+    return _bound(found, max(value, 0.0), details)
+
+
 class EpsilonBracket(NamedTuple):
     """Two PLD epsilons that bracket the true composed epsilon of the clone pair (see :func:`epsilon_bracket`).
 
@@ -382,9 +459,13 @@ class EpsilonBracket(NamedTuple):
 def epsilon_bracket(family: str, eps0: float, n: int, delta: float, rounds: int) -> EpsilonBracket:
     """``(lower, upper)`` PLD epsilons of ``clones``/``clones-focs`` over ``rounds`` rounds.
 
-    The true composed epsilon of the clone pair lies in this bracket (pessimistic discretisation over-, and
-    optimistic discretisation under-estimates every hockey-stick divergence; Koskela et al. / Google
-    ``dp_accounting`` PLD). Uncapped.
+    The true composed epsilon of the clone pair lies in this bracket: the pessimistic spread over-, and the
+    optimistic hull under-estimates every composed hockey-stick divergence, both to second order in the grid
+    interval (:mod:`shuffledp.accounting.clone_spread`; Doroshenko et al., PETS 2022, "Connect the dots"). Uncapped.
+
+    Raises:
+        RefusedError: the grid cannot resolve ``rounds`` rounds
+            (:func:`shuffledp.accounting.clone_spread.spread_interval`).
 
     Args:
         family: ``"clones"`` or ``"clones-focs"``.
@@ -400,16 +481,12 @@ def epsilon_bracket(family: str, eps0: float, n: int, delta: float, rounds: int)
         raise RefusedError(f"epsilon_bracket is available for {list(fam.CLONE_VARIANTS)}, got {family!r}")
     eps0, n = _checked(eps0, n)
     delta, rounds = check_delta(delta), check_rounds(rounds)
-    from shuffledp.accounting import clones
+    from shuffledp.accounting import clone_spread
+    from shuffledp.accounting.composition import pld_epsilon
 
     variant = fam.CLONE_VARIANTS[family]
-    interval = clones.suggested_interval(eps0, n, rounds, variant)
-    out = [
-        float(
-            clones.clone_epsilon_composed(
-                eps0, n, delta, rounds, variant, pessimistic=pessimistic, value_discretization_interval=interval
-            )
-        )
-        for pessimistic in (False, True)
-    ]
+    out = []
+    for pessimistic in (False, True):
+        composed, _ = clone_spread.composed_clone_pld(eps0, n, rounds, variant, pessimistic=pessimistic)
+        out.append(float(pld_epsilon(composed, delta, lower=not pessimistic)))
     return EpsilonBracket(lower=out[0], upper=out[1])

@@ -32,6 +32,8 @@ FMT_DELTA_FRACTIONS: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 0.9)
 DELTA_SEARCH_RTOL = 1e-9
 #: Smallest delta the bisection of the ``fmt`` family's delta explores.
 DELTA_SEARCH_FLOOR = 1e-300
+#: How the clone families discretise composed rounds (:mod:`shuffledp.accounting.clone_spread`).
+_SPREAD = "pessimistic (mean-preserving spread, connect the dots)"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -55,10 +57,9 @@ class CloneFamily(Family):
         self.variant = variant
 
     def _composed_pld(self, eps0: float, n: int, rounds: int) -> tuple[Any, float]:
-        clones = _clones()
-        interval = clones.suggested_interval(eps0, n, rounds, self.variant)
-        one = clones.clone_pld(eps0, n, self.variant, value_discretization_interval=interval, pessimistic=True)
-        return _pld().compose([(one, rounds)]), interval
+        from shuffledp.accounting import clone_spread
+
+        return clone_spread.composed_clone_pld(eps0, n, rounds, self.variant)
 
     def epsilon(self, eps0: float, n: int, delta: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
         """Exact for one round; pessimistic PLD composition for several (see :meth:`Family.epsilon`)."""
@@ -66,7 +67,7 @@ class CloneFamily(Family):
             return float(_clones().clone_epsilon(eps0, n, delta, self.variant)), {"method": "exact"}
         composed, interval = self._composed_pld(eps0, n, rounds)
         value = _comp().pld_epsilon(composed, delta)
-        return value, {"method": "pld", "discretisation": "pessimistic", "interval": interval}
+        return value, {"method": "pld", "discretisation": _SPREAD, "interval": interval}
 
     def delta(self, eps0: float, n: int, epsilon: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
         """Exact for one round; pessimistic PLD composition for several (see :meth:`Family.delta`)."""
@@ -75,7 +76,7 @@ class CloneFamily(Family):
         composed, interval = self._composed_pld(eps0, n, rounds)
         return float(_pld().delta_for_epsilon(composed, epsilon)), {
             "method": "pld",
-            "discretisation": "pessimistic",
+            "discretisation": _SPREAD,
             "interval": interval,
         }
 
@@ -86,17 +87,17 @@ class CloneFamily(Family):
     def heterogeneous_epsilon(
         self, items: Items, total: int, delta: float, allow_approximate: bool
     ) -> tuple[float, Details]:
-        """Pessimistic PLDs of every group on one grid, composed (see :meth:`Family.heterogeneous_epsilon`)."""
-        clones = _clones()
-        interval = _comp().clone_interval(items, total, self.variant)
-        plds = [
-            (clones.clone_pld(eps0, n, self.variant, value_discretization_interval=interval, pessimistic=True), c)
-            for n, eps0, c in items
-        ]
-        return _comp().pld_epsilon(_pld().compose(plds), delta), {
-            "method": "pld",
-            "discretisation": "pessimistic",
-            "interval": interval,
+        """The groups composed in the given order, one run at a time (:func:`shuffledp.accounting.composed.fold`,
+        the accountant's composition; see :meth:`Family.heterogeneous_epsilon`)."""
+        from shuffledp.accounting import composed
+
+        state = composed.ComposedClones(self.variant)
+        for n, eps0, count in items:
+            state = state.extended(n, eps0, count)
+        return _comp().pld_epsilon(state.delta_pld(), delta), {
+            "method": "pld, composed round by round",
+            "discretisation": _SPREAD,
+            "interval": state.h,
         }
 
 
