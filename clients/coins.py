@@ -22,11 +22,24 @@ from fractions import Fraction
 from shuffledp.clients.noise import ChaCha20Rng
 from shuffledp.clients.validation import check_positive_finite
 
-__all__ = ["RR_MAX_EPS0", "rr_interval", "rr_epsilon", "bernoulli", "exp_lower"]
+__all__ = ["RR_MAX_EPS0", "rr_interval", "rr_epsilon", "bernoulli", "exp_lower", "check_l2_parameters"]
 
 #: The largest eps0 the L2 mechanisms accept (their flip probability 1 / (e^eps0 + 1) stays above 2**-93).
 RR_MAX_EPS0 = 64.0
 _EXP_DIGITS = 60
+
+
+def check_l2_parameters(eps0: float, clip_l2: float, mechanism: str) -> tuple[float, float]:
+    """Validate an L2 mechanism's pinned parameters; returns ``(eps0, clip_l2)`` as floats.
+
+    Raises:
+        TypeError, ValueError: ``eps0`` is not a finite number in (0, :data:`RR_MAX_EPS0`] or ``clip_l2`` not a
+            finite number > 0 (the message names ``mechanism``).
+    """
+    eps = check_positive_finite("eps0", eps0)
+    if eps > RR_MAX_EPS0:
+        raise ValueError(f"eps0 must be <= {RR_MAX_EPS0} for the {mechanism} mechanism, got {eps0!r}")
+    return eps, check_positive_finite("clip_l2", clip_l2)
 
 
 def exp_lower(x: float) -> Fraction:

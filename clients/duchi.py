@@ -35,11 +35,11 @@ import math
 
 import numpy as np
 
-from shuffledp.clients.coins import RR_MAX_EPS0, bernoulli, rr_epsilon, rr_interval
+from shuffledp.clients.coins import bernoulli, check_l2_parameters, rr_epsilon, rr_interval
 from shuffledp.clients.noise import ChaCha20Rng
 from shuffledp.clients.report import ReportError, decode_mechanism_header, encode_mechanism_header
 from shuffledp.clients.sphere import SEED_BYTES, clip_l2, direction_from_seed
-from shuffledp.clients.validation import check_int, check_positive_finite
+from shuffledp.clients.validation import check_int
 
 __all__ = ["DUCHI_MAGIC", "DuchiMechanism", "mean_abs_coordinate"]
 
@@ -71,10 +71,7 @@ class DuchiMechanism:
     name = "duchi"
 
     def __init__(self, eps0: float, clip_l2: float, *, rng: ChaCha20Rng | None = None) -> None:
-        self.eps0 = check_positive_finite("eps0", eps0)
-        if self.eps0 > RR_MAX_EPS0:
-            raise ValueError(f"eps0 must be <= {RR_MAX_EPS0} for the duchi mechanism, got {eps0!r}")
-        self.clip = check_positive_finite("clip_l2", clip_l2)
+        self.eps0, self.clip = check_l2_parameters(eps0, clip_l2, "duchi")
         self.p_lo, self.p_hi = rr_interval(self.eps0)
         self.half_gap = self.p_hi - 0.5  # exact (Sterbenz: p_hi in (1/2, 1))
         self.eps_used = rr_epsilon(self.p_lo, self.p_hi)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shuffledp.clients.coins import RR_MAX_EPS0, bernoulli
+from shuffledp.clients.coins import RR_MAX_EPS0, bernoulli, check_l2_parameters
 from shuffledp.clients.noise import ChaCha20Rng
 from shuffledp.clients.report import ReportError, decode_mechanism_header, encode_mechanism_header
 from shuffledp.clients.sphere import clip_l2, directions, unit_or_default
@@ -159,10 +159,7 @@ class PrivUnit2Mechanism:
     name = "privunit2"
 
     def __init__(self, eps0: float, clip_l2: float, *, rng: ChaCha20Rng | None = None) -> None:
-        self.eps0 = check_positive_finite("eps0", eps0)
-        if self.eps0 > RR_MAX_EPS0:
-            raise ValueError(f"eps0 must be <= {RR_MAX_EPS0} for privunit2, got {eps0!r}")
-        self.clip = check_positive_finite("clip_l2", clip_l2)
+        self.eps0, self.clip = check_l2_parameters(eps0, clip_l2, "privunit2")
         self.rng = rng if rng is not None else ChaCha20Rng()
 
     def params(self, dim: int) -> PrivUnitParams:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -114,6 +115,28 @@ def encode_report(ints: np.ndarray, *, log2_grid: int, eps_used: float) -> bytes
     return header + sat.tobytes()
 
 
+def _read_header(payload: bytes, header: struct.Struct, magic: bytes, dim: int) -> tuple[bytes, tuple[Any, ...]]:
+    """The payload as bytes and its header's fields, after the checks every report format shares: bytes, at least a
+    header, ``magic``, the version this decoder reads, dimension ``dim`` (fields 0, 1 and 4 of every header).
+
+    Raises:
+        ReportError: the first of those checks that fails, named.
+    """
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ReportError(f"payload must be bytes, got {type(payload).__name__}")
+    buf = bytes(payload)
+    if len(buf) < header.size:
+        raise ReportError(f"payload too short: {len(buf)} bytes < header {header.size}")
+    fields = header.unpack_from(buf, 0)
+    if fields[0] != magic:
+        raise ReportError(f"bad magic {fields[0]!r}, expected {magic!r}")
+    if fields[1] != REPORT_VERSION:
+        raise ReportError(f"unsupported report version {fields[1]}, this decoder reads {REPORT_VERSION}")
+    if fields[4] != dim:
+        raise ReportError(f"report dimension {fields[4]} != expected dimension {dim}")
+    return buf, fields
+
+
 def decode_report_full(
     payload: bytes, *, expected_dim: int, expected_log2_grid: int | None = None
 ) -> DecodedReport:
@@ -124,20 +147,9 @@ def decode_report_full(
     positive, total length, and every integer within ``[-(2**31 - 1), 2**31 - 1]``.
     """
     dim = check_int("expected_dim", expected_dim, 1, MAX_DIM)
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise ReportError(f"payload must be bytes, got {type(payload).__name__}")
-    buf = bytes(payload)
-    if len(buf) < REPORT_HEADER_BYTES:
-        raise ReportError(f"payload too short: {len(buf)} bytes < header {REPORT_HEADER_BYTES}")
-    magic, version, log2_grid, reserved, d, eps = _HEADER.unpack_from(buf, 0)
-    if magic != REPORT_MAGIC:
-        raise ReportError(f"bad magic {magic!r}, expected {REPORT_MAGIC!r}")
-    if version != REPORT_VERSION:
-        raise ReportError(f"unsupported report version {version}, this decoder reads {REPORT_VERSION}")
+    buf, (_, _, log2_grid, reserved, _, eps) = _read_header(payload, _HEADER, REPORT_MAGIC, dim)
     if reserved != 0:
         raise ReportError(f"reserved header field must be 0, got {reserved}")
-    if d != dim:
-        raise ReportError(f"report dimension {d} != expected dimension {dim}")
     if not LOG2_GRID_MIN <= log2_grid <= LOG2_GRID_MAX:
         raise ReportError(f"log2_grid {log2_grid} outside [{LOG2_GRID_MIN}, {LOG2_GRID_MAX}]")
     if expected_log2_grid is not None and log2_grid != expected_log2_grid:
@@ -193,20 +205,9 @@ def decode_mechanism_header(payload: bytes, *, magic: bytes, expected_dim: int, 
         ReportError: any defect, named.
     """
     dim = check_int("expected_dim", expected_dim, 1, MAX_DIM)
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise ReportError(f"payload must be bytes, got {type(payload).__name__}")
-    buf = bytes(payload)
-    if len(buf) < _MECH_HEADER.size:
-        raise ReportError(f"payload too short: {len(buf)} bytes < header {_MECH_HEADER.size}")
-    got, version, r8, r16, d, eps = _MECH_HEADER.unpack_from(buf, 0)
-    if got != magic:
-        raise ReportError(f"bad magic {got!r}, expected {magic!r}")
-    if version != REPORT_VERSION:
-        raise ReportError(f"unsupported report version {version}, this decoder reads {REPORT_VERSION}")
+    buf, (_, _, r8, r16, _, eps) = _read_header(payload, _MECH_HEADER, magic, dim)
     if r8 != 0 or r16 != 0:
         raise ReportError("reserved header fields must be 0")
-    if d != dim:
-        raise ReportError(f"report dimension {d} != expected dimension {dim}")
     if not (math.isfinite(eps) and eps > 0.0):
         raise ReportError(f"eps_used must be finite and positive, got {eps!r}")
     if len(buf) != _MECH_HEADER.size + body_bytes:

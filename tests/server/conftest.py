@@ -295,6 +295,17 @@ class Harness:
         sk = keyfiles.load_private_key(self.keys.d.server_hpke_key, "x25519")
         return lambda inner, rnd: open_inner(inner, server_private_key=sk, key_epoch=cfg.key_epoch, round_id=rnd)
 
+    def recording_opener(self, cfg: ServerConfig) -> tuple[Callable[[bytes, int], bytes], list[bytes]]:
+        """An opener that also keeps every payload it opened (the list it returns with it)."""
+        opener, opened = self.opener(cfg), []
+
+        def recording(inner: bytes, round_id: int) -> bytes:
+            payload = opener(inner, round_id)
+            opened.append(payload)
+            return payload
+
+        return recording, opened
+
     def engine(self, cfg: ServerConfig, grid: FakeGrid, *, ledger: Any = None, store: Any = None,
                evaluator: Any = None, open_inner: Any = None) -> Any:
         from shuffledp.accounting.ledger import Ledger

@@ -36,13 +36,7 @@ def _stats(h: Any) -> dict[str, Any]:
 def test_honest_round_is_applied_charged_and_checkpointed(h: Any) -> None:
     cfg = h.config()
     grid = h.grid([h.honest()] * h.N)
-    opened: list[bytes] = []
-    opener = h.opener(cfg)
-
-    def recording_opener(inner: bytes, round_id: int) -> bytes:
-        payload = opener(inner, round_id)
-        opened.append(payload)
-        return payload
+    recording_opener, opened = h.recording_opener(cfg)
 
     engine = h.engine(cfg, grid, open_inner=recording_opener)
     attested: list[Any] = []
@@ -876,13 +870,7 @@ def test_a_duchi_round_is_decoded_with_the_runs_mechanism_and_labelled_in_the_le
     from shuffledp.clients.mechanism import make_mechanism
 
     cfg = h.config(mechanism="duchi", eps0=2.0, **{"clip-l2": 0.5})
-    opened: list[bytes] = []
-    opener = h.opener(cfg)
-
-    def recording_opener(inner: bytes, round_id: int) -> bytes:
-        payload = opener(inner, round_id)
-        opened.append(payload)
-        return payload
+    recording_opener, opened = h.recording_opener(cfg)
 
     grid = h.grid([_l2_client(h, "duchi", 2.0, 0.5)] * (h.N - 1) + [h.refusing])  # one pinned to another mechanism
     engine = h.engine(cfg, grid, open_inner=recording_opener)
