@@ -35,14 +35,11 @@ history); the run continues with a fresh round id.
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-import blake3
 import numpy as np
 
 from shuffledp.accounting import RefusedError, format_bound
@@ -51,10 +48,21 @@ from shuffledp.accounting.events import ShuffleRound
 from shuffledp.accounting.ledger import Ledger
 from shuffledp.clients import messages as M
 from shuffledp.clients.mechanism import L2_MECHANISMS, Mechanism, make_mechanism
-from shuffledp.server.config import DEFAULTS, ConfigError, ServerConfig
+from shuffledp.server.collect import collect_into_stream, envelope_of, sample_nodes, wait_for_nodes
+from shuffledp.server.config import ConfigError, ServerConfig
 from shuffledp.server.optim import ReportAccumulator, ServerOptimizer, num_parameters
+from shuffledp.server.outcome import (
+    Evaluator,
+    GridLike,
+    InnerOpener,
+    ResumeError,
+    RoundOutcome,
+    ShufflerLike,
+    ShufflerRefusal,
+)
 from shuffledp.server.report import epsilon_label
-from shuffledp.server.state import Checkpoint, CheckpointError, CheckpointStore
+from shuffledp.server.resume import RESUME_KEYS, restore
+from shuffledp.server.state import Checkpoint, CheckpointStore
 
 __all__ = [
     "GridLike",
@@ -70,184 +78,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("shuffledp.server")
-
-#: Settings that must not change between a run and its resume (they change what the ledger means or what the
-#: checkpoint's arrays are, or they live in the checkpoint's own state: the optimizer is restored with its
-#: learning rate and momentum, the accountant with its comparison families, so a new value would be ignored).
-RESUME_KEYS = (
-    "eps0",
-    "mechanism",
-    "clip-l1",
-    "clip-l2",
-    "report",
-    "model",
-    "hidden-units",
-    "dataset",
-    "pca-components",
-    "target-delta",
-    "accounting-family",
-    "comparison-families",
-    "server-optimizer",
-    "server-lr",
-    "server-momentum",
-    "key-epoch",
-)
-
-
-#: Seconds between polls for replies on a grid that does not say (Flower's simulation grid has pull_interval).
-PULL_INTERVAL_SECONDS = 1.0
-#: Forward the envelopes collected so far to the shuffler at least this often (or once a packed message is full).
-FLUSH_SECONDS = 1.0
-#: Send a Keepalive on the Submit stream after this long without an envelope (the shuffler's default idle
-#: timeout is 60 s).
-KEEPALIVE_SECONDS = 5.0
-#: The Submit stream's deadline is reply-timeout plus this margin (time for the shuffler to seal the batch).
-SUBMIT_MARGIN_SECONDS = 600.0
-
-
-class GridLike(Protocol):
-    """The part of ``flwr.serverapp.Grid`` the round logic uses."""
-
-    def get_node_ids(self) -> Iterable[int]:
-        """The ids of the nodes connected now."""
-
-    def push_messages(self, messages: Iterable[Any]) -> Iterable[str]:
-        """Send ``messages``; returns their message ids."""
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Any]:
-        """The replies that have arrived to the messages with these ids."""
-
-
-class ShufflerLike(Protocol):
-    """The part of ``shuffledp.shuffler.client.ShufflerClient`` the round logic uses (``open_submit`` returns a
-    ``shuffledp.shuffler.client.SubmitStream``: ``send_many``, ``keepalive``, ``close`` -> attestation, ``cancel``)."""
-
-    def open_submit(
-        self, *, round_id: int, key_epoch: int, model_digest: bytes, count: int, envelope_length: int,
-        timeout: float | None = None,
-    ) -> Any:
-        """Open the Submit stream of one round's ``count`` envelopes; returns the stream."""
-
-    def fetch(self, attestation: Any) -> Iterator[bytes]:
-        """Stream the inner ciphertexts of the batch ``attestation`` names, in the shuffled order, verified."""
-
-    def stats(self) -> Mapping[str, Any]:
-        """The shuffler's counters, its key epoch and its Submit message limit."""
-
-
-#: ``evaluate(arrays) -> (loss, accuracy)`` on the server's test split (None for a metric it does not compute).
-Evaluator = Callable[[Sequence[np.ndarray]], tuple[float | None, float | None]]
-#: ``open_inner(inner, round_id) -> payload`` (the server's HPKE private key is bound inside).
-InnerOpener = Callable[[bytes, int], bytes]
-
-
-class ResumeError(RuntimeError):
-    """The checkpoint, the ledger and the configuration do not agree; resuming would lose or double-count."""
-
-
-class ShufflerRefusal(RuntimeError):
-    """The shuffler refused the batch (e.g. fewer than its threshold of valid, distinct enrolled signers)."""
-
-
-@dataclass
-class RoundOutcome:
-    """What happened in one round (JSON-safe via :meth:`as_dict`).
-
-    ``status``: ``"applied"`` (charged, model updated), ``"skipped"`` (nothing released, nothing charged),
-    ``"stopped"`` (the budget would be exceeded; the run ends), ``"lost"`` (charged, but the process died
-    before the model update was checkpointed; only produced by :meth:`RoundEngine.restore`), ``"abandoned"``
-    (its id was used, but the process stopped or failed before the charge, so nothing was released; only
-    produced by :meth:`RoundEngine.restore`).
-    """
-
-    round: int
-    status: str
-    reason: str = ""
-    n_sampled: int = 0
-    n_not_pushed: int = 0  # messages the grid could not deliver (no id): no slot, no reply expected
-    n_replies: int = 0
-    n_error_replies: int = 0
-    n_malformed_replies: int = 0
-    n_envelopes: int = 0
-    n_reports: int = 0  # attested count, what the accountant is charged with
-    n_bad_reports: int = 0
-    n_applied: int = 0
-    eps0: float = 0.0
-    epsilon: float | None = None  # cumulative, after this round, of the family below
-    epsilon_family: str = ""  # the run's accounting family
-    epsilon_kind: str = ""  # "upper" (a guarantee): accounting-family must be an upper-bound family
-    #: cumulative upper bound of the same family if the reports that failed to open or decode gave no cover (each
-    #: charged round composed with n_reports - n_bad_reports, at least 1); None while no round had bad reports.
-    #: An honest client's report always opens, so a bad one came from a broken or malicious enrolled client, and
-    #: the shuffle bound's assumption that all n reports came from the eps0-LDP randomizer failed for it.
-    epsilon_if_bad_gave_no_cover: float | None = None
-    delta: float | None = None
-    accuracy: float | None = None
-    loss: float | None = None
-    seconds: dict[str, float] = field(default_factory=dict)
-    #: Unix time (the ServerApp's own clock) at which the round ended: where ``deploy local`` takes each round's
-    #: boundaries from, since log lines relayed from the ServerApp can arrive late and several at once.
-    finished_at: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """The outcome as a JSON-safe dict (one row of the checkpoint history and report.json)."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RoundOutcome:
-        """Rebuild an outcome from :meth:`as_dict` output."""
-        return cls(**dict(data))
-
-
-def wait_for_nodes(grid: GridLike, min_nodes: int, *, node_wait: float, settle: float) -> list[int]:
-    """The connected node ids, sorted, once at least ``min_nodes`` are connected and their count has not changed
-    for ``settle`` seconds, or whatever is connected after ``node_wait`` seconds (the caller decides whether that
-    is enough). Polls ``grid.get_node_ids()`` every 0.5 s at most."""
-    deadline = time.monotonic() + node_wait
-    last_count, stable_since = -1, time.monotonic()
-    while True:
-        nodes = sorted(set(int(n) for n in grid.get_node_ids()))
-        now = time.monotonic()
-        if len(nodes) != last_count:
-            last_count, stable_since = len(nodes), now
-        if (len(nodes) >= min_nodes and now - stable_since >= settle) or now >= deadline:
-            return nodes
-        time.sleep(min(0.5, max(0.0, deadline - now)))
-
-
-def sample_nodes(node_ids: Sequence[int], fraction: float, rng: secrets.SystemRandom | None = None) -> list[int]:
-    """Sample ``max(1, floor(fraction * N))`` distinct nodes uniformly with a CSPRNG (all of them if fraction=1).
-
-    Raises:
-        ValueError: ``fraction`` is not in (0, 1] or there are no nodes.
-    """
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
-    nodes = sorted(set(int(n) for n in node_ids))
-    if not nodes:
-        raise ValueError("there are no connected nodes to sample from")
-    if fraction == 1.0:
-        return nodes
-    count = max(1, int(math.floor(fraction * len(nodes))))
-    return (rng or secrets.SystemRandom()).sample(nodes, count)
-
-
-def envelope_of(reply: Any, *, max_bytes: int) -> tuple[bytes | None, str]:
-    """The envelope bytes of one reply, or ``None`` and why not: ``("error")`` for an error reply (e.g. a client
-    refusing the request), ``("malformed")`` for no or an ill-formed ``content["envelope"]`` or an oversized
-    one. Nothing else of the reply (node id, timestamps, message ids) is returned."""
-    try:
-        if reply.has_error():
-            return None, "error"
-        content = reply.content
-        if set(content.keys()) != {M.ENVELOPE_KEY}:
-            return None, "malformed"
-        envelope = M.envelope_from_record(content[M.ENVELOPE_KEY])
-    except Exception:  # noqa: BLE001 - any defect in one reply only drops that reply
-        return None, "malformed"
-    if len(envelope) > max_bytes:
-        return None, "malformed"
-    return envelope, "ok"
 
 
 def _decoder(cfg: ServerConfig) -> Mechanism:
@@ -400,35 +230,6 @@ class RoundEngine:
         """Write the current state as the checkpoint (atomic)."""
         self.store.save(self._checkpoint())
 
-    def _refuse_a_spent_key_epoch(self, rows: Sequence[Mapping[str, Any]], *, fresh: bool) -> None:
-        """Raise ResumeError if the shuffler reports more released batches of this run's key epoch than this run's
-        ledger charged (its Stats; a shuffler too old to report them says 0).
-
-        A run's batches are charged before they are fetched (released), so every release of this run has a ledger
-        row, and a surplus of releases is another run's, in the same key epoch: this accountant would leave out
-        reports already released to a server. Rows without a batch (older ledgers) count as this epoch's.
-        """
-        stats = self.shuffler.stats()
-        released = int(stats.get("epoch_batches_released", 0))
-        if int(stats.get("key_epoch", -1)) != self.cfg.key_epoch:
-            return
-        charged = sum(1 for r in rows if r.get("key_epoch") in (self.cfg.key_epoch, None))
-        if released <= charged:
-            return
-        if fresh:
-            raise ResumeError(
-                f"the shuffler has already released {released} batch(es) of key epoch {self.cfg.key_epoch}, and this "
-                "run has no checkpoint or ledger rows: a fresh accountant would start at epsilon 0 although this "
-                "epoch's reports were already released to a server. Resume the run that spent them (its output "
-                "directory), or rotate the keys to a new key epoch for a new run"
-            )
-        raise ResumeError(
-            f"the shuffler has released {released} batch(es) of key epoch {self.cfg.key_epoch}, but this run's "
-            f"ledger charges only {charged}: another run has used this key epoch since, and its releases are "
-            "not in this run's accountant, so the epsilon it would report leaves them out. Find that run "
-            "(`shuffledp audit` with both ledgers names the batches); every run needs its own key epoch"
-        )
-
     def restore(self) -> int:
         """Load the checkpoint (or start fresh), reconcile it with the ledger, and return the next round id.
 
@@ -449,109 +250,7 @@ class RoundEngine:
             ResumeError: the stored state and the ledger disagree, or the configuration changed in a setting
                 listed in :data:`RESUME_KEYS`.
         """
-        try:
-            ckpt = self.store.load()
-        except CheckpointError as exc:
-            raise ResumeError(f"cannot read the checkpoint: {exc}") from None
-        rows = self.ledger.rows()
-        if ckpt is None:
-            if rows:
-                raise ResumeError(
-                    f"the ledger {self.ledger.path} already records rounds {[r['round'] for r in rows]} but there "
-                    "is no checkpoint; refusing to start a run that would mix with another run's ledger "
-                    "(use a fresh run name or output directory)"
-                )
-            self._refuse_a_spent_key_epoch(rows, fresh=True)
-            self.last_round = 0
-            self.save()
-            return 1
-
-        current = self.cfg.as_dict()
-        # a checkpoint written before a key existed holds no value for it: it ran with the key's default (laplace)
-        saved = {k: ckpt.config.get(k, DEFAULTS.get(k)) for k in RESUME_KEYS}
-        changed = {k: (saved[k], current.get(k)) for k in RESUME_KEYS if saved[k] != current.get(k)}
-        if changed:
-            raise ResumeError(
-                "the configuration changed since the checkpoint in settings that a resume must keep: "
-                + ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
-            )
-        self._refuse_a_spent_key_epoch(rows, fresh=False)
-        budget_changes = list(ckpt.budget_changes)
-        old_budget, new_budget = ckpt.config.get("budget-epsilon"), current.get("budget-epsilon")
-        if old_budget != new_budget:
-            budget_changes.append({"after_round": ckpt.round, "from": old_budget, "to": new_budget})
-            # Allowed (an operator may extend or tighten a run), never silent: the ledger keeps the cumulative
-            # epsilon of every round whatever the budget, and from here on the run stops at the new budget.
-            log.warning(
-                "budget-epsilon changed since the checkpoint (round %d): %r -> %r; the ledger's cumulative "
-                "epsilon is unaffected, the run now stops at the new budget",
-                ckpt.round, old_budget, new_budget,
-            )
-        if [tuple(a.shape) for a in ckpt.arrays] != self.shapes:
-            raise ResumeError(
-                f"the checkpoint's model has shapes {[tuple(a.shape) for a in ckpt.arrays]}, this run's model "
-                f"has {self.shapes}"
-            )
-        try:
-            accountant = ShuffleAccountant.from_state_dict(ckpt.accountant)
-            optimizer = ServerOptimizer.from_state_dict(ckpt.optimizer, ckpt.optimizer_buffers)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ResumeError(f"the checkpoint's accountant or optimizer state is invalid: {exc}") from None
-        history = [RoundOutcome.from_dict(h) for h in ckpt.history]
-
-        charged = [h for h in history if h.status in ("applied", "lost")]
-        covered = [r for r in rows if r["round"] <= ckpt.round]
-        if [h.round for h in charged] != [r["round"] for r in covered]:
-            raise ResumeError(
-                f"the checkpoint (round {ckpt.round}) lists charged rounds {[h.round for h in charged]} but the "
-                f"ledger has {[r['round'] for r in covered]} up to that round; they must agree"
-            )
-        if len(accountant.rounds) != len(covered) or any(
-            (ev.n, ev.eps0) != (r["n_reports"], r["eps0"]) for ev, r in zip(accountant.rounds, covered)
-        ):
-            raise ResumeError("the checkpoint's accountant does not match the ledger rows up to its round")
-        ahead = [r for r in rows if r["round"] > ckpt.round]
-        bad_reports = self.store.bad_reports()
-        for row in ahead:
-            accountant.compose(ShuffleRound(n=int(row["n_reports"]), eps0=float(row["eps0"])))
-            entry = row["epsilons"].get(accountant.family, {})
-            history.append(
-                RoundOutcome(
-                    round=int(row["round"]),
-                    status="lost",
-                    reason="the process stopped after this round was charged and before its update was saved",
-                    n_reports=int(row["n_reports"]),
-                    n_bad_reports=bad_reports.get(int(row["round"]), 0),  # if it was opened before the crash
-                    eps0=float(row["eps0"]),
-                    epsilon=entry.get("value"),
-                    epsilon_family=accountant.family,
-                    epsilon_kind=str(entry.get("kind", "")),
-                    delta=float(row["delta"]),
-                )
-            )
-            log.warning("round %d was charged (ledger) but its model update was lost in a crash", row["round"])
-
-        last_ledger = max((int(r["round"]) for r in rows), default=0)
-        last_started = self.store.last_started()
-        known = {h.round for h in history}
-        for rnd in range(1, last_started + 1):
-            if rnd not in known:  # used (its requests may have gone out), never charged: nothing was released
-                history.append(RoundOutcome(
-                    round=rnd, status="abandoned", eps0=self.cfg.eps0, delta=self.cfg.target_delta,
-                    reason="the process stopped or failed during this round before it was charged; nothing of it "
-                           "was released to the server, and its id is not reused"))
-                log.warning("round %d was started but never charged (the process stopped or failed): recorded "
-                            "as abandoned", rnd)
-        history.sort(key=lambda h: h.round)
-
-        self.arrays = [np.array(a, copy=True) for a in ckpt.arrays]
-        self.optimizer = optimizer
-        self.accountant = accountant
-        self.history = history
-        self.budget_changes = budget_changes
-        self.last_round = max(ckpt.round, last_ledger, last_started)
-        self.save()  # persist the reconciliation before anything else happens
-        return self.last_round + 1
+        return restore(self)
 
     # -- one round ---------------------------------------------------------------------------------------------
     def _train_config(self, round_id: int) -> M.TrainConfig:
@@ -592,94 +291,6 @@ class RoundEngine:
         nodes = wait_for_nodes(self.grid, self.cfg.min_reports, node_wait=self.node_wait, settle=settle)
         self._settled = True
         return nodes
-
-    def _collect_into_stream(self, messages: list[Any], round_id: int, digest: bytes, out: RoundOutcome) -> Any | None:
-        """Send the round's messages and stream each reply's envelope to the shuffler as it arrives.
-
-        The Submit stream announces one slot per message pushed. A reply is dropped as soon as its envelope is
-        taken; envelopes are forwarded about once a second (:data:`FLUSH_SECONDS`) or per full packed message.
-        An error reply, a malformed one and a duplicate (the same bytes twice) fill their slot with an empty
-        placeholder, and so does every node without a reply at ``reply-timeout``. While nothing arrives
-        the stream is kept alive (the shuffler cancels idle submissions). Returns the stream with every slot sent,
-        ready to close, or ``None`` after cancelling it when fewer than ``min-reports`` envelopes arrived (the
-        shuffler then seals nothing and the round's binding stays unused). Fills ``out``'s reply counters.
-
-        The shuffler receives the envelopes in arrival order; it verifies each signer anyway, so the order tells it
-        nothing it does not know. The server keeps only a SHA-256 of each envelope (for de-duplication).
-        """
-        from shuffledp.shuffler.wire import FIELD_OVERHEAD
-
-        cfg = self.cfg
-        # A SuperLink returns "" for a message it could not store (e.g. its node left after get_node_ids): that
-        # message has no slot. One slot per distinct id actually pushed, so the count announced to the shuffler
-        # is exactly the number of slots sent (else the whole batch is refused as count_mismatch).
-        outstanding = {str(i) for i in self.grid.push_messages(messages) if i}
-        out.n_not_pushed = len(messages) - len(outstanding)
-        del messages
-        stream = self.shuffler.open_submit(
-            round_id=round_id, key_epoch=cfg.key_epoch, model_digest=digest, count=len(outstanding),
-            envelope_length=self.envelope_length, timeout=cfg.reply_timeout + SUBMIT_MARGIN_SECONDS,
-        )
-        counts = {"error": 0, "malformed": 0, "duplicate": 0}
-        seen: set[bytes] = set()
-        n_replies = 0
-        try:
-            deadline = time.monotonic() + cfg.reply_timeout
-            # Flower's in-memory (simulation) grid polls every `pull_interval` (0.1 s) in send_and_receive; a
-            # deployment's SuperLink is polled less often.
-            interval = float(getattr(self.grid, "pull_interval", PULL_INTERVAL_SECONDS))
-            last_sent = time.monotonic()
-            # Envelopes and placeholders wait here until about one packed message's worth has arrived or
-            # FLUSH_SECONDS have passed: few sends (each wakes gRPC's request thread in this process, which in
-            # simulation shares one GIL with Flower's engine), while the shuffler still verifies during the
-            # collection.
-            pending: list[bytes] = []
-            pending_bytes = 0
-            while outstanding:
-                for reply in self.grid.pull_messages(set(outstanding)):
-                    slot = str(reply.metadata.reply_to_message_id)
-                    if slot not in outstanding:  # not one of ours, or a second reply for a slot: ignore
-                        continue
-                    outstanding.discard(slot)
-                    n_replies += 1
-                    envelope, kind = envelope_of(reply, max_bytes=cfg.max_message_bytes)
-                    del reply  # the reply and its metadata are gone from here on
-                    if envelope is not None:
-                        fingerprint = blake3.blake3(envelope).digest()  # 12 us per 100 KiB; SHA-256 49
-                        if fingerprint in seen:
-                            envelope, kind = None, "duplicate"
-                        seen.add(fingerprint)
-                    if envelope is None:
-                        counts[kind] += 1
-                        envelope = b""
-                    pending.append(envelope)
-                    pending_bytes += len(envelope) + FIELD_OVERHEAD
-                now = time.monotonic()
-                # flush once the next envelope would not fit in the packed message, so messages stay whole
-                full = pending_bytes + self.envelope_length + FIELD_OVERHEAD > stream.batch_bytes
-                if pending and (full or now - last_sent >= FLUSH_SECONDS):
-                    stream.send_many(pending)
-                    pending, pending_bytes = [], 0
-                    last_sent = now
-                if not outstanding or now >= deadline:
-                    break
-                if time.monotonic() - last_sent >= KEEPALIVE_SECONDS:
-                    stream.keepalive()
-                    last_sent = time.monotonic()
-                time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-            stream.send_many(pending + [b""] * len(outstanding))  # and a placeholder per node without a reply
-            del pending
-        except BaseException:
-            stream.cancel()
-            raise
-        out.n_replies = n_replies
-        out.n_error_replies = counts["error"]
-        out.n_malformed_replies = counts["malformed"] + counts["duplicate"]
-        out.n_envelopes = n_replies - sum(counts.values())
-        if out.n_envelopes < cfg.min_reports:
-            stream.cancel()
-            return None
-        return stream
 
     def _finish(self, outcome: RoundOutcome, *, save: bool = True) -> RoundOutcome:
         outcome.finished_at = time.time()
@@ -784,7 +395,8 @@ class RoundEngine:
         digest = M.arrays_digest(sent_arrays)
         messages = self._build_messages(sampled, round_id)
         try:
-            stream = self._collect_into_stream(messages, round_id, digest, out)
+            stream = collect_into_stream(self.grid, self.shuffler, self.cfg, self.envelope_length, messages,
+                                         round_id, digest, out)
         except Exception as exc:  # noqa: BLE001 - classified below
             if not _is_refusal(exc):
                 raise

@@ -22,6 +22,7 @@ from shuffledp.clients import messages as M
 from shuffledp.clients.report import decode_report
 from shuffledp.server.job import format_progress
 from shuffledp.server.optim import flatten
+from shuffledp.server.resume import refuse_a_spent_key_epoch
 from shuffledp.server.rounds import ResumeError, RoundOutcome, envelope_of, sample_nodes
 
 
@@ -636,10 +637,10 @@ def test_resume_counts_ledger_rows_without_a_batch_as_the_runs_own(h: Any, monke
     real_rows = engine.ledger.rows
     monkeypatch.setattr(type(engine.ledger), "rows",
                         lambda self: [{**r, "key_epoch": None, "batch_id": None} for r in real_rows()])
-    engine._refuse_a_spent_key_epoch(engine.ledger.rows(), fresh=False)  # 1 released, 1 legacy row: accepted
+    refuse_a_spent_key_epoch(engine, engine.ledger.rows(), fresh=False)  # 1 released, 1 legacy row: accepted
     monkeypatch.setattr(type(engine.ledger), "rows", lambda self: [])
     with pytest.raises(ResumeError, match="charges only 0"):
-        engine._refuse_a_spent_key_epoch(engine.ledger.rows(), fresh=False)
+        refuse_a_spent_key_epoch(engine, engine.ledger.rows(), fresh=False)
 
 
 def test_resume_refuses_a_changed_privacy_setting(h: Any) -> None:

@@ -1,0 +1,169 @@
+"""Collecting one round's replies: waiting for nodes, sampling them, taking each reply's envelope and streaming it
+to the shuffler as it arrives (:func:`collect_into_stream`), the reply and its metadata dropped at once."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import blake3
+
+from shuffledp.clients import messages as M
+from shuffledp.server.config import ServerConfig
+from shuffledp.server.outcome import GridLike, RoundOutcome, ShufflerLike
+
+__all__ = ["wait_for_nodes", "sample_nodes", "envelope_of", "collect_into_stream", "PULL_INTERVAL_SECONDS",
+           "FLUSH_SECONDS", "KEEPALIVE_SECONDS", "SUBMIT_MARGIN_SECONDS"]
+
+#: Seconds between polls for replies on a grid that does not say (Flower's simulation grid has pull_interval).
+PULL_INTERVAL_SECONDS = 1.0
+#: Forward the envelopes collected so far to the shuffler at least this often (or once a packed message is full).
+FLUSH_SECONDS = 1.0
+#: Send a Keepalive on the Submit stream after this long without an envelope (the shuffler's default idle
+#: timeout is 60 s).
+KEEPALIVE_SECONDS = 5.0
+#: The Submit stream's deadline is reply-timeout plus this margin (time for the shuffler to seal the batch).
+SUBMIT_MARGIN_SECONDS = 600.0
+
+
+def wait_for_nodes(grid: GridLike, min_nodes: int, *, node_wait: float, settle: float) -> list[int]:
+    """The connected node ids, sorted, once at least ``min_nodes`` are connected and their count has not changed
+    for ``settle`` seconds, or whatever is connected after ``node_wait`` seconds (the caller decides whether that
+    is enough). Polls ``grid.get_node_ids()`` every 0.5 s at most."""
+    deadline = time.monotonic() + node_wait
+    last_count, stable_since = -1, time.monotonic()
+    while True:
+        nodes = sorted(set(int(n) for n in grid.get_node_ids()))
+        now = time.monotonic()
+        if len(nodes) != last_count:
+            last_count, stable_since = len(nodes), now
+        if (len(nodes) >= min_nodes and now - stable_since >= settle) or now >= deadline:
+            return nodes
+        time.sleep(min(0.5, max(0.0, deadline - now)))
+
+
+def sample_nodes(node_ids: Sequence[int], fraction: float, rng: secrets.SystemRandom | None = None) -> list[int]:
+    """Sample ``max(1, floor(fraction * N))`` distinct nodes uniformly with a CSPRNG (all of them if fraction=1).
+
+    Raises:
+        ValueError: ``fraction`` is not in (0, 1] or there are no nodes.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    nodes = sorted(set(int(n) for n in node_ids))
+    if not nodes:
+        raise ValueError("there are no connected nodes to sample from")
+    if fraction == 1.0:
+        return nodes
+    count = max(1, int(math.floor(fraction * len(nodes))))
+    return (rng or secrets.SystemRandom()).sample(nodes, count)
+
+
+def envelope_of(reply: Any, *, max_bytes: int) -> tuple[bytes | None, str]:
+    """The envelope bytes of one reply, or ``None`` and why not: ``("error")`` for an error reply (e.g. a client
+    refusing the request), ``("malformed")`` for no or an ill-formed ``content["envelope"]`` or an oversized
+    one. Nothing else of the reply (node id, timestamps, message ids) is returned."""
+    try:
+        if reply.has_error():
+            return None, "error"
+        content = reply.content
+        if set(content.keys()) != {M.ENVELOPE_KEY}:
+            return None, "malformed"
+        envelope = M.envelope_from_record(content[M.ENVELOPE_KEY])
+    except Exception:  # noqa: BLE001 - any defect in one reply only drops that reply
+        return None, "malformed"
+    if len(envelope) > max_bytes:
+        return None, "malformed"
+    return envelope, "ok"
+
+
+def collect_into_stream(grid: GridLike, shuffler: ShufflerLike, cfg: ServerConfig, envelope_length: int,
+                        messages: list[Any], round_id: int, digest: bytes, out: RoundOutcome) -> Any | None:
+    """Send the round's messages and stream each reply's envelope to the shuffler as it arrives.
+
+    The Submit stream announces one slot per message pushed. A reply is dropped as soon as its envelope is
+    taken; envelopes are forwarded about once a second (:data:`FLUSH_SECONDS`) or per full packed message.
+    An error reply, a malformed one and a duplicate (the same bytes twice) fill their slot with an empty
+    placeholder, and so does every node without a reply at ``reply-timeout``. While nothing arrives
+    the stream is kept alive (the shuffler cancels idle submissions). Returns the stream with every slot sent,
+    ready to close, or ``None`` after cancelling it when fewer than ``min-reports`` envelopes arrived (the
+    shuffler then seals nothing and the round's binding stays unused). Fills ``out``'s reply counters.
+
+    The shuffler receives the envelopes in arrival order; it verifies each signer anyway, so the order tells it
+    nothing it does not know. The server keeps only a SHA-256 of each envelope (for de-duplication).
+    """
+    from shuffledp.shuffler.wire import FIELD_OVERHEAD
+
+    # A SuperLink returns "" for a message it could not store (e.g. its node left after get_node_ids): that
+    # message has no slot. One slot per distinct id actually pushed, so the count announced to the shuffler
+    # is exactly the number of slots sent (else the whole batch is refused as count_mismatch).
+    outstanding = {str(i) for i in grid.push_messages(messages) if i}
+    out.n_not_pushed = len(messages) - len(outstanding)
+    del messages
+    stream = shuffler.open_submit(
+        round_id=round_id, key_epoch=cfg.key_epoch, model_digest=digest, count=len(outstanding),
+        envelope_length=envelope_length, timeout=cfg.reply_timeout + SUBMIT_MARGIN_SECONDS,
+    )
+    counts = {"error": 0, "malformed": 0, "duplicate": 0}
+    seen: set[bytes] = set()
+    n_replies = 0
+    try:
+        deadline = time.monotonic() + cfg.reply_timeout
+        # Flower's in-memory (simulation) grid polls every `pull_interval` (0.1 s) in send_and_receive; a
+        # deployment's SuperLink is polled less often.
+        interval = float(getattr(grid, "pull_interval", PULL_INTERVAL_SECONDS))
+        last_sent = time.monotonic()
+        # Envelopes and placeholders wait here until about one packed message's worth has arrived or
+        # FLUSH_SECONDS have passed: few sends (each wakes gRPC's request thread in this process, which in
+        # simulation shares one GIL with Flower's engine), while the shuffler still verifies during the
+        # collection.
+        pending: list[bytes] = []
+        pending_bytes = 0
+        while outstanding:
+            for reply in grid.pull_messages(set(outstanding)):
+                slot = str(reply.metadata.reply_to_message_id)
+                if slot not in outstanding:  # not one of ours, or a second reply for a slot: ignore
+                    continue
+                outstanding.discard(slot)
+                n_replies += 1
+                envelope, kind = envelope_of(reply, max_bytes=cfg.max_message_bytes)
+                del reply  # the reply and its metadata are gone from here on
+                if envelope is not None:
+                    fingerprint = blake3.blake3(envelope).digest()  # 12 us per 100 KiB; SHA-256 49
+                    if fingerprint in seen:
+                        envelope, kind = None, "duplicate"
+                    seen.add(fingerprint)
+                if envelope is None:
+                    counts[kind] += 1
+                    envelope = b""
+                pending.append(envelope)
+                pending_bytes += len(envelope) + FIELD_OVERHEAD
+            now = time.monotonic()
+            # flush once the next envelope would not fit in the packed message, so messages stay whole
+            full = pending_bytes + envelope_length + FIELD_OVERHEAD > stream.batch_bytes
+            if pending and (full or now - last_sent >= FLUSH_SECONDS):
+                stream.send_many(pending)
+                pending, pending_bytes = [], 0
+                last_sent = now
+            if not outstanding or now >= deadline:
+                break
+            if time.monotonic() - last_sent >= KEEPALIVE_SECONDS:
+                stream.keepalive()
+                last_sent = time.monotonic()
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+        stream.send_many(pending + [b""] * len(outstanding))  # and a placeholder per node without a reply
+        del pending
+    except BaseException:
+        stream.cancel()
+        raise
+    out.n_replies = n_replies
+    out.n_error_replies = counts["error"]
+    out.n_malformed_replies = counts["malformed"] + counts["duplicate"]
+    out.n_envelopes = n_replies - sum(counts.values())
+    if out.n_envelopes < cfg.min_reports:
+        stream.cancel()
+        return None
+    return stream
