@@ -36,6 +36,7 @@ RESUME_KEYS = (
     "hidden-units",
     "dataset",
     "pca-components",
+    "seed",
     "target-delta",
     "accounting-family",
     "comparison-families",

@@ -655,8 +655,9 @@ def test_resume_refuses_a_changed_privacy_setting(h: Any) -> None:
     with pytest.raises(ResumeError, match="eps0: 8.0 -> 2.0"):
         resumed.restore()
     # settings the checkpoint restores from its own state would be silently ignored: refused as well
+    # and a new seed would re-draw the splits, so a client's rows could land in the server's public or test split
     for key, value in (("server-lr", 0.01), ("server-momentum", 0.5), ("comparison-families", "girgis"),
-                       ("mechanism", "duchi")):
+                       ("mechanism", "duchi"), ("seed", 3)):
         resumed = h.engine(h.config(**{key: value}), h.grid([h.honest()] * h.N))
         with pytest.raises(ResumeError, match=key):
             resumed.restore()
