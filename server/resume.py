@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -16,8 +16,9 @@ from shuffledp.server.optim import ServerOptimizer
 from shuffledp.server.outcome import ResumeError, RoundOutcome
 from shuffledp.server.state import CheckpointError
 
-if TYPE_CHECKING:
-    from shuffledp.server.rounds import RoundEngine
+#: The round engine (:class:`shuffledp.server.rounds.RoundEngine`, which imports this module): its checkpoint
+#: store, ledger, shuffler, configuration and state, which :func:`restore` reconciles and sets.
+RoundEngine = Any
 
 __all__ = ["RESUME_KEYS", "restore", "refuse_a_spent_key_epoch"]
 
