@@ -78,8 +78,17 @@ def _cmd_epsilon(args: argparse.Namespace, out: TextIO) -> int:
         "delta": args.delta,
         "rounds": args.rounds,
         **_cap_fields(bound),
+        **_restriction_fields(args.bound),
     }
     return emit(obj, args.json, out, lambda: _single_result(obj, out))
+
+
+def _restriction_fields(family: str) -> dict[str, Any]:
+    """A mechanism-specific family's value holds only for its mechanism: say so next to the value."""
+    from shuffledp.accounting.families import REGISTRY
+
+    found = REGISTRY.get(family)
+    return {"holds_only_for": found.restriction} if found is not None and found.mechanism else {}
 
 
 def _cap_fields(bound: Any) -> dict[str, Any]:
@@ -110,6 +119,7 @@ def _cmd_delta(args: argparse.Namespace, out: TextIO) -> int:
         "epsilon": args.epsilon,
         "rounds": args.rounds,
         **_cap_fields(bound),
+        **_restriction_fields(args.bound),
     }
     return emit(obj, args.json, out, lambda: _single_result(obj, out))
 
@@ -148,6 +158,7 @@ def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
         "n": args.n,
         "rounds": args.rounds,
         **_calibration_fields(bound),
+        **_restriction_fields(args.bound),
     }
     return emit(obj, args.json, out, lambda: _single_result(obj, out))
 
@@ -178,7 +189,8 @@ def _compare_results(args: argparse.Namespace) -> list[dict[str, Any]]:
             continue
         value = float(bound.value)
         if math.isfinite(value):
-            results.append({"bound": family, "value": value, "kind": bound.kind, "reason": None, **_cap_fields(bound)})
+            results.append({"bound": family, "value": value, "kind": bound.kind, "reason": None, **_cap_fields(bound),
+                            **_restriction_fields(family)})
         else:
             reason = f"no finite value ({value!r})"
             results.append({"bound": family, "value": None, "kind": "refused", "reason": reason})

@@ -40,6 +40,10 @@ The families (kind in brackets):
 * ``canonical-gdp`` [approximate]: Shvets, "Universal shuffle asymptotics: JSD and GDP", 2026 (seed 002),
   mu_n = sqrt(chi^2(W_1||W_0)/n) for binary randomized response with eps0; T rounds: sqrt(T) mu_n.
 * ``no-shuffle`` [upper]: each report eps0-DP seen by the server, T rounds composed optimally (KOV).
+* ``blanket-laplace`` [upper, mechanism-aware]: the privacy blanket of the project's discrete Laplace randomizer
+  (Balle, Bell, Gascon, Nissim, CRYPTO 2019), blanket mass e^{-eps0/2}, ratios spread to the corners of
+  [e^{-eps0/2}, e^{eps0/2}]^2; pessimistic PLD composition (:mod:`shuffledp.accounting.blanket`). Valid only for
+  reports of that randomizer (:data:`FAMILY_MECHANISMS`).
 
 Each method returns ``(value, details)``; the values are the families' own (uncapped). These modules import only
 the standard library and :mod:`shuffledp.accounting.core` when they are loaded (the package imports this one for
@@ -65,6 +69,7 @@ from shuffledp.accounting.families_pld import (
     DELTA_SEARCH_FLOOR,
     DELTA_SEARCH_RTOL,
     FMT_DELTA_FRACTIONS,
+    BlanketLaplaceFamily,
     CloneFamily,
     FmtFamily,
     NoShuffleFamily,
@@ -82,6 +87,7 @@ __all__ = [
     "FAMILY_KINDS",
     "RENYI_FAMILIES",
     "CLONE_VARIANTS",
+    "FAMILY_MECHANISMS",
     "FMT_DELTA_FRACTIONS",
     "DELTA_SEARCH_RTOL",
     "DELTA_SEARCH_FLOOR",
@@ -106,6 +112,7 @@ REGISTRY: Mapping[str, Family] = {
         RrLowerFamily(),
         CanonicalGdpFamily(),
         NoShuffleFamily(),
+        BlanketLaplaceFamily(),
     )
 }
 
@@ -120,6 +127,10 @@ RENYI_FAMILIES: tuple[str, ...] = tuple(name for name, family in REGISTRY.items(
 CLONE_VARIANTS: Mapping[str, str] = {
     name: family.variant for name, family in REGISTRY.items() if isinstance(family, CloneFamily)
 }
+
+#: The mechanism-specific families and the one local randomizer each covers (``"laplace"``: the project's discrete
+#: Laplace randomizer); every other family holds for any eps0-LDP randomizer.
+FAMILY_MECHANISMS: Mapping[str, str] = {name: family.mechanism for name, family in REGISTRY.items() if family.mechanism}
 
 
 def lookup(family: Any, *, renyi: bool = False) -> Family:

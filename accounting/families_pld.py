@@ -21,6 +21,7 @@ __all__ = [
     "FmtFamily",
     "RrLowerFamily",
     "NoShuffleFamily",
+    "BlanketLaplaceFamily",
     "FMT_DELTA_FRACTIONS",
     "DELTA_SEARCH_RTOL",
     "DELTA_SEARCH_FLOOR",
@@ -293,3 +294,57 @@ class NoShuffleFamily(Family):
             "discretisation": "pessimistic",
             "interval": interval,
         }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mechanism-aware: the privacy blanket of the project's discrete Laplace randomizer
+# ---------------------------------------------------------------------------------------------------------
+
+
+class BlanketLaplaceFamily(Family):
+    """``blanket-laplace``: the privacy blanket of the project's discrete Laplace randomizer (Balle, Bell, Gascon,
+    Nissim, "The privacy blanket of the shuffle model", CRYPTO 2019), blanket mass e^{-eps0/2}, likelihood ratios
+    spread to the corners of [e^{-eps0/2}, e^{eps0/2}]^2 (:mod:`shuffledp.accounting.blanket`; derivation in
+    docs/accounting.md). An upper bound for reports of :class:`shuffledp.clients.randomizer.DiscreteLaplaceRandomizer`
+    only (any dimension, clip and grid); not for any other eps0-LDP randomizer."""
+
+    name = "blanket-laplace"
+    bucketed = True
+    mechanism = "laplace"
+    restriction = (
+        "reports of the project's discrete Laplace randomizer (DiscreteLaplaceRandomizer: L1 clip, integer "
+        "projection, discrete Laplace of scale 2C/eps0) at this eps0, in any dimension d, for any clip C and grid; "
+        "not other eps0-LDP randomizers")
+
+    def _details(self, **extra: Any) -> Details:
+        return {"mechanism": self.mechanism, "restriction": self.restriction, **extra}
+
+    def epsilon(self, eps0: float, n: int, delta: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """Exact on the dominating pair for one round; pessimistic PLD composition for several."""
+        from shuffledp.accounting import blanket
+
+        if rounds == 1:
+            return blanket.blanket_epsilon(eps0, n, delta), self._details(method="exact on the dominating pair")
+        composed, interval = blanket.composed_blanket_pld([(n, eps0, rounds)])
+        value = _comp().pld_epsilon(composed, delta)
+        return value, self._details(method="pld", discretisation=_SPREAD, interval=interval)
+
+    def delta(self, eps0: float, n: int, epsilon: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """Exact on the dominating pair for one round; pessimistic PLD composition for several."""
+        from shuffledp.accounting import blanket
+
+        if rounds == 1:
+            return blanket.blanket_delta(eps0, n, epsilon), self._details(method="exact on the dominating pair")
+        composed, interval = blanket.composed_blanket_pld([(n, eps0, rounds)])
+        value = float(_pld().delta_for_epsilon(composed, epsilon))
+        return value, self._details(method="pld", discretisation=_SPREAD, interval=interval)
+
+    def heterogeneous_epsilon(
+        self, items: Items, total: int, delta: float, allow_approximate: bool
+    ) -> tuple[float, Details]:
+        """The groups' PLDs on one grid, composed (see :meth:`Family.heterogeneous_epsilon`)."""
+        from shuffledp.accounting import blanket
+
+        composed, interval = blanket.composed_blanket_pld(list(items))
+        value = _comp().pld_epsilon(composed, delta)
+        return value, self._details(method="pld", discretisation=_SPREAD, interval=interval)

@@ -63,6 +63,10 @@ class Family:
             family but ``no-shuffle`` itself: the shuffled output is a post-processing of the reports).
         bucketed: heterogeneous rounds may be moved to dominating grid points so that rounds merge.
         merge_by_eps0: heterogeneous rounds are grouped by eps0 alone (n plays no role).
+        mechanism: the local randomizer the family's derivation covers: ``""`` for every eps0-LDP randomizer (the
+            generic families), else the name of the one mechanism (``"laplace"``: the project's discrete Laplace
+            randomizer); such a family may enforce a budget only for reports produced by that mechanism.
+        restriction: the sentence printed next to the values of a mechanism-specific family.
     """
 
     name: str = ""
@@ -73,6 +77,8 @@ class Family:
     capped: bool = True
     bucketed: bool = False
     merge_by_eps0: bool = False
+    mechanism: str = ""
+    restriction: str = ""
 
     def check(self, eps0: float, n: int, delta: float, allow_approximate: bool) -> None:
         """The validity rule: raise :class:`RefusedError` (saying why) where the family refuses one round.

@@ -255,6 +255,19 @@ def _accounting_families() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(FAMILIES), tuple(GUARANTEE_FAMILIES)
 
 
+def _check_mechanism_families(mechanism: str, families: tuple[str, ...]) -> None:
+    """A mechanism-aware family (e.g. ``blanket-laplace``) bounds only the reports of its own randomizer: refuse it
+    (as the budget family or as a comparison) when the run's clients use another ``mechanism``."""
+    from shuffledp.accounting.families import FAMILY_MECHANISMS
+
+    for name in families:
+        needed = FAMILY_MECHANISMS.get(name)
+        if needed is not None and needed != mechanism:
+            raise ConfigError(
+                f"run config names {name!r}, a bound that holds only for reports of the {needed!r} mechanism, but "
+                f"'mechanism' = {mechanism!r}; use a generic family (e.g. 'clones') or mechanism = {needed!r}")
+
+
 def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> ServerConfig:
     """Validate Flower's run config and return a :class:`ServerConfig`.
 
@@ -278,6 +291,7 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
             "'comparison-families')"
         )
     comparison = tuple(f for f in _families(raw, "comparison-families", known_families) if f != family)
+    _check_mechanism_families(_str(raw, "mechanism", choices=MECHANISMS), (family, *comparison))
 
     address = _str(raw, "shuffler-address").strip()
     if address != "auto":

@@ -42,6 +42,15 @@ def test_default_family_is_removed_from_comparisons() -> None:
     assert cfg.comparison_families == ("rr-lower",)
 
 
+def test_blanket_laplace_needs_the_laplace_mechanism() -> None:
+    cfg = parse_run_config({"accounting-family": "blanket-laplace", "mechanism": "laplace"})
+    assert cfg.accounting_family == "blanket-laplace"
+    for raw in ({"accounting-family": "blanket-laplace", "mechanism": "duchi", "clip-l2": 1.0},
+                {"comparison-families": "blanket-laplace", "mechanism": "privunit2", "clip-l2": 1.0}):
+        with pytest.raises(ConfigError, match="holds only for reports of the 'laplace' mechanism"):
+            parse_run_config(raw)
+
+
 @pytest.mark.parametrize(
     ("key", "value", "fragment"),
     [

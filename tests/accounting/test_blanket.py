@@ -1,0 +1,156 @@
+"""``blanket-laplace``: cross-checks against exact enumeration of tiny shuffled instances, against ``clones``, the
+reference points, monotonicity, the blanket mass of the real randomizer, and the CLI's restriction line."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from shuffledp.accounting import blanket, bounds, clones
+from shuffledp.accounting.cli import main as cli_main
+
+#: Output range [-R, R] per coordinate of the exact enumerations; outside it the brute force drops mass, so its
+#: delta is a lower bound on the instance's exact delta (the comparison stays in the safe direction).
+BRUTE_RANGE_1D = 45
+BRUTE_RANGE_2D = 18
+#: Slack allowed when comparing the family's value with a quantity it must dominate (float round-off only).
+ROUNDOFF = 1e-12
+
+
+def _dl_pmf(center: np.ndarray, t: float, r: int) -> np.ndarray:
+    """Discrete Laplace pmf on [-r, r]^d (product over coordinates) centred at the integer vector ``center``."""
+    axis = np.arange(-r, r + 1)
+    out = np.ones(())
+    for c in center:
+        p = (1.0 - t) / (1.0 + t) * t ** np.abs(axis - c)
+        out = np.multiply.outer(out, p)
+    return out.ravel()
+
+
+def _shuffled(pmfs: list[np.ndarray]) -> np.ndarray:
+    """The pmf of the reports in a uniformly random order (a sufficient statistic for the multiset)."""
+    total = None
+    perms = list(itertools.permutations(range(len(pmfs))))
+    for perm in perms:
+        term = pmfs[perm[0]]
+        for i in perm[1:]:
+            term = np.multiply.outer(term, pmfs[i])
+        total = term if total is None else total + term
+    return total.ravel() / len(perms)
+
+
+def _hockey(p: np.ndarray, q: np.ndarray, eps: float) -> float:
+    return float(np.maximum(p - math.exp(eps) * q, 0.0).sum())
+
+
+def _brute_delta(eps0: float, k: int, d: int, r: int, x1, x1p, others, eps: float) -> float:
+    """Exact (truncated) hockey-stick divergence, both directions, of the shuffled discrete Laplace instance."""
+    t = math.exp(-eps0 / (2 * k))
+    rest = [_dl_pmf(np.array(o), t, r) for o in others]
+    p = _shuffled([_dl_pmf(np.array(x1), t, r), *rest])
+    q = _shuffled([_dl_pmf(np.array(x1p), t, r), *rest])
+    return max(_hockey(p, q, eps), _hockey(q, p, eps))
+
+
+@pytest.mark.parametrize(
+    ("x1", "x1p", "others"),
+    [((2,), (-2,), [(0,), (0,)]), ((2,), (-2,), [(2,), (-2,)]), ((2,), (0,), [(-2,), (-2,)]),
+     ((1,), (-1,), [(2,), (2,)]), ((2,), (1,), [(-1,), (0,)])],
+)
+def test_dominates_exact_one_dimensional_instances(x1, x1p, others) -> None:
+    """n = 3 reports, K = 2, eps0 = 2: the family's delta is above the exact delta of every listed instance."""
+    eps0, n = 2.0, 3
+    for eps in (0.25, 0.75, 1.25):
+        exact = _brute_delta(eps0, 2, 1, BRUTE_RANGE_1D, x1, x1p, others, eps)
+        assert blanket.blanket_delta(eps0, n, eps) >= exact - ROUNDOFF
+
+
+@pytest.mark.parametrize(
+    ("x1", "x1p", "other"),
+    [((1, 0), (0, 1), (0, -1)), ((1, 0), (-1, 0), (0, 1)), ((1, 0), (0, -1), (-1, 0))],
+)
+def test_dominates_exact_two_dimensional_instances(x1, x1p, other) -> None:
+    """d = 2, K = 1, n = 2, eps0 = 2 (the first is the issue's cross move: +e1 -> +e2, the other at -e2)."""
+    eps0, n = 2.0, 2
+    for eps in (0.25, 0.75, 1.25):
+        exact = _brute_delta(eps0, 1, 2, BRUTE_RANGE_2D, x1, x1p, [other], eps)
+        assert blanket.blanket_delta(eps0, n, eps) >= exact - ROUNDOFF
+
+
+def test_one_dimension_k1_is_the_dominating_pair_itself() -> None:
+    """With K = 1 the corner law is the mechanism's own law: the antipodal instance with the others at the
+    centre comes close to the family (it reveals nothing about which reports are blanket, so it is below)."""
+    eps0, n, eps = 2.0, 3, 0.5
+    exact = _brute_delta(eps0, 1, 1, BRUTE_RANGE_1D, (1,), (-1,), [(0,), (0,)], eps)
+    value = blanket.blanket_delta(eps0, n, eps)
+    assert exact - ROUNDOFF <= value <= 3.0 * exact
+
+
+def test_reference_points() -> None:
+    """The issue's two reference points: corner-spread values, ratios to clones, above the proven floor 0.827."""
+    one = blanket.blanket_epsilon(4.0, 1437, 1e-6)
+    assert one == pytest.approx(1.2124, abs=2e-4)
+    assert 0.827 <= one <= 0.90 * clones.clone_epsilon(4.0, 1437, 1e-6)
+    two = blanket.blanket_epsilon(6.0, 5000, 1e-8)
+    assert two == pytest.approx(3.5514, abs=2e-4)
+    assert two <= 0.6 * clones.clone_epsilon(6.0, 5000, 1e-8)
+
+
+@pytest.mark.parametrize("eps0", [0.5, 2.0, 4.0, 6.0])
+@pytest.mark.parametrize("n", [2, 50, 400])
+def test_at_most_clones(eps0: float, n: int) -> None:
+    value = blanket.blanket_epsilon(eps0, n, 1e-6)
+    assert value <= clones.clone_epsilon(eps0, n, 1e-6) + ROUNDOFF
+
+
+def test_monotone_in_n_and_rounds() -> None:
+    values = [blanket.blanket_epsilon(4.0, n, 1e-6) for n in (100, 200, 400, 800)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    composed = [bounds.epsilon("blanket-laplace", 4.0, 1437, 1e-6, t).value for t in (1, 2, 5, 10)]
+    assert all(a <= b for a, b in zip(composed, composed[1:]))
+
+
+def test_composed_single_round_is_pessimistic_and_close() -> None:
+    from shuffledp.accounting import composition
+
+    exact = blanket.blanket_epsilon(4.0, 1437, 1e-6)
+    pld, _ = blanket.composed_blanket_pld([(1437, 4.0, 1)])
+    via_pld = composition.pld_epsilon(pld, 1e-6)
+    assert exact - 1e-9 <= via_pld <= exact * (1.0 + 1e-3)
+
+
+def test_heterogeneous_rounds_between_their_uniform_bounds() -> None:
+    lo = bounds.epsilon("blanket-laplace", 4.0, 2000, 1e-6, 4).value
+    hi = bounds.epsilon("blanket-laplace", 4.0, 1000, 1e-6, 4).value
+    from shuffledp.accounting.events import ShuffleRound
+
+    rounds = [ShuffleRound(n=1000, eps0=4.0), ShuffleRound(n=2000, eps0=4.0)] * 2
+    mixed = bounds.epsilon_for_rounds("blanket-laplace", rounds, 1e-6).value
+    assert lo - 1e-9 <= mixed <= hi + 1e-9
+
+
+def test_blanket_mass_of_the_real_randomizer() -> None:
+    """inf_q P_q(y) = t^K P_0(y) over the integer L1 ball (checked by enumeration, d = 2, K = 2), and the
+    randomizer's t^K = e^{-eps_used/2} is at least the e^{-eps0/2} the family assumes."""
+    from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
+
+    rnd = DiscreteLaplaceRandomizer(4.0, 2.0, log2_grid=0)
+    k = rnd.radius
+    log_t = -rnd.noise_num / 2.0**rnd.noise_log2_den
+    assert k == 2 and k * log_t >= -2.0 - ROUNDOFF
+    ball = [q for q in itertools.product(range(-k, k + 1), repeat=2) if abs(q[0]) + abs(q[1]) <= k]
+    for y in itertools.product(range(-4, 5), repeat=2):
+        worst = max(sum(abs(a - b) for a, b in zip(y, q)) - sum(abs(a) for a in y) for q in ball)
+        assert worst == k  # log(inf_q P_q(y) / P_0(y)) = k log t
+    assert blanket.blanket_mass(rnd.eps_used) >= blanket.blanket_mass(4.0)
+
+
+def test_cli_states_the_restriction(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli_main(["account", "epsilon", "--bound", "blanket-laplace", "--eps0", "4", "--n", "1437",
+                     "--delta", "1e-6"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "holds_only_for" in text and "discrete Laplace randomizer" in text
