@@ -205,6 +205,28 @@ def _check_real(name: str, value: Any, *, low: float, high: float | None = None)
     return result
 
 
+#: How a round's mechanism label starts for each randomizer a mechanism-aware family covers (the server writes
+#: ``discrete-laplace-l1(d=...,C=...,eps0=...,report=...)`` for the project's discrete Laplace randomizer).
+MECHANISM_LABEL_PREFIXES = {"laplace": "discrete-laplace"}
+
+
+def _check_family_mechanism(default_family: str, mechanism: str) -> None:
+    """A mechanism-aware default family bounds only its own randomizer's reports: LedgerError for a round whose
+    mechanism label names another one."""
+    from shuffledp.accounting.families import FAMILY_MECHANISMS
+
+    covered = FAMILY_MECHANISMS.get(default_family)
+    if covered is None:
+        return
+    prefix = MECHANISM_LABEL_PREFIXES[covered]
+    if not mechanism.startswith(prefix):
+        raise LedgerError(
+            f"the default family {default_family!r} bounds only reports of the {covered!r} randomizer (a mechanism "
+            f"label starting {prefix!r}); this round's reports came from {mechanism!r}: charge it with a generic "
+            "family such as clones"
+        )
+
+
 def validate_record(
     *,
     round: int,  # noqa: A002 - "round" is the column's name in the contract
@@ -266,6 +288,7 @@ def validate_record(
         raise LedgerError(
             f"default_family {default_family!r} must be one of the recorded families {sorted(epsilons)}"
         )
+    _check_family_mechanism(default_family, mechanism)
     extra_reasons = set(reasons) - {f for f, k in kinds.items() if k == "refused"}
     if extra_reasons:
         raise LedgerError(f"reasons given for families that were not refused: {sorted(extra_reasons)}")

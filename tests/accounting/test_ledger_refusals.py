@@ -66,3 +66,18 @@ def test_an_empty_file_is_not_taken_for_a_new_ledger(tmp_path: Path) -> None:
     assert path.read_bytes() == b""
     with Ledger(tmp_path / "new.sqlite") as ledger:  # a ledger that does not exist yet is still created
         _append(ledger, 1, 0.1)
+
+
+def test_a_mechanism_aware_default_family_only_charges_its_own_randomizers_rounds(tmp_path: Path) -> None:
+    """blanket-laplace bounds the project's discrete Laplace randomizer only: a round whose reports came from
+    another mechanism cannot be charged with it, and nothing is written."""
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        ok = "discrete-laplace-l1(d=650,C=1,eps0=4,report=gradient)"
+        ledger.append(round=1, n_reports=100, eps0=4.0, mechanism=ok, delta=1e-6,
+                      epsilons={"blanket-laplace": 1.0}, kinds={"blanket-laplace": "upper"},
+                      default_family="blanket-laplace")
+        with pytest.raises(LedgerError, match="bounds only reports of the 'laplace' randomizer"):
+            ledger.append(round=2, n_reports=100, eps0=4.0, mechanism="duchi-l2(d=650,C=0.5,eps0=4,report=gradient)",
+                          delta=1e-6, epsilons={"blanket-laplace": 1.5}, kinds={"blanket-laplace": "upper"},
+                          default_family="blanket-laplace")
+        assert [r["round"] for r in ledger.rows()] == [1]
