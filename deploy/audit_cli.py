@@ -2,6 +2,8 @@
 :func:`shuffledp.deploy.audit.audit` and prints its report as a table, or as JSON with ``--json``.
 
 Exit code 0: consistent; 1: violations (listed); 2: the inputs could not be audited (reason on stderr).
+
+``shuffledp audit privacy ...`` is the empirical privacy audit instead (:mod:`shuffledp.deploy.audit_privacy_cli`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def _verify_key_arg(values: Sequence[str]) -> tuple[str | None, dict[int, str]]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shuffledp audit",
-        description="check that every batch the shuffler released was charged in the privacy ledgers",
+        description="check that every batch the shuffler released was charged in the privacy ledgers "
+                    "('shuffledp audit privacy --help': the empirical privacy audit)",
     )
     p.add_argument("--ledger", required=True, action="append",
                    help="a run's ledger.sqlite; repeat for each run (one per key epoch) the listing covers")
@@ -65,6 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "audit":
         args = args[1:]
+    if args and args[0] == "privacy":
+        from shuffledp.deploy.audit_privacy_cli import main as privacy_main
+
+        return privacy_main(args)
     try:
         ns = _parser().parse_args(args)
     except SystemExit as exc:
