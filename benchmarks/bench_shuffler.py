@@ -20,15 +20,23 @@ the shuffler journals and fsyncs every batch before acknowledging it, so that ra
 that size. ``--core-breakdown`` pushes one batch per size through the in-process core (no gRPC) and splits
 add() (open, verify, stage) from finish() (output digest, fsync, sign, journal).
 
-``--baseline`` also measures plain gRPC client-streaming of the same envelopes to a do-nothing servicer in a
-child process over the same mTLS credentials (the transport ceiling on this machine).
+After each shuffler run, plain gRPC over the same mTLS credentials streams the same envelopes to a do-nothing
+servicer in a child process and as many inner-sized items back from it (the transport on this machine, unless
+``--no-baseline``); the two alternate, so that both see the same load of a shared machine, and the summary gives
+transport time over shuffler time (submit + fetch): the ratio of the medians and the median of the pairs.
+
+``--big-batch N`` (default 1,000,000; 0 skips it) then pushes one batch of N small envelopes
+(``--big-envelope-bytes``, default 256) of N freshly enrolled clients through a real shuffler process and reports
+its submit and fetch time and the peak RSS of the shuffler and of this client; sealing them (``--seal-workers``
+processes) is not timed. ``--quick``: 300 reports per size, 3 runs, no disk probe, a 20,000-report big batch.
 ``--strace`` attaches ``strace -c -f`` to the shuffler during one extra submit+fetch (syscall time, e.g. fsync);
 ``--perf`` records it with ``perf record -g`` and prints where its CPU time goes (by library and symbol).
 
 Usage::
 
-    python benchmarks/bench_shuffler.py                      # 1,000 x 100 KiB and 1,000 x 1 MiB, 2 repeats
-    python benchmarks/bench_shuffler.py --reports 200 --sizes 1MiB --repeat 1 --baseline --core-breakdown --perf
+    python benchmarks/bench_shuffler.py --quick              # a few minutes
+    python benchmarks/bench_shuffler.py --reports 1000 --sizes 100KiB,1MiB --repeat 3 --disk-probe-mib 0
+    python benchmarks/bench_shuffler.py --reports 200 --sizes 1MiB --repeat 1 --big-batch 0 --core-breakdown --perf
 """
 
 from __future__ import annotations
@@ -278,59 +286,76 @@ _BASELINE_SERVER = textwrap.dedent(
 )
 
 
-def baseline(keys: Keys, envs: EnvelopeFile, max_msg: int, workdir: Path, *,
-             heap_tuning: bool) -> tuple[float, float]:
-    """Seconds to client-stream the envelopes to a do-nothing servicer (same mTLS, same message sizes), and
-    seconds to server-stream as many inner-sized items back from a do-nothing source, packed as Fetch packs
-    them and decoded as ``ShufflerClient.fetch`` decodes them: the transport's own cost in each direction."""
-    import grpc
+class Baseline:
+    """Plain gRPC over the same mTLS credentials in a child process: a do-nothing sink for client-streaming and a
+    do-nothing source for server-streaming (the transport ceiling). Started once per size, so that its runs can
+    alternate with the shuffler's in one invocation; a context manager."""
 
-    from shuffledp.shuffler import shuffler_pb2 as pb
-    from shuffledp.shuffler import shuffler_pb2_grpc as pb_grpc
+    def __init__(self, keys: Keys, max_msg: int, workdir: Path, *, heap_tuning: bool) -> None:
+        import grpc
 
-    port_file = workdir / "baseline.port"
-    port_file.unlink(missing_ok=True)
-    d = keys.d
-    p = subprocess.Popen([sys.executable, "-c", _BASELINE_SERVER, str(d.ca_cert), str(d.shuffler_cert),
-                          str(d.shuffler_tls_key), str(max_msg + 1024), str(port_file),
-                          "tuned" if heap_tuning else "default"])
-    try:
-        deadline = time.monotonic() + 30
-        while not port_file.exists() or not port_file.read_text():
-            if p.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("baseline server did not start")
-            time.sleep(0.05)
-        port = int(port_file.read_text())
-        creds = grpc.ssl_channel_credentials(root_certificates=keys.ca, private_key=keys.key,
-                                             certificate_chain=keys.cert)
+        from shuffledp.shuffler import shuffler_pb2_grpc as pb_grpc
+
+        port_file = workdir / "baseline.port"
+        port_file.unlink(missing_ok=True)
+        d = keys.d
+        self.proc = subprocess.Popen([sys.executable, "-c", _BASELINE_SERVER, str(d.ca_cert), str(d.shuffler_cert),
+                                      str(d.shuffler_tls_key), str(max_msg + 1024), str(port_file),
+                                      "tuned" if heap_tuning else "default"])
+        try:
+            deadline = time.monotonic() + 30
+            while not port_file.exists() or not port_file.read_text():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("baseline server did not start")
+                time.sleep(0.05)
+            port = int(port_file.read_text())
+            creds = grpc.ssl_channel_credentials(root_certificates=keys.ca, private_key=keys.key,
+                                                 certificate_chain=keys.cert)
+            self.channel = grpc.secure_channel(
+                f"127.0.0.1:{port}", creds,
+                options=[("grpc.max_send_message_length", max_msg + 1024),
+                         ("grpc.max_receive_message_length", max(max_msg + 1024, 2 * wire.PACKED_MESSAGE_BYTES))])
+            self.stub = pb_grpc.ShufflerStub(self.channel)
+            grpc.channel_ready_future(self.channel).result(timeout=10)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, envs: EnvelopeFile) -> tuple[float, float]:
+        """Seconds to client-stream the envelopes to the sink (one per message, as protobuf messages), and seconds
+        to server-stream as many inner-sized items back from the source, packed as Fetch packs them and decoded
+        as ``ShufflerClient.fetch`` decodes them: the transport's own cost in each direction."""
+        from shuffledp.shuffler import shuffler_pb2 as pb
+
         inner_length = envs.length - ENVELOPE_OVERHEAD + INNER_OVERHEAD
-        with grpc.secure_channel(f"127.0.0.1:{port}", creds,
-                                 options=[("grpc.max_send_message_length", max_msg + 1024),
-                                          ("grpc.max_receive_message_length",
-                                           max(max_msg + 1024, 2 * wire.PACKED_MESSAGE_BYTES))]) as ch:
-            stub = pb_grpc.ShufflerStub(ch)
-            grpc.channel_ready_future(ch).result(timeout=10)
-            t0 = time.perf_counter()
-            resp = stub.Submit(pb.SubmitRequest(envelope=bytes(e)) for e in envs)
-            t1 = time.perf_counter()
-            raw_fetch = ch.unary_stream(FETCH_METHOD,
-                                        request_serializer=pb.FetchRequest.SerializeToString,
-                                        response_deserializer=None)
-            got = 0
-            t2 = time.perf_counter()
-            for raw in raw_fetch(pb.FetchRequest(batch_id=envs.count.to_bytes(8, "big")
-                                                 + inner_length.to_bytes(8, "big"))):
-                for item in wire.decode_repeated_bytes_field(raw, 1) or []:
-                    got += len(item)
-            t3 = time.perf_counter()
+        t0 = time.perf_counter()
+        resp = self.stub.Submit(pb.SubmitRequest(envelope=bytes(e)) for e in envs)
+        t1 = time.perf_counter()
+        raw_fetch = self.channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString,
+                                              response_deserializer=None)
+        got = 0
+        t2 = time.perf_counter()
+        for raw in raw_fetch(pb.FetchRequest(batch_id=envs.count.to_bytes(8, "big") + inner_length.to_bytes(8, "big"))):
+            for item in wire.decode_repeated_bytes_field(raw, 1) or []:
+                got += len(item)
+        t3 = time.perf_counter()
         if int(resp.statement) != envs.count * envs.length:
             raise RuntimeError("baseline sink received the wrong number of bytes")
         if got != envs.count * inner_length:
             raise RuntimeError(f"baseline source sent {got} bytes, expected {envs.count * inner_length}")
         return t1 - t0, t3 - t2
-    finally:
-        p.send_signal(signal.SIGTERM)
-        p.wait(10)
+
+    def close(self) -> None:
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(10)
+
+    def __enter__(self) -> "Baseline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @contextlib.contextmanager
@@ -458,6 +483,81 @@ def disk_write_probe(directory: Path, total: int, block: int = 2**20) -> dict[st
     return out
 
 
+def _seal_part(args: tuple[bytes, bytes, int, int, int, int, bytes, str]) -> int:
+    """Worker of :func:`seal_many`: ``count`` fresh client key pairs and one envelope each, appended to two files
+    (public keys, envelopes). Returns ``count``."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    server_pk, shuffler_pk, count, payload_size, round_id, _, digest, prefix = args
+    payload = bytes(payload_size)
+    with open(prefix + ".env", "wb") as envs, open(prefix + ".pub", "wb") as pubs:
+        for _ in range(count):
+            sk = ed25519.Ed25519PrivateKey.generate()
+            pubs.write(sk.public_key().public_bytes_raw())
+            envs.write(seal(payload, server_public_key=server_pk, shuffler_public_key=shuffler_pk,
+                            signing_key=sk.private_bytes_raw(), key_epoch=0, round_id=round_id, model_digest=digest))
+    return count
+
+
+def seal_many(keys: Keys, workdir: Path, n: int, payload_size: int, round_id: int, digest: bytes,
+              workers: int) -> EnvelopeFile:
+    """``n`` envelopes of ``n`` fresh clients, sealed by ``workers`` processes into one file, the clients enrolled
+    (the key directory's enrolment is rewritten). Returns the envelopes as an :class:`EnvelopeFile`."""
+    import concurrent.futures
+    import multiprocessing
+
+    shares = [n // workers + (1 if i < n % workers else 0) for i in range(workers)]
+    prefixes = [str(workdir / f"big-part-{i}") for i in range(workers)]
+    jobs = [(keys.server_pk, keys.shuffler_pk, c, payload_size, round_id, i, digest, prefixes[i])
+            for i, c in enumerate(shares)]
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        if sum(pool.map(_seal_part, jobs)) != n:
+            raise RuntimeError("a sealing worker fell short")
+    out = workdir / "big.bin"
+    enrolled: dict[str, bytes] = {}
+    with open(out, "wb") as fh:
+        for prefix in prefixes:
+            with open(prefix + ".env", "rb") as part:
+                shutil.copyfileobj(part, fh, 16 << 20)
+            pubs = Path(prefix + ".pub").read_bytes()
+            for j in range(0, len(pubs), 32):
+                enrolled[keyfiles.client_id(len(enrolled))] = pubs[j : j + 32]
+            os.unlink(prefix + ".env")
+            os.unlink(prefix + ".pub")
+    keyfiles.save_enrolment(keys.d.enrolment, enrolled, overwrite=True)
+    return EnvelopeFile(out, n, payload_size + ENVELOPE_OVERHEAD)
+
+
+def big_batch(keys: Keys, work: Path, n: int, envelope_bytes: int, ns: argparse.Namespace) -> str:
+    """One batch of ``n`` small envelopes (``envelope_bytes`` each) through a real shuffler process: seconds to
+    seal (untimed otherwise), submit and fetch, and the peak RSS of the shuffler and of this client in each phase.
+    Returns the report line."""
+    payload = envelope_bytes - ENVELOPE_OVERHEAD
+    if payload < 1:
+        raise SystemExit(f"--big-envelope-bytes must exceed the {ENVELOPE_OVERHEAD}-byte envelope overhead")
+    digest = model_digest([b"bench-big"])
+    t = time.perf_counter()
+    envs = seal_many(keys, work, n, payload, 1, digest, workers=max(1, min(ns.seal_workers, os.cpu_count() or 1)))
+    t_seal = time.perf_counter() - t
+    print(f"# big batch: {n:,} envelopes of {envelope_bytes} B sealed in {t_seal:.0f} s (untimed)", flush=True)
+    max_env = max(envelope_bytes, 1024)
+    cfg = write_config(keys, work / "shuffler-big.toml", work / "journal-big", k=min(10, n), max_envelope=max_env,
+                       max_reports=n, heap_tuning=not ns.no_heap_tuning, verify_threads=ns.verify_threads)
+    with ShufflerProcess(cfg, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key,
+                         startup_timeout=600.0) as proc:
+        idle = vm_hwm(proc.pid)
+        run = one_run(keys, proc, envs, 1, digest, max_env + 1024)
+    envs.path.unlink()
+    shutil.rmtree(work / "journal-big", ignore_errors=True)
+    return (f"big batch: {n:,} reports of {envelope_bytes} B envelopes ({payload} B payloads) through the real "
+            f"service: submit {run.t_submit:.1f} s ({n / run.t_submit:,.0f} reports/s), fetch {run.t_fetch:.1f} s, "
+            f"together {run.t_submit + run.t_fetch:.1f} s; peak RSS of the shuffler "
+            f"{fmt_bytes(run.shuffler_hwm_submit)} (submit) / {fmt_bytes(run.shuffler_hwm_fetch)} (fetch), idle after "
+            f"start {fmt_bytes(idle)}; of this "
+            f"client {fmt_bytes(run.client_hwm_submit)} / {fmt_bytes(run.client_hwm_fetch)}; shuffler CPU "
+            f"{run.cpu_shuffler_submit:.1f} / {run.cpu_shuffler_fetch:.1f} s")
+
+
 def fmt_bytes(b: float) -> str:
     return f"{b / 2**20:,.0f} MiB"
 
@@ -468,8 +568,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="100KiB,1MiB", help="comma-separated payload sizes")
     ap.add_argument("--repeat", type=int, default=2, help="runs per size (each a new round, freshly sealed)")
     ap.add_argument("--workdir", default=None, help="where keys, envelopes and the journal go (default: a tempdir)")
-    ap.add_argument("--baseline", action="store_true",
-                    help="also time plain gRPC streaming to a sink and from a source (the transport ceiling)")
+    ap.add_argument("--baseline", action="store_true", help="(the default) time plain gRPC after each run")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="do not time plain gRPC streaming to a sink and from a source (the transport ceiling) after "
+                         "each shuffler run")
+    ap.add_argument("--quick", action="store_true",
+                    help="a short run: 300 reports per size, 3 runs each, no disk probe, a 20,000-report big batch")
+    ap.add_argument("--big-batch", type=int, default=1_000_000,
+                    help="reports in one batch of small envelopes through the real service, with time and peak "
+                         "memory (0: skip)")
+    ap.add_argument("--big-envelope-bytes", type=int, default=256, help="envelope length of the big batch")
+    ap.add_argument("--seal-workers", type=int, default=2, help="processes that seal the big batch")
     ap.add_argument("--staging-memory-limit", default=None,
                     help="the shuffler's staging_memory_limit (e.g. 2GiB: batches up to that size are staged in "
                          "memory); default: the shuffler's own default, 1 GiB")
@@ -490,6 +599,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="the shuffler's verify_threads (0: check signatures inline on the submit thread); "
                          "default: the shuffler's own default, 1")
     ns = ap.parse_args(argv)
+    if ns.quick:
+        given = set(argv if argv is not None else sys.argv[1:])
+        if "--reports" not in given:
+            ns.reports = 300
+        if "--repeat" not in given:
+            ns.repeat = 3
+        if "--disk-probe-mib" not in given:
+            ns.disk_probe_mib = 0
+        if "--big-batch" not in given:
+            ns.big_batch = 20_000
     sizes = [parse_size(s) for s in ns.sizes.split(",")]
     staging_limit = None if ns.staging_memory_limit is None else parse_size(ns.staging_memory_limit)
     if ns.reports < 1 or ns.repeat < 1 or not sizes:
@@ -519,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"MB/s, then fdatasync {probe['fdatasync']:,.0f} MB/s); O_DIRECT write + fdatasync {direct}")
     digest = model_digest([b"bench-model"])
     rows: list[Run] = []
+    transport: dict[int, list[tuple[float, float]]] = {}
     round_id = 0
     try:
         for size in sizes:
@@ -529,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
                                heap_tuning=not ns.no_heap_tuning, verify_threads=ns.verify_threads)
             proc = ShufflerProcess(cfg, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key)
             proc.start()
+            base = None if ns.no_baseline else Baseline(keys, max_msg, work, heap_tuning=not ns.no_heap_tuning)
             try:
                 print(f"# shuffler pid {proc.pid} at {proc.address}; idle VmHWM {fmt_bytes(vm_hwm(proc.pid))}",
                       flush=True)
@@ -539,17 +660,15 @@ def main(argv: list[str] | None = None) -> int:
                     t_seal = time.perf_counter() - t
                     run = one_run(keys, proc, envs, round_id, digest, max_msg)
                     rows.append(run)
-                    print(f"# size {size} run {rep + 1}: seal {t_seal:.2f}s (untimed), submit {run.t_submit:.2f}s, "
-                          f"fetch {run.t_fetch:.2f}s", flush=True)
+                    line = (f"# size {size} run {rep + 1}: seal {t_seal:.2f}s (untimed), submit {run.t_submit:.2f}s, "
+                            f"fetch {run.t_fetch:.2f}s")
+                    if base is not None:  # right after, on the same envelopes: the ratio sees the same load
+                        tb, tf = base.run(envs)
+                        transport.setdefault(size, []).append((tb, tf))
+                        line += f"; plain gRPC: submit {tb:.2f}s, fetch {tf:.2f}s"
+                    print(line, flush=True)
                     shutil.rmtree(journal / "batches", ignore_errors=True)  # keep disk use bounded between runs
                     (journal / "batches").mkdir(exist_ok=True)
-                if ns.baseline:
-                    tb, tf = baseline(keys, envs, max_msg, work, heap_tuning=not ns.no_heap_tuning)
-                    mb = envs.count * envs.length / MB
-                    extra.append(f"baseline plain gRPC mTLS, {size} B payloads, no shuffler work: client-stream to a "
-                                 f"sink {mb / tb:,.0f} MB/s ({tb:.2f}s); server-stream from a source "
-                                 f"{mb / tf:,.0f} MB/s ({tf:.2f}s); transport ceiling for submit + fetch one after "
-                                 f"the other: {mb / (tb + tf):,.0f} MB/s")
                 if ns.core_breakdown:
                     round_id += 1
                     envs = seal_round(keys, work / "envelopes.bin", ns.reports, size, round_id, digest)
@@ -572,7 +691,11 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(journal / "batches", ignore_errors=True)
                     (journal / "batches").mkdir(exist_ok=True)
             finally:
+                if base is not None:
+                    base.close()
                 proc.stop()
+        if ns.big_batch > 0:
+            extra.append(big_batch(keys, work, ns.big_batch, ns.big_envelope_bytes, ns))
     finally:
         tmp.cleanup()
 
@@ -611,6 +734,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {size // 1024} KiB | {css:.2f} | {med([r.cpu_shuffler_fetch for r in rs]):.2f} | "
               f"{med([r.cpu_client_submit for r in rs]):.2f} | {med([r.cpu_client_fetch for r in rs]):.2f} | "
               f"{rs[0].env_bytes / MB / css if css else float('inf'):,.0f} |")
+    if transport:
+        print()
+        print("Against plain gRPC over the same mTLS, run right after each shuffler run on the same envelopes "
+              "(client-stream to a sink, then server-stream from a source; medians; ratio = transport time over "
+              "shuffler time, submit + fetch):")
+        print("| payload | shuffler submit + fetch s | plain gRPC submit / fetch s | plain gRPC together MB/s | "
+              "shuffler together MB/s | ratio of medians | ratio per pair, median [min, max] |")
+        print("|---|---|---|---|---|---|---|")
+        for size in sizes:
+            rs = [r for r in rows if r.size == size]
+            pairs = transport.get(size, [])
+            if not pairs:
+                continue
+            med = statistics.median
+            ts = med([r.t_submit + r.t_fetch for r in rs])
+            tt = med([b + f for b, f in pairs])
+            per = [(b + f) / (r.t_submit + r.t_fetch) for r, (b, f) in zip(rs, pairs)]
+            mb = rs[0].env_bytes / MB
+            tb, tf = med([b for b, _ in pairs]), med([f for _, f in pairs])
+            print(f"| {size // 1024} KiB | {ts:.2f} | {tb:.2f} / {tf:.2f} | {mb / tt:,.0f} | {mb / ts:,.0f} | "
+                  f"**{tt / ts:.0%}** | {med(per):.0%} [{min(per):.0%}, "
+                  f"{max(per):.0%}] |")
     for line in extra:
         print()
         print(line)

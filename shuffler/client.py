@@ -344,7 +344,7 @@ class SubmitStream:
         if len(group) == 1:  # == SubmitRequest(envelope=e).SerializeToString(): sliced without a copy on arrival
             msg = wire.encode_bytes_field(2, group[0])
         else:  # == SubmitRequest(batch=EnvelopeBatch(envelopes=group)).SerializeToString()
-            msg = wire.encode_bytes_field(4, wire.encode_repeated_bytes_field(1, group))
+            msg = wire.encode_batch_message(4, 1, group)
         self._put(msg)
         self.sent += len(group)
 

@@ -438,15 +438,15 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
         with self._slot(self._fetch_slots, context, "fetches"):
             try:
                 self._authorize(context)
-                chunks = self.core.read_batch(bytes(request.batch_id))
+                # FetchResponse{inner: [...]}: consecutive inner ciphertexts, packed up to the peer's limit
+                messages = self.core.read_batch_messages(bytes(request.batch_id),
+                                                         packing_for(request.max_message_bytes))
             except Refused as exc:
                 self._abort(context, exc)
                 return
             with _IdleWatchdog(context, self.fetch_stall_timeout, "fetch_stall", "the peer took no message") as dog:
                 try:
-                    # FetchResponse{inner: [...]}: consecutive inner ciphertexts, packed up to the group size
-                    for group in wire.packed(chunks, packing_for(request.max_message_bytes)):
-                        message = wire.encode_repeated_bytes_field(1, group)
+                    for message in messages:
                         # gRPC resumes this generator once the peer has taken the message (all but a window of it)
                         dog.wait_begins(len(message) / self.fetch_min_rate)
                         yield message
@@ -454,6 +454,8 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
                 except Exception as exc:  # noqa: BLE001 - e.g. a sealed output damaged on disk; never report data
                     log.error("fetch: internal error (%s)", type(exc).__name__)
                     context.abort(grpc.StatusCode.INTERNAL, "internal error: the sealed output cannot be read")
+                finally:
+                    messages.close()  # type: ignore[attr-defined] - a generator: frees its buffers now
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         """Return the shuffler's aggregate counters, key epoch and Submit message limit to an authorised caller."""

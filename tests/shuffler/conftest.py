@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shuffledp.shuffler import core as core_module
+from shuffledp.shuffler import builder as core_module
 from shuffledp.shuffler import keys as keyfiles
 from shuffledp.shuffler.client import ShufflerClient
 from shuffledp.shuffler.config import load_config

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+import shuffledp.shuffler.builder as buildermod
+import shuffledp.shuffler.staging as stagingmod
 from shuffledp.shuffler.attestation import Attestation, OutputDigest
 from shuffledp.shuffler.core import Refused, ShufflerCore
 from shuffledp.shuffler.envelope import model_digest, open_inner, open_outer
@@ -905,12 +907,13 @@ def test_a_sealed_batchs_staging_buffer_is_reused_and_leaks_nothing_into_the_nex
     holes; a buffer too small for the next batch is unmapped and replaced; with the option off, or after a
     refusal, the buffer is unmapped."""
     import shuffledp.shuffler.core as coremod
+    import shuffledp.shuffler.output as outmod
 
     maps: list = []
     real_mmap = coremod.mmap.mmap
     def counting_mmap(*a, **k):  # staging buffers only, not the fetch's read buffer
         m = real_mmap(*a, **k)
-        if a[1] != coremod._READ_CHUNK:
+        if a[1] != outmod._READ_CHUNK:
             maps.append(m)
         return m
 
@@ -966,16 +969,17 @@ def test_output_is_read_back_exactly_across_direct_read_chunks(tmp_path: Path, m
     import secrets
 
     import shuffledp.shuffler.core as coremod
+    import shuffledp.shuffler.output as outmod
 
-    monkeypatch.setattr(coremod, "_READ_CHUNK", 8192)
+    monkeypatch.setattr(outmod, "_READ_CHUNK", 8192)
     n = 7
     items = [secrets.token_bytes(inner_length) for _ in range(n)]
     path = tmp_path / "out"
     path.write_bytes(b"".join(items))
-    assert list(coremod._read_output(path, n, inner_length)) == items
+    assert list(outmod.read_output(path, n, inner_length)) == items
     path.write_bytes(b"".join(items)[:-1])
     with pytest.raises(RuntimeError, match="is truncated"):
-        list(coremod._read_output(path, n, inner_length))
+        list(outmod.read_output(path, n, inner_length))
     path.write_bytes(b"".join(items))
     real_open = coremod.os.open
 
@@ -985,7 +989,7 @@ def test_output_is_read_back_exactly_across_direct_read_chunks(tmp_path: Path, m
         return real_open(p, flags, *a)
 
     monkeypatch.setattr(coremod.os, "open", no_direct)
-    assert list(coremod._read_output(path, n, inner_length)) == items
+    assert list(outmod.read_output(path, n, inner_length)) == items
 
 
 def test_direct_read_refused_at_the_first_read_falls_back_and_an_abandoned_fetch_stops_its_reader(
@@ -995,13 +999,14 @@ def test_direct_read_refused_at_the_first_read_falls_back_and_an_abandoned_fetch
     import threading
 
     import shuffledp.shuffler.core as coremod
+    import shuffledp.shuffler.output as outmod
 
-    monkeypatch.setattr(coremod, "_READ_CHUNK", 8192)
+    monkeypatch.setattr(outmod, "_READ_CHUNK", 8192)
     items = [secrets.token_bytes(3000) for _ in range(9)]
     path = tmp_path / "out"
     path.write_bytes(b"".join(items))
     # a fetch abandoned after two items: the reader thread ends and its buffers are unmapped
-    gen = coremod._read_output(path, 9, 3000)
+    gen = outmod.read_output(path, 9, 3000)
     assert [next(gen), next(gen)] == items[:2]
     gen.close()
     assert not [t for t in threading.enumerate() if t.name == "shuffler-fetch-read"]
@@ -1014,7 +1019,7 @@ def test_direct_read_refused_at_the_first_read_falls_back_and_an_abandoned_fetch
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(coremod.os, "preadv", refusing_preadv)
-    assert list(coremod._read_output(path, 9, 3000)) == items and calls == [0]
+    assert list(outmod.read_output(path, 9, 3000)) == items and calls == [0]
     # a later I/O error is raised, not papered over
     def failing_later(fd, bufs, pos):
         if pos:
@@ -1023,7 +1028,7 @@ def test_direct_read_refused_at_the_first_read_falls_back_and_an_abandoned_fetch
 
     monkeypatch.setattr(coremod.os, "preadv", failing_later)
     with pytest.raises(OSError, match="Input/output error"):
-        list(coremod._read_output(path, 9, 3000))
+        list(outmod.read_output(path, 9, 3000))
 
 
 def test_fetch_reader_failures_neither_leak_descriptors_nor_hang(tmp_path: Path, monkeypatch) -> None:
@@ -1034,6 +1039,7 @@ def test_fetch_reader_failures_neither_leak_descriptors_nor_hang(tmp_path: Path,
     import threading
 
     import shuffledp.shuffler.core as coremod
+    import shuffledp.shuffler.output as outmod
 
     path = tmp_path / "out"
     path.write_bytes(secrets.token_bytes(5 * 3000))
@@ -1046,7 +1052,7 @@ def test_fetch_reader_failures_neither_leak_descriptors_nor_hang(tmp_path: Path,
         m.setattr(threading.Thread, "start", no_thread)
         for _ in range(10):
             with pytest.raises(RuntimeError, match="can't start new thread"):
-                list(coremod._read_output(path, 5, 3000))
+                list(outmod.read_output(path, 5, 3000))
     assert len(os.listdir("/proc/self/fd")) == fds_before
 
     def odd_failure(fd, bufs, pos):
@@ -1055,7 +1061,7 @@ def test_fetch_reader_failures_neither_leak_descriptors_nor_hang(tmp_path: Path,
     monkeypatch.setattr(coremod.os, "preadv", odd_failure)
     outcome: list = []
     t = threading.Thread(
-        target=lambda: outcome.append(pytest.raises(ValueError, list, coremod._read_output(path, 5, 3000)))
+        target=lambda: outcome.append(pytest.raises(ValueError, list, outmod.read_output(path, 5, 3000)))
     )
     t.start()
     t.join(timeout=10)
@@ -1205,7 +1211,7 @@ def test_pipelined_checks_run_on_the_verify_pool_and_stay_bounded(core: Shuffler
     assert b._pending == type(b._pending)() and _verify(kit, sealed).n_accepted == kit.n_clients
     assert threads and all(name.startswith("shuffler-verify") for name in threads)
     # the byte bound: with at most 1 KiB in flight, a submit never has two reports pending
-    monkeypatch.setattr(coremod, "PIPELINE_MAX_BYTES", 1024)
+    monkeypatch.setattr(buildermod, "PIPELINE_MAX_BYTES", 1024)
     b = core.begin(kit.header(6, round_id=2))
     for i in range(6):
         b.add(kit.seal(i, round_id=2, size=2048))
@@ -1216,9 +1222,8 @@ def test_pipelined_checks_run_on_the_verify_pool_and_stay_bounded(core: Shuffler
 def test_only_large_envelopes_are_pipelined(core: ShufflerCore, kit, monkeypatch) -> None:
     """With the production threshold, small envelopes are checked inline and large ones on the pool; a small
     envelope after large ones waits for their checks, so acceptance stays in arrival order."""
-    import shuffledp.shuffler.core as coremod
 
-    monkeypatch.setattr(coremod, "PIPELINE_MIN_JOB_BYTES", 256 << 10)
+    monkeypatch.setattr(buildermod, "PIPELINE_MIN_JOB_BYTES", 256 << 10)
     submitted: list[int] = []
     real_submit = core.verify_pool.submit
 
@@ -1325,9 +1330,8 @@ def test_staging_starts_before_the_first_envelope_is_verified(core: ShufflerCore
 def test_a_message_is_one_job_and_small_jobs_are_checked_inline(core: ShufflerCore, kit, monkeypatch) -> None:
     """With the production threshold, the envelopes of one message go to the pool as one job if their plaintext
     reaches PIPELINE_MIN_JOB_BYTES, and are checked inline otherwise; either way the outcome is in order."""
-    import shuffledp.shuffler.core as coremod
 
-    monkeypatch.setattr(coremod, "PIPELINE_MIN_JOB_BYTES", 256 << 10)
+    monkeypatch.setattr(buildermod, "PIPELINE_MIN_JOB_BYTES", 256 << 10)
     jobs: list[int] = []
     real_submit = core.verify_pool.submit
     monkeypatch.setattr(core.verify_pool, "submit", lambda fn, job: (jobs.append(len(job)), real_submit(fn, job))[1])
@@ -1529,21 +1533,20 @@ def test_a_fresh_staging_buffer_is_faulted_in_before_any_report(
     # whether its (secret) slot shares a page with an earlier report's. The whole buffer is faulted in first.
     import mmap
 
-    import shuffledp.shuffler.core as core_mod
 
     if advice == "fallback":  # a kernel without MADV_POPULATE_WRITE: the sequential zero write
-        monkeypatch.setattr(core_mod, "_MADV_POPULATE_WRITE", 10_000)
+        monkeypatch.setattr(stagingmod, "_MADV_POPULATE_WRITE", 10_000)
     size = 48 << 20
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     before = _resident_bytes()
-    core_mod._prefault(buf)
+    stagingmod.prefault(buf)
     assert _resident_bytes() - before >= size * 0.9
     assert buf[:16] == bytes(16) and buf[-16:] == bytes(16)
     buf.close()
     # the staging path faults in each fresh buffer once, and not a retained one
     calls: list[int] = []
-    real = core_mod._prefault
-    monkeypatch.setattr(core_mod, "_prefault", lambda b: (calls.append(len(b)), real(b)))
+    real = stagingmod.prefault
+    monkeypatch.setattr(buildermod, "prefault", lambda b: (calls.append(len(b)), real(b)))
     for round_id in (1, 2):
         sealed = _run(core, kit, [kit.seal(i, size=64, round_id=round_id) for i in range(4)], round_id=round_id)
         assert sealed.n == 4
@@ -1599,20 +1602,19 @@ def test_a_prefault_that_finds_memory_short_refuses_the_batch(core: ShufflerCore
     # staging_memory refusal, not a zero write that invites the OOM killer.
     import errno
 
-    import shuffledp.shuffler.core as core_mod
 
     class ShortOfMemory:
         def madvise(self, advice: int) -> None:
             raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
     with pytest.raises(OSError) as info:
-        core_mod._prefault(ShortOfMemory())  # type: ignore[arg-type] - a stand-in buffer
+        stagingmod.prefault(ShortOfMemory())  # type: ignore[arg-type] - a stand-in buffer
     assert info.value.errno == errno.ENOMEM
 
     def short(buf):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(core_mod, "_prefault", short)
+    monkeypatch.setattr(buildermod, "prefault", short)
     builder = core.begin(kit.header(4))
     with pytest.raises(Refused) as refused:
         builder.add(kit.seal(0))

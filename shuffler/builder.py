@@ -1,0 +1,511 @@
+"""One submission in progress: :class:`BatchBuilder` (begun by :meth:`shuffledp.shuffler.core.ShufflerCore.begin`)."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+from array import array
+from collections import Counter, deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from shuffledp.shuffler import envelope as env
+from shuffledp.shuffler.batch import (
+    JOURNAL_HEADROOM_BYTES,
+    JOURNAL_HEADROOM_PER_REPORT,
+    PIPELINE_MAX_BYTES,
+    PIPELINE_MAX_REPORTS,
+    PIPELINE_MIN_JOB_BYTES,
+    Header,
+    Refused,
+    SealedBatch,
+    envelope_fingerprint,
+    request_digest,
+)
+from shuffledp.shuffler.staging import ZERO_CHUNK, prefault, pwrite_all, round_up, stages_in_memory
+
+__all__ = ["BatchBuilder"]
+
+log = logging.getLogger(__name__)
+
+
+class BatchBuilder:
+    """One submission in progress. Not thread-safe (one per stream).
+
+    Permute on arrival: when the first report is accepted, a uniformly random permutation ``perm`` of the
+    ``expected_count`` slots is drawn (Fisher-Yates with ``secrets.randbelow``, over ``os.urandom``) and kept
+    compactly as an ``array('I')``; the j-th *accepted* inner ciphertext is written at slot ``perm[j]`` of the
+    staging file. The output order is the slot order. If some envelopes were dropped, the holes are squeezed
+    out at seal time, and the relative order of ``perm[0..m-1]`` is itself a uniform permutation of the m
+    accepted reports. The permutation exists only in memory and is dropped at seal time.
+
+    Where the slots live is a deterministic function of the batch size, ``expected_count * inner_length``
+    (:func:`stages_in_memory`): up to ``staging_memory_limit`` bytes, in one anonymous ``mmap`` buffer (memory
+    path), and the output file is written once, in output order, at seal time; above it, in a staging file
+    that is allocated and zero-filled in offset order (in the page cache, not synced) before the first report is
+    written, so that any writeback lays the blocks out in offset order, never in arrival order (disk path; see
+    ``_preallocate``). On both paths free space for the whole batch (plus the journal reserve) is checked and
+    reserved with ``posix_fallocate`` when the first report is accepted; there is no sync during the batch,
+    only the one before the commit. Each accepted report's inner hash (computed for its signature check) is kept
+    at its slot, 32 bytes per slot, so that the output digest needs no second pass over the reports.
+
+    Signature checks are done per job: the envelopes of one received message (:meth:`add_many`; :meth:`add`
+    is a job of one). Each envelope is decrypted on the calling thread. With ``verify_threads`` >= 1, a job of
+    at least ``PIPELINE_MIN_JOB_BYTES`` of plaintext has its signature checks (inner hash + Ed25519, GIL-free)
+    done on the core's verify pool; jobs are concluded oldest first, and everything after the check (enrolment,
+    replay, one report per signer, the slot) happens on the calling thread in arrival order, exactly as with
+    inline checks. A report is therefore staged in its own call if its job is already done, or a few messages
+    later, or in :meth:`finish`; :meth:`settle` waits for all. The pool is the core's, shared by concurrent
+    submits.
+    """
+
+    def __init__(self, core: Any, header: Header, *, replay_only: bool) -> None:
+        self.core = core
+        self.header = header
+        self.replay_only = replay_only
+        self.received = 0
+        self.n_accepted = 0
+        self.drops: Counter[str] = Counter()
+        self._envelope_hashes: list[bytes] = []
+        self.inner_length = -1
+        self._lengths: set[int] = set()
+        self._signers: set[bytes] = set()
+        self.encs: set[bytes] = set()
+        self.report_ids: set[bytes] = set()
+        #: the accepted inner ciphertexts' hashes and inner HPKE encapsulated keys: two enrolled signers wrapping
+        #: one inner ciphertext would be counted as two reports (the copy as cover) for one report the server opens
+        self._inner_hashes: set[bytes] = set()
+        self._inner_encs: set[bytes] = set()
+        self._done = False
+        self.staging_fd = -1
+        self.staging_path: Path | None = None
+        #: the memory path's slot buffer (None on the disk path, before staging began, after seal)
+        self.staging_buffer: mmap.mmap | None = None
+        #: True/False once staging began and the path was chosen; None before
+        self.in_memory: bool | None = None
+        self._perm: array | None = None
+        #: the inner ciphertext's hash at each slot (shuffledp.shuffler.envelope.inner_hash; 32 bytes per slot, slot
+        #: order), for the output digest
+        self._slot_hashes: bytearray | None = None
+        #: signature-check jobs in flight on the core's verify pool, oldest first: (future, reports, bytes)
+        self._pending: deque[tuple[Future[list[env.OpenedReport | str]], int, int]] = deque()
+        self._pending_reports = 0
+        self._pending_bytes = 0
+        if not replay_only:
+            # Created empty at the header on both paths (it is the output-to-be); it holds no report data until
+            # the first one is accepted (disk path) or until seal (memory path). Removed at start if orphaned.
+            self.staging_path = core.journal.staging_dir / f"{secrets.token_hex(16)}.stage"
+            self.staging_fd = os.open(self.staging_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._opener = env.OuterOpener(
+            core._hpke_sk,
+            key_epoch=header.key_epoch,
+            round_id=header.round_id,
+            model_digest=header.model_digest,
+            version=header.protocol_version,
+        )
+
+    @staticmethod
+    def draw_permutation(n: int) -> array:
+        """A uniformly random permutation of ``range(n)`` as ``array('I')``: Fisher-Yates over a CSPRNG."""
+        perm = array("I", range(n))
+        for i in range(n - 1, 0, -1):
+            j = secrets.randbelow(i + 1)
+            perm[i], perm[j] = perm[j], perm[i]
+        return perm
+
+    def used_slots(self) -> list[int]:
+        """The slots of the accepted reports, in acceptance order (raises once the permutation is gone)."""
+        if self._perm is None:
+            raise RuntimeError("no permutation (replay-only builder, nothing accepted, or already sealed)")
+        return list(self._perm[: self.n_accepted])
+
+    @property
+    def slot_hashes(self) -> bytearray:
+        """Hash of the inner ciphertext in each slot, 32 bytes per slot, in slot order (unused slots zero)."""
+        if self._slot_hashes is None:
+            raise RuntimeError("no slot hashes (replay-only builder, nothing accepted, or already sealed)")
+        return self._slot_hashes
+
+    def forget_permutation(self) -> None:
+        """Drop the permutation and the slot hashes (once the output digest is computed, before writing the output)."""
+        self._perm = None
+        self._slot_hashes = None
+
+    def release_buffer(self, *, retain: bool = False) -> None:
+        """Let go of the memory path's staging buffer (idempotent). ``retain=True`` (after a successful seal only)
+        hands it to the core for the next batch (:meth:`ShufflerCore.give_back_buffer`); otherwise, as on every
+        refusal and abort, it is unmapped: the pages go back to the system now, not at garbage collection."""
+        buf, self.staging_buffer = self.staging_buffer, None
+        if buf is None:
+            return
+        if retain:
+            self.core.give_back_buffer(buf)
+        else:
+            buf.close()
+
+    def _begin_staging(self, inner_length: int) -> None:
+        """Fix the batch's inner length, stage (:meth:`_start_staging`) and draw the permutation: called once, at
+        the first envelope that passes the public length checks (``inner_length`` is its length minus the outer
+        layer's overhead), whether or not it later opens and verifies. Raises :class:`Refused` (already aborted).
+        """
+        self.inner_length = inner_length
+        # Without an announced envelope_length (legacy) the first envelope may be dropped after it fixed the slots'
+        # length: _accept then stages anew at the first accepted report's length (_restage), so only the accepted
+        # reports' lengths decide whether the batch is mixed_lengths, wherever an odd envelope stands.
+        self._start_staging()  # chooses memory or disk staging
+        self._perm = self.draw_permutation(self.header.expected_count)  # allocated lazily
+        self._slot_hashes = bytearray(32 * self.header.expected_count)
+
+    def _restage(self, inner_length: int) -> None:
+        """Legacy header only, before any report is accepted: the first accepted report's inner length differs
+        from the slots' (fixed by an envelope that was then dropped), so the staging and the permutation are made
+        anew at that length. Raises :class:`Refused` (already aborted) as :meth:`_begin_staging` does."""
+        self.release_buffer()
+        self.forget_permutation()
+        os.ftruncate(self.staging_fd, 0)
+        self._begin_staging(inner_length)
+
+    def _start_staging(self) -> None:
+        """Choose the staging path for this batch, then allocate: called once, from :meth:`_begin_staging`.
+
+        Raises :class:`Refused` (resource_exhausted: ``staging_memory`` or ``disk_full``); the batch is then
+        counted as refused and everything it allocated is released.
+        """
+        size = self.header.expected_count * self.inner_length
+        try:
+            self.in_memory = stages_in_memory(
+                self.header.expected_count, self.inner_length, self.core.config.staging_memory_limit
+            )
+            if self.in_memory:
+                try:
+                    # the retained buffer of an earlier batch if it is large enough, else a fresh anonymous,
+                    # private mapping (zero pages until written; never backed by a file)
+                    retained = self.core.take_buffer(round_up(size))
+                    buf = retained or mmap.mmap(-1, round_up(size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                except (OSError, MemoryError, OverflowError) as exc:
+                    raise Refused(
+                        "resource_exhausted",
+                        "staging_memory",
+                        f"cannot allocate {size} bytes of staging memory for a batch of "
+                        f"{self.header.expected_count} reports ({type(exc).__name__}); retry later",
+                    ) from None
+                self.staging_buffer = buf
+                # MADV_DONTDUMP: keep reports and their slot layout out of core dumps. MADV_HUGEPAGE: 512x fewer
+                # page faults while the buffer fills (best effort; both are advice only).
+                for advice in ("MADV_DONTDUMP", "MADV_HUGEPAGE"):
+                    if hasattr(mmap, advice):
+                        try:
+                            buf.madvise(getattr(mmap, advice))
+                        except OSError:
+                            pass
+                if retained is None:
+                    try:
+                        prefault(buf)
+                    except (OSError, MemoryError) as exc:
+                        raise Refused(
+                            "resource_exhausted",
+                            "staging_memory",
+                            f"cannot fault in {size} bytes of staging memory for a batch of "
+                            f"{self.header.expected_count} reports ({type(exc).__name__}); retry later",
+                        ) from None
+            self._preallocate(zero_fill=not self.in_memory)
+        except Refused as exc:
+            with self.core._lock:
+                self.core.counters["batches_refused"] += 1
+            log.info("batch refused: %s", exc.reason)
+            self.abort()
+            raise
+
+    def _preallocate(self, *, zero_fill: bool = True) -> None:
+        """Check free space and reserve the whole file (the staging file, or on the memory path the output
+        file); on the disk path also zero-fill it. Before the first report is written.
+
+        The free-space check keeps a reserve for the journal, so that concurrent batches cannot fill the disk
+        and make a commit record fail. Zero-filling in offset order dirties every page of the file before any
+        report arrives, so whenever the kernel writes pages back (at the commit's fsync, or earlier under
+        memory pressure or the dirty-page expiry) it writes all of them, in (cyclic) offset order: the filesystem
+        converts ``posix_fallocate``'s unwritten extents in that order, not in arrival order, and reports
+        later only overwrite blocks already laid out. Without the zero-fill, an early writeback would convert
+        just the slots filled so far and the layout could record part of the permutation. The zeros are not
+        synced: nothing needs them on disk (a staging file is discarded after a crash), and a sync here would
+        write the whole batch to disk twice. The memory path writes nothing before seal (the output is then
+        written once, in output order), so it only reserves the space.
+        """
+        size = self.header.expected_count * self.inner_length
+        need = size + JOURNAL_HEADROOM_BYTES + JOURNAL_HEADROOM_PER_REPORT * self.header.expected_count
+        with self.core._alloc_lock:  # check and reserve atomically with respect to other batches
+            st = os.statvfs(self.core.journal.staging_dir)
+            free = st.f_bavail * st.f_frsize
+            if free < need:
+                raise Refused(
+                    "resource_exhausted",
+                    "disk_full",
+                    f"a batch of {self.header.expected_count} reports needs {need} bytes with the journal "
+                    "reserve; not enough is free",  # the host's free space is not the submitter's business
+                )
+            try:
+                os.posix_fallocate(self.staging_fd, 0, size)
+            except OSError as exc:
+                raise Refused(
+                    "resource_exhausted",
+                    "disk_full",
+                    f"cannot allocate {size} bytes for a batch of {self.header.expected_count} reports: "
+                    f"{exc.strerror}",
+                ) from None
+        if not zero_fill:
+            return
+        zeros = memoryview(bytes(min(ZERO_CHUNK, size)))
+        try:
+            for pos in range(0, size, ZERO_CHUNK):
+                pwrite_all(self.staging_fd, zeros[: min(len(zeros), size - pos)], pos)
+        except OSError as exc:
+            raise Refused(
+                "resource_exhausted", "disk_full", f"cannot write the staging file: {exc.strerror}"
+            ) from None
+
+    def request_digest(self) -> bytes:
+        """The order-independent digest of this submission: its header and the sorted envelope fingerprints."""
+        return request_digest(self.header, self._envelope_hashes)
+
+    @property
+    def room(self) -> int:
+        """Envelopes the header's ``expected_count`` still allows (0 once it is reached)."""
+        return max(0, self.header.expected_count - self.received)
+
+    def add(self, envelope: bytes) -> None:
+        """Process one envelope: verify and stage it, or count why it was dropped (:meth:`add_many` of one)."""
+        self.add_many((envelope,))
+
+    def add_many(self, envelopes: Sequence[bytes]) -> None:
+        """Process the envelopes of one received message, in order: verify and stage each, or count why it was
+        dropped. Their signature checks form one job (inline, or on the verify pool if the job is large enough).
+        """
+        if self._done:
+            raise RuntimeError("batch already finished")
+        room = self.room
+        self._check_job(self._decrypt_all(envelopes[:room] if len(envelopes) > room else envelopes))
+        if len(envelopes) > room:
+            self.received += 1
+            self.settle()  # a staging refusal pending behind a signature check takes precedence, as inline
+            with self.core._lock:
+                self.core.counters["batches_refused"] += 1
+            log.info("batch refused: count_mismatch")
+            self.abort()
+            raise Refused(
+                "invalid_argument",
+                "count_mismatch",
+                f"more envelopes than the header's expected_count {self.header.expected_count}",
+            )
+
+    def _decrypt_all(self, envelopes: Sequence[bytes]) -> list[env.DecryptedReport]:
+        """Count the envelopes in, drop what fails the length checks or the outer HPKE open, return the rest."""
+        cfg = self.core.config
+        out: list[env.DecryptedReport] = []
+        for envelope in envelopes:
+            self.received += 1
+            self._envelope_hashes.append(envelope_fingerprint(envelope))
+            if self.replay_only:
+                continue
+            if len(envelope) == 0:  # the submitter's placeholder for a report it does not have (keeps the count)
+                self.drops["empty"] += 1
+            elif len(envelope) > cfg.max_envelope_bytes:
+                self.drops["oversized"] += 1
+            elif self.header.envelope_length and len(envelope) != self.header.envelope_length:
+                self.drops["wrong_length"] += 1
+            else:
+                if self.inner_length < 0 and len(envelope) >= env.ENVELOPE_OVERHEAD:
+                    # Staging starts at the first envelope that passes the public length checks, BEFORE it is
+                    # opened or verified: its cost (allocation, zero-fill, a disk_full refusal) must not tell the
+                    # submitter whether an envelope verifies. Raises Refused (the builder is then aborted).
+                    self._begin_staging(env.inner_length_for(len(envelope)))
+                try:
+                    out.append(self._opener.decrypt(envelope))
+                except env.EnvelopeError as exc:
+                    self.drops[exc.reason] += 1
+        return out
+
+    def _verify_job(self, job: list[env.DecryptedReport]) -> list[env.OpenedReport | str]:
+        """The signature checks of one job, in order: the verified report, or the drop reason of a failed check
+        (a string, not the exception, whose traceback would keep this frame and the job's plaintexts alive until
+        the cyclic garbage collector runs). Anything other than an
+        :class:`~shuffledp.shuffler.envelope.EnvelopeError` is a bug and propagates."""
+        results: list[env.OpenedReport | str] = []
+        for decrypted in job:
+            try:
+                results.append(self._opener.verify(decrypted))
+            except env.EnvelopeError as exc:
+                results.append(exc.reason)
+        return results
+
+    def _check_job(self, job: list[env.DecryptedReport]) -> None:
+        if not job:
+            return
+        size = sum(len(d.outer_plaintext) for d in job)
+        pool = self.core.verify_pool
+        if pool is None or size < PIPELINE_MIN_JOB_BYTES:
+            self.settle()  # earlier reports first: acceptance stays in arrival order
+            self._conclude(self._verify_job(job))
+            return
+        # Pipelined: the job's signature checks run on a worker while this thread receives and decrypts the next
+        # messages; jobs are concluded in arrival order, so what is accepted, and where, is exactly as inline.
+        self._pending.append((pool.submit(self._verify_job, job), len(job), size))
+        self._pending_reports += len(job)
+        self._pending_bytes += size
+        while self._pending and (
+            self._pending[0][0].done()
+            or (len(self._pending) > 1
+                and (self._pending_reports > PIPELINE_MAX_REPORTS or self._pending_bytes > PIPELINE_MAX_BYTES))
+        ):
+            self._take_pending()
+
+    def _take_pending(self) -> None:
+        """Wait for the oldest pending job and accept or drop its reports."""
+        future, n, size = self._pending.popleft()
+        self._pending_reports -= n
+        self._pending_bytes -= size
+        self._conclude(future.result())
+
+    def _conclude(self, results: list[env.OpenedReport | str]) -> None:
+        """Count a drop for each failed signature check, else accept or drop the verified report, in order."""
+        for result in results:
+            if isinstance(result, str):
+                self.drops[result] += 1
+            else:
+                self._accept(result)
+
+    def settle(self) -> None:
+        """Wait for every signature check in flight and accept or drop its report, in arrival order (no-op when
+        checks run inline). :meth:`finish` does this first; callers that inspect the staging state call it."""
+        while self._pending:
+            self._take_pending()
+
+    def _accept(self, report: env.OpenedReport) -> None:
+        """Enrolment, replay and one-report-per-signer checks for a verified report, then staging at its slot."""
+        if report.signer_public_key not in self.core._by_key:
+            self.drops["unknown_signer"] += 1
+            return
+        epoch = self.header.key_epoch
+        inner_enc = bytes(report.inner[: env.ENC_BYTES])
+        if not report.inner_hash:
+            raise RuntimeError("a verified report without its inner hash")  # verify() always sets it
+        if (
+            report.enc in self.encs
+            or report.report_id in self.report_ids
+            or report.enc in self.core._seen_enc.get(epoch, ())
+            or report.report_id in self.core._seen_rid.get(epoch, ())
+            # an inner ciphertext (or its inner encapsulated key) already accepted in this batch, wrapped again by
+            # another enrolled signer: keep the first, so the attested count is one per distinct report. Across
+            # batches the inner layer is bound to its round id, so a copy of an earlier round's does not open.
+            or report.inner_hash in self._inner_hashes
+            or inner_enc in self._inner_encs
+        ):
+            self.drops["replay"] += 1
+            return
+        if report.signer_public_key in self._signers:
+            self.drops["duplicate_signer"] += 1
+            return
+        self._signers.add(report.signer_public_key)
+        self.encs.add(report.enc)
+        self.report_ids.add(report.report_id)
+        self._inner_hashes.add(report.inner_hash)
+        self._inner_encs.add(inner_enc)
+        inner = report.inner
+        if len(inner) != self.inner_length and self.n_accepted == 0 and not self.header.envelope_length:
+            self._restage(len(inner))
+        self._lengths.add(len(inner))
+        if len(inner) == self.inner_length and self._perm is not None and self._slot_hashes is not None:
+            # slots are fixed-size: the j-th accepted report goes to slot perm[j], at perm[j] * inner_length
+            slot = self._perm[self.n_accepted]
+            off = slot * self.inner_length
+            if self.staging_buffer is not None:
+                self.staging_buffer[off : off + self.inner_length] = inner
+            else:
+                pwrite_all(self.staging_fd, inner, off)
+            # through a memoryview: a hash of another length raises instead of resizing the array
+            memoryview(self._slot_hashes)[slot * 32 : (slot + 1) * 32] = report.inner_hash
+        self.n_accepted += 1
+
+    def finish(self) -> SealedBatch:
+        """Check the batch and seal it, or raise :class:`Refused`. Always releases the staging file.
+
+        Refusal messages carry the reason tag and public parameters only, never counts of what was accepted
+        (they would be a free probing oracle), and a refused batch's drops are not added to the counters.
+        """
+        if self._done:
+            raise RuntimeError("batch already finished")
+        try:
+            self.settle()  # a Refused from here (staging could not start) is already counted and aborted
+        except BaseException:
+            self.abort()
+            raise
+        core = self.core
+        try:
+            if self.received != self.header.expected_count:
+                raise Refused(
+                    "invalid_argument",
+                    "count_mismatch",
+                    f"received {self.received} envelopes; the header announced {self.header.expected_count}",
+                )
+            key = (self.header.key_epoch, self.header.round_id)
+            with core._commit_lock:  # the binding check and the commit are one step for concurrent batches
+                existing = core._by_binding.get(key)
+                if existing is not None:
+                    if existing.request_digest == self.request_digest():
+                        return existing  # identical resubmission: same batch id and attestation
+                    raise Refused(
+                        "already_exists",
+                        "binding_used",
+                        f"a different batch was already sealed for key epoch {key[0]}, round {key[1]}",
+                    )
+                if core._closed:
+                    raise Refused("unavailable", "shutting_down", "the shuffler stopped before this batch was sealed")
+                if self.replay_only:
+                    raise RuntimeError("replay-only builder without a sealed batch")
+                if len(self._lengths) > 1:
+                    raise Refused(
+                        "invalid_argument",
+                        "mixed_lengths",
+                        "accepted inner ciphertexts differ in length; all reports in a batch must have the same "
+                        "length (announce envelope_length in the header to drop odd ones instead)",
+                    )
+                if self.n_accepted < core.config.k:
+                    raise Refused(
+                        "failed_precondition",
+                        "below_threshold",
+                        f"fewer distinct enrolled signers than the release threshold k = {core.config.k}",
+                    )
+                return core._commit(self)
+        except Refused as exc:
+            with core._lock:
+                core.counters["batches_refused"] += 1
+            log.info("batch refused: %s", exc.reason)
+            raise
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Discard the staging buffer and the staging file (idempotent)."""
+        if not self._done:
+            self._done = True
+            self.core._builder_closed()
+        for future, _, _ in self._pending:
+            future.cancel()  # one already running finishes on its own plaintext; nothing reads its result
+        self._pending.clear()
+        self._pending_reports = 0
+        self._pending_bytes = 0
+        self._perm = None
+        self._slot_hashes = None
+        self.release_buffer()
+        if self.staging_fd >= 0:
+            os.close(self.staging_fd)
+            self.staging_fd = -1
+        if self.staging_path is not None:
+            try:
+                self.staging_path.unlink()
+            except FileNotFoundError:
+                pass
+            self.staging_path = None
