@@ -136,6 +136,12 @@ def _blocks(eps0: float, variant: str, h: float, wanted: np.ndarray) -> dict[int
     return table
 
 
+#: One-round PLDs kept for reuse (most recently used last): a long run with n on the accountant's grid of n
+#: (``HETEROGENEOUS_N_GRID_RATIO``) meets each grid value many times. An entry is one PMF of about 1e4 floats.
+ROUND_CACHE_SIZE = 512
+_rounds: OrderedDict[tuple[float, int, str, float], ps.Dense] = OrderedDict()
+
+
 def round_pld(eps0: float, n: int, variant: str, h: float) -> ps.Dense:
     """One round's pessimistic PLD on the grid ``h``: the block mixture described in the module docstring.
 
@@ -146,8 +152,21 @@ def round_pld(eps0: float, n: int, variant: str, h: float) -> ps.Dense:
         h: the grid interval.
 
     Returns:
-        ``(lower, probs, infinity_mass)`` on the grid ``h``.
+        ``(lower, probs, infinity_mass)`` on the grid ``h`` (``probs`` read-only: it may be shared with later calls).
     """
+    key = (float(eps0), int(n), variant, float(h))
+    if key in _rounds:
+        _rounds.move_to_end(key)
+        return _rounds[key]
+    dense = _round_pld(eps0, n, variant, h)
+    dense[1].setflags(write=False)
+    _rounds[key] = dense
+    while len(_rounds) > ROUND_CACHE_SIZE:
+        _rounds.popitem(last=False)
+    return dense
+
+
+def _round_pld(eps0: float, n: int, variant: str, h: float) -> ps.Dense:
     c, pmf, lo_tail, hi_tail = _c_distribution(n, eps0, variant, PLD_WINDOW_DROP)
     blocks = block_of(c)
     starts = np.flatnonzero(np.concatenate(([True], blocks[1:] != blocks[:-1])))
@@ -167,5 +186,6 @@ def round_pld(eps0: float, n: int, variant: str, h: float) -> ps.Dense:
 
 
 def clear_block_cache() -> None:
-    """Forget every cached block table."""
+    """Forget every cached block table and one-round PLD."""
     _cache.clear()
+    _rounds.clear()
