@@ -1,102 +1,143 @@
-"""Privacy-utility trade-off of the main job: test accuracy and epsilon for eps0 in {1, 2, 4, 8} and no noise.
+"""Privacy-utility frontier: test accuracy against the target epsilon (<= 1, 2, 4, 8) for each mechanism.
 
-Each setting runs the main job's arithmetic in-process, without Ray and without the cryptographic layers (which
-change neither the numbers nor their distribution: the shuffler only permutes, the sum is order-free):
-every round, each of the N clients (one digits partition each) computes its report with
-``shuffledp.clients.core.make_payload`` (average gradient at the round's model, L1 clip C, exact discrete Laplace
-noise of scale 2C/eps0, fixed-length encoding); the server decodes each with ``shuffledp.clients.report.decode_report``
-into the O(model) running sum (``shuffledp.server.optim.ReportAccumulator``) and takes one
-``shuffledp.server.optim.ServerOptimizer`` step with the mean; the test accuracy is the central evaluation the ServerApp
-does. epsilon is the cumulative upper bound of the default family (``clones``) at delta = 1e-6 for n = N reports per
-round (``shuffledp.accounting.accountant.ShuffleAccountant``). "no noise" clips but adds no noise: it is not private at
-all.
+Every run is the in-process simulation of the round protocol on the apps' own code
+(:mod:`shuffledp.deploy.inprocess`): each client's update (one training row per client), its pinned mechanism's
+``randomize`` (noise from the CSPRNG), the server's ``decode``, the mean and the server optimizer's step. For each
+round count T of the grid, eps0 is calibrated with the ``clones`` family (upper bound) so that T rounds of n
+reports stay within the target epsilon at delta = 1e-6 (``shuffledp.accounting.bounds.calibrate``).
 
-Run: ``python benchmarks/tradeoff.py [--rounds R] [--clients 1437] [--eps0 1 2 4 8] [--repeats 3]``; prints
-one table. It takes a few minutes (N x rounds x settings x repeats client reports, 1-3 ms each here).
+For each (mechanism, epsilon) the grid's setting (rounds T, server SGD learning rate, clip; the clip is L1 for
+``laplace``, L2 for ``duchi`` and ``privunit2``) with the best mean PUBLIC (validation) accuracy after the last
+round over the seeds is chosen; the table reports the TEST accuracy of that setting over the same seeds (mean
+[min, max]), which takes no part in the choice. PCA and the feature scaling are fitted on the public split.
+
+``--main-job`` searches the settings a Flower main job of about 5 minutes can run on a 2-core machine (at most 25
+rounds, epsilon <= 4; ``MAIN_JOB_GRID``) and prints the same table.
+
+Run: ``python benchmarks/tradeoff.py [--dataset digits|mnist5k] [--quick | --main-job] [--seeds 3] [--jobs 2]
+[--png PATH]``.
+``--quick`` runs a smaller grid, one seed and two epsilons (minutes); the full run takes tens of minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import itertools
 import time
+from pathlib import Path
 
-from shuffledp.accounting.accountant import ShuffleAccountant
-from shuffledp.accounting.events import ShuffleRound
-from shuffledp.clients.core import compute_update
-from shuffledp.clients.data import load_data, load_partition
-from shuffledp.clients.messages import TrainConfig
-from shuffledp.clients.models import evaluate, initial_arrays
-from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer, clip_l1
-from shuffledp.clients.report import decode_report
-from shuffledp.server.config import DEFAULTS
-from shuffledp.server.optim import ReportAccumulator, ServerOptimizer
+from shuffledp.deploy.inprocess_study import Choice, Outcome, Trial, choose, run_trials, spread
+
+MECHANISMS = ("laplace", "duchi", "privunit2")
+#: The searched grid per mechanism: rounds T, server SGD learning rates, clips.
+GRID = {
+    "laplace": {"rounds": (30, 100), "server_lr": (3.0, 10.0), "clip": (1.0,)},
+    "duchi": {"rounds": (30, 100), "server_lr": (2.0, 5.0), "clip": (1.0,)},
+    "privunit2": {"rounds": (30, 100), "server_lr": (2.0, 5.0), "clip": (1.0,)},
+}
+QUICK_GRID = {
+    "laplace": {"rounds": (10, 20), "server_lr": (20.0,), "clip": (1.0,)},
+    "duchi": {"rounds": (10, 20), "server_lr": (5.0,), "clip": (1.0,)},
+    "privunit2": {"rounds": (10, 20), "server_lr": (5.0,), "clip": (1.0,)},
+}
+#: ``--main-job``: the settings a Flower main job of about 5 minutes can run here (at most 25 rounds of 1,437 clients,
+#: 9-12 s each), epsilon <= 4; Laplace is the main job's mechanism, the L2 mechanisms give the one-line alternative.
+MAIN_JOB_GRID = {
+    "laplace": {"rounds": (10, 20, 25), "server_lr": (5.0, 10.0, 20.0), "clip": (0.5, 1.0, 2.0)},
+    "duchi": {"rounds": (20, 25), "server_lr": (2.0, 5.0, 10.0), "clip": (1.0,)},
+    "privunit2": {"rounds": (20, 25), "server_lr": (2.0, 5.0, 10.0), "clip": (1.0,)},
+}
+PCA = {"digits": 10, "mnist5k": 20}
 
 
-def run_setting(
-    eps0: float | None, *, rounds: int, clients: int, lr: float, clip: float, delta: float, pca: int | None
-) -> dict:
-    """One main job at ``eps0`` (None: clipped, no noise). Returns accuracy/loss per round and final epsilon."""
-    ds = load_data("digits", pca_components=pca)
-    data = [load_partition(i, clients, pca_components=pca) for i in range(clients)]
-    arrays = initial_arrays("logreg", ds.n_features, ds.n_classes)
-    dim = sum(a.size for a in arrays)
-    opt = ServerOptimizer("sgd", lr)
-    randomizer = None if eps0 is None else DiscreteLaplaceRandomizer(eps0, clip)
-    cfg = TrainConfig(round=1, key_epoch=0, eps0=eps0 or 1.0, clip_l1=clip)
-    accuracies = []
-    for _ in range(rounds):
-        acc = ReportAccumulator(dim)
-        for x, y in data:
-            update = compute_update(arrays, cfg, x, y)
-            if randomizer is None:
-                acc.add(clip_l1(update, clip))
-            else:
-                acc.add(decode_report(randomizer.encode(update), expected_dim=dim))
-        arrays = opt.step(arrays, acc.mean())
-        accuracies.append(evaluate(arrays, ds.x_test, ds.y_test)[1])
-    epsilon = math.inf
-    if eps0 is not None:
-        acct = ShuffleAccountant(target_delta=delta)
-        acct.compose(ShuffleRound(n=clients, eps0=eps0), count=rounds)
-        epsilon = acct.epsilon().value
-    return {"eps0": eps0, "accuracy": accuracies[-1], "best": max(accuracies), "epsilon": epsilon}
+def trials(dataset: str, mechanisms: list[str], epsilons: list[float], seeds: int, grid: dict,
+           delta: float, pca: int | None) -> list[Trial]:
+    out = []
+    for mech, eps in itertools.product(mechanisms, epsilons):
+        g = grid[mech]
+        for rounds, lr, clip in itertools.product(g["rounds"], g["server_lr"], g["clip"]):
+            setting = (("clip", clip), ("rounds", rounds), ("server_lr", lr))
+            for seed in range(seeds):
+                kwargs = (("dataset", dataset), ("pca_components", pca), ("mechanism", mech), ("target_epsilon", eps),
+                          ("rounds", rounds), ("clip", clip), ("server_lr", lr), ("delta", delta),
+                          ("family", "clones"))
+                out.append(Trial((mech, eps), setting, seed, kwargs))
+    return out
+
+
+def table(choices: list[Choice], dataset: str, seeds: int, delta: float) -> str:
+    lines = [f"Frontier: {dataset}, logreg, one row per client; epsilon = clones upper bound at delta={delta:g}; "
+             f"setting chosen on PUBLIC accuracy, TEST accuracy reported over {seeds} seeds",
+             "| mechanism | target epsilon | test accuracy mean [min, max] | public (chosen on) | T | server lr | "
+             "clip | eps0 | epsilon |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in choices:
+        mech, eps = c.group
+        s = c.setting
+        lines.append(f"| {mech} | {eps:g} | {spread(c.test)} | {c.public_mean:.3f} | {s['rounds']} | "
+                     f"{s['server_lr']:g} | {s['clip']:g} | {c.eps0:.3f} | {c.epsilon:.3f} ({c.kind}) |")
+    return "\n".join(lines)
+
+
+def plot(choices: list[Choice], path: Path, dataset: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mech in dict.fromkeys(c.group[0] for c in choices):
+        rows = sorted((c for c in choices if c.group[0] == mech), key=lambda c: c.group[1])
+        xs = [c.group[1] for c in rows]
+        means = [c.test_mean for c in rows]
+        lo = [m - min(c.test) for m, c in zip(means, rows)]
+        hi = [max(c.test) - m for m, c in zip(means, rows)]
+        ax.errorbar(xs, means, yerr=[lo, hi], marker="o", capsize=3, label=mech)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("epsilon (clones upper bound, delta = 1e-6)")
+    ax.set_ylabel("test accuracy (mean, min-max over seeds)")
+    ax.set_title(f"{dataset}: accuracy at a target epsilon (settings chosen on the public split)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=int(DEFAULTS["num-server-rounds"]))
-    parser.add_argument("--clients", type=int, default=1437)
-    parser.add_argument("--eps0", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
-    parser.add_argument("--lr", type=float, default=float(DEFAULTS["server-lr"]))
-    parser.add_argument("--clip", type=float, default=float(DEFAULTS["clip-l1"]))
-    parser.add_argument("--delta", type=float, default=float(DEFAULTS["target-delta"]))
-    parser.add_argument("--repeats", type=int, default=3, help="independent runs per setting (fresh noise)")
-    parser.add_argument("--pca", type=int, default=int(DEFAULTS["pca-components"]),
-                        help="PCA components fitted on the held-out split (0: raw 64 pixels)")
+    parser.add_argument("--dataset", choices=("digits", "mnist5k"), default="digits")
+    parser.add_argument("--quick", action="store_true", help="small grid, one seed, epsilon 1 and 4")
+    parser.add_argument("--main-job", action="store_true",
+                        help="the main job's defaults: at most 25 rounds, epsilon <= 4 (MAIN_JOB_GRID); no PNG")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per setting (default 3; quick 1)")
+    parser.add_argument("--epsilons", type=float, nargs="+", default=None)
+    parser.add_argument("--mechanisms", nargs="+", choices=MECHANISMS, default=list(MECHANISMS))
+    parser.add_argument("--delta", type=float, default=1e-6)
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes")
+    parser.add_argument("--png", type=Path, default=None, help="default docs/figures/tradeoff_<dataset>.png")
     args = parser.parse_args(argv)
-    import torch
+    seeds = args.seeds or (1 if args.quick else 3)
+    epsilons = args.epsilons or ([4.0] if args.main_job else [1.0, 4.0] if args.quick else [1.0, 2.0, 4.0, 8.0])
+    grid = MAIN_JOB_GRID if args.main_job else QUICK_GRID if args.quick else GRID
+    todo = trials(args.dataset, args.mechanisms, epsilons, seeds, grid, args.delta, PCA[args.dataset])
+    t0 = time.perf_counter()
 
-    torch.set_num_threads(1)  # tiny models: a thread pool only adds contention (the simulation's actors use 1 too)
-    rows = []
-    for eps0 in [*args.eps0, None]:
-        t0 = time.perf_counter()
-        runs = [run_setting(eps0, rounds=args.rounds, clients=args.clients, lr=args.lr, clip=args.clip,
-                            delta=args.delta, pca=args.pca or None) for _ in range(args.repeats)]
-        finals = [r["accuracy"] for r in runs]
-        rows.append({"eps0": eps0, "mean": sum(finals) / len(finals), "low": min(finals), "high": max(finals),
-                     "epsilon": runs[0]["epsilon"], "seconds": time.perf_counter() - t0})
-        label = "no noise" if eps0 is None else f"eps0={eps0:g}"
-        print(f"... {label}: accuracy {[round(a, 4) for a in finals]} ({rows[-1]['seconds']:.0f} s)", flush=True)
+    def progress(o: Outcome) -> None:
+        print(f"... {o.trial.group} {dict(o.trial.setting)} seed {o.trial.seed}: public {o.public:.3f} "
+              f"(eps0 {o.eps0:.3f}, {o.seconds:.0f} s)", flush=True)
+
+    outcomes = run_trials(todo, jobs=args.jobs, progress=progress)
+    choices = choose(outcomes)
     print()
-    print(f"Main job trade-off: digits, logreg, {args.clients} clients (one sample each), {args.rounds} rounds, "
-          f"PCA={args.pca or 'none'}, C={args.clip:g}, SGD lr={args.lr:g}; "
-          f"epsilon = clones upper bound at delta={args.delta:g}; {args.repeats} runs per setting")
-    print("eps0 | test accuracy after the last round: mean [min, max] | epsilon after all rounds")
-    for row in rows:
-        label = "none (not private)" if row["eps0"] is None else f"{row['eps0']:g}"
-        eps = "inf (no privacy)" if math.isinf(row["epsilon"]) else f"{row['epsilon']:.3f}"
-        print(f"{label} | {row['mean']:.3f} [{row['low']:.3f}, {row['high']:.3f}] | {eps}")
+    print(table(choices, args.dataset, seeds, args.delta))
+    print(f"({len(todo)} runs, {time.perf_counter() - t0:.0f} s; PCA {PCA[args.dataset]} fitted on the public split; "
+          f"grid {grid})")
+    if args.main_job:
+        return 0
+    png = args.png or Path("docs/figures") / f"tradeoff_{args.dataset}{'_quick' if args.quick else ''}.png"
+    plot(choices, png, args.dataset)
+    print(f"frontier written to {png}")
     return 0
 
 
