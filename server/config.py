@@ -43,14 +43,14 @@ PARTITIONS = ("iid", "dirichlet")
 
 #: The defaults, identical to ``[tool.flwr.app.config]`` in pyproject.toml (a test checks they agree).
 DEFAULTS: dict[str, bool | int | float | str] = {
-    "num-server-rounds": 10,
+    "num-server-rounds": 20,
     "fraction": 1.0,
     "min-reports": 1000,
     "reply-timeout": 900.0,
     "reply-floor": 0.0,
-    "eps0": 4.0,
+    "eps0": 3.3204,
     "mechanism": "laplace",
-    "clip-l1": 1.0,
+    "clip-l1": 0.5,
     "clip-l2": 1.0,
     "report": "gradient",
     "local-epochs": 1,

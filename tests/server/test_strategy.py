@@ -126,9 +126,9 @@ def test_a_simulation_without_keys_dir_creates_the_runs_keys_and_lowers_k(tmp_pa
     from shuffledp.shuffler import keys as keyfiles
 
     n_nodes = 9
-    raw = {"num-server-rounds": 1, "min-reports": 1000, "reply-timeout": 5.0, "eps0": 8.0, "pca-components": 0,
-           "server-lr": 0.5, "keys-dir": "", "output-dir": str(tmp_path / "outputs"), "run-name": "",
-           "budget-epsilon": "inf"}
+    raw = {"num-server-rounds": 1, "min-reports": 1000, "reply-timeout": 5.0, "eps0": 8.0, "clip-l1": 1.0,
+           "pca-components": 0, "server-lr": 0.5, "keys-dir": "", "output-dir": str(tmp_path / "outputs"),
+           "run-name": "", "budget-epsilon": "inf"}
     cfg = parse_run_config(raw)
 
     def client(msg: Message, pid: int) -> Message:
