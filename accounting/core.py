@@ -27,7 +27,7 @@ class RefusedError(ValueError):
     """A bound family refuses these parameters.
 
     Raised when the parameters are valid numbers but lie outside the region where the family's formula holds
-    (e.g. Feldman, McMillan, Talwar, FOCS 2021, Theorem 3.1 outside ``eps0 <= log(n / (16 log(2/delta)))``),
+    (e.g. Feldman, McMillan, Talwar, FOCS 2021, Theorem 3.1 outside ``eps0 <= log(n / (16 log(4/delta)))``),
     or when a CLT approximation is asked for where it is known to be unsafe and ``allow_approximate`` was not
     given. The message says why and what would be accepted.
     """

@@ -32,7 +32,7 @@ The families (kind in brackets):
   converted with the improved conversion (:mod:`shuffledp.accounting.rdp`).
 * ``girgis`` [upper], ``girgis-lower`` [lower, Renyi only]: Girgis, Data, Diggavi, Suresh, Kairouz, "On the
   Renyi differential privacy of the shuffle model", CCS 2021, as printed in seed 000, eqs. (5), (6).
-* ``fmt`` [upper]: FMT FOCS 2021, Thm 3.1, only inside eps0 <= log(n/(16 log(2/delta))). Several rounds: each
+* ``fmt`` [upper]: FMT FOCS 2021, Thm 3.1, only inside eps0 <= log(n/(16 log(4/delta))). Several rounds: each
   round is (eps_1, delta_1)-DP at delta_1 = f delta / T, composed exactly by Kairouz, Oh, Viswanath (ICML 2015,
   Thm 3.3), best f of a fixed grid.
 * ``rr-lower`` [lower]: exact loss of shuffled binary randomized response, others holding 0. Several rounds:

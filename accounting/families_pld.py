@@ -114,7 +114,7 @@ class FmtFamily(Family):
     bucketed = True
 
     def check(self, eps0: float, n: int, delta: float, allow_approximate: bool) -> None:
-        """Refuse outside eps0 <= log(n / (16 log(2/delta))) (see :meth:`Family.check`)."""
+        """Refuse outside eps0 <= log(n / (16 log(4/delta))) (see :meth:`Family.check`)."""
         _lit().require_fmt_valid(eps0, n, delta)
 
     def epsilon(self, eps0: float, n: int, delta: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:

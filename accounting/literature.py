@@ -279,7 +279,12 @@ def girgis_rdp_lower(eps0: float, n: int, order: float) -> float:
 
 
 def fmt_validity_limit(n: int, delta: float) -> float:
-    """The largest eps0 FMT'21 Theorem 3.1 covers: ``log(n / (16 log(2/delta)))`` (may be negative).
+    """The largest eps0 FMT'21 Theorem 3.1 is taken to cover: ``log(n / (16 log(4/delta)))`` (may be negative).
+
+    The paper prints ``16 log(2/delta)``; its authors' own code (apple/ml-shuffling-amplification,
+    ``computeamplification.py``) uses ``log(4/delta)``, and a reader's report there (issue #1) traces the 2 to a typo
+    in Lemma 3.5, Theorem 3.8 and Proposition 5.3. The smaller region (``4/delta``) is the pessimistic reading:
+    inside it both readings hold.
 
     Args:
         n: number of shuffled reports.
@@ -288,7 +293,7 @@ def fmt_validity_limit(n: int, delta: float) -> float:
     Returns:
         The limit on eps0.
     """
-    return math.log(n) - math.log(16.0 * math.log(2.0 / delta))
+    return math.log(n) - math.log(16.0 * math.log(4.0 / delta))
 
 
 def require_fmt_valid(eps0: float, n: int, delta: float) -> None:
@@ -302,7 +307,7 @@ def require_fmt_valid(eps0: float, n: int, delta: float) -> None:
     limit = fmt_validity_limit(n, delta)
     if eps0 > limit:
         raise RefusedError(
-            f"fmt (FMT'21 Theorem 3.1) holds only for eps0 <= log(n / (16 log(2/delta))) = {limit:.6g} "
+            f"fmt (FMT'21 Theorem 3.1) holds only for eps0 <= log(n / (16 log(4/delta))) = {limit:.6g} "
             f"(n={n}, delta={delta}); got eps0={eps0}. Use the clones family, which has no such restriction."
         )
 
@@ -311,7 +316,7 @@ def fmt_epsilon(eps0: float, n: int, delta: float) -> float:
     """FMT'21 Theorem 3.1, the paper's bracketing. Kind: UPPER. Raises RefusedError outside its validity region.
 
     ``eps = log(1 + (e^{eps0}-1)/(e^{eps0}+1) * (8 sqrt(e^{eps0} log(4/delta)) / sqrt(n) + 8 e^{eps0} / n))``
-    for ``eps0 <= log(n / (16 log(2/delta)))``. Here the ``8 e^{eps0}/n`` term is INSIDE the
+    for ``eps0 <= log(n / (16 log(4/delta)))``. Here the ``8 e^{eps0}/n`` term is INSIDE the
     ``(e^{eps0}-1)/(e^{eps0}+1)`` factor, as in the FMT paper. (Seed 002's eq. (33) prints it outside; that form
     is :func:`fmt_epsilon_eq33_as_printed` and is only used to reproduce seed 002's Table 1.)
 

@@ -166,7 +166,7 @@ def test_epsilons_reports_kinds_and_refusals_never_as_numbers() -> None:
 
 
 def test_default_family_refusal_is_raised_not_replaced() -> None:
-    # FMT'21 Thm 3.1 needs eps0 <= log(n / (16 log(2/delta))); here log(1000/(16 log 2e6)) ~ 1.4 < 4
+    # FMT'21 Thm 3.1 needs eps0 <= log(n / (16 log(4/delta))); here log(1000/(16 log 4e6)) ~ 1.4 < 4
     acct = ShuffleAccountant(1e-6, family="fmt", comparison_families=("clones",))
     acct.compose(ShuffleRound(1_000, 4.0))
     with pytest.raises(RefusedError):

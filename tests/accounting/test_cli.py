@@ -134,7 +134,7 @@ def test_clt_refusal_and_allow_approximate(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_fmt_outside_its_validity_region_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    # log(n / (16 log(2/delta))) = log(1000 / (16 log 2e6)) ~ 1.4 < eps0 = 4
+    # log(n / (16 log(4/delta))) = log(1000 / (16 log 4e6)) ~ 1.4 < eps0 = 4
     assert main(["account", "epsilon", "--eps0", "4", "--n", "1000", "--delta", "1e-6", "--bound", "fmt",
                  "--json"]) == 2
     captured = capsys.readouterr()

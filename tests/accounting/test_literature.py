@@ -63,10 +63,12 @@ def test_fmt_paper_bracketing_differs_from_printed_eq33() -> None:
 
 
 def test_fmt_refuses_outside_validity_region() -> None:
+    # the pessimistic reading of the region: 16 log(4/delta), the authors' code's, not the 2/delta the paper prints
     limit = lit.fmt_validity_limit(10_000, 1e-6)
-    assert limit == pytest.approx(math.log(10_000 / (16 * math.log(2e6))), rel=EXACT_RTOL)
+    assert limit == pytest.approx(math.log(10_000 / (16 * math.log(4e6))), rel=EXACT_RTOL)
+    assert limit < math.log(10_000 / (16 * math.log(2e6)))
     lit.fmt_epsilon(limit * 0.999, 10_000, 1e-6)
-    with pytest.raises(RefusedError, match="log\\(n / \\(16 log\\(2/delta\\)\\)\\)"):
+    with pytest.raises(RefusedError, match="log\\(n / \\(16 log\\(4/delta\\)\\)\\)"):
         lit.fmt_epsilon(limit * 1.001, 10_000, 1e-6)
     with pytest.raises(RefusedError):
         lit.fmt_epsilon_eq33_as_printed(limit * 1.001, 10_000, 1e-6)

@@ -343,7 +343,7 @@ def test_over_budget_at_the_attested_n_leaves_the_sealed_batch_unfetched_and_on_
 
 
 def test_a_refusing_default_family_stops_the_run_before_anything_is_sent(h: Any) -> None:
-    # fmt is an upper-bound family but holds only for eps0 <= log(n / (16 log(2/delta))); here n = N, eps0 = 8.
+    # fmt is an upper-bound family but holds only for eps0 <= log(n / (16 log(4/delta))); here n = N, eps0 = 8.
     # Before, an infinite budget skipped the check: the batch was sealed and compose()d, then the ledger refused
     # the round with LedgerError, on every resume again.
     cfg = h.config(**{"accounting-family": "fmt", "num-server-rounds": 3})
