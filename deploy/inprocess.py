@@ -134,6 +134,24 @@ def plan_eps0(target_epsilon: float, *, n: int, rounds: int, delta: float = 1e-6
     return bounds.calibrate(family, target_epsilon, delta, n, rounds, allow_approximate=family in APPROXIMATE_FAMILIES)
 
 
+def plan_and_account(eps0: float | None, target_epsilon: float | None, *, n: int, rounds: int, delta: float,
+                     family: str) -> tuple[float, Bound | None, Bound]:
+    """The eps0 of a study (given, or planned from ``target_epsilon`` with :func:`plan_eps0`) and the family's
+    epsilon of ``rounds`` rounds of ``n`` reports at it.
+
+    Returns:
+        ``(eps0, the calibration or None, the epsilon)``.
+    """
+    calibration = None
+    if target_epsilon is not None:
+        calibration = plan_eps0(target_epsilon, n=n, rounds=rounds, delta=delta, family=family)
+        eps0 = calibration.value
+    if eps0 is None:
+        raise ValueError("give eps0 or target_epsilon")
+    eps = bounds.epsilon(family, eps0, n, delta, rounds, allow_approximate=family in APPROXIMATE_FAMILIES)
+    return eps0, calibration, eps
+
+
 def study_config(mechanism: str, eps0: float, clip: float, *, report: str = "gradient", local_epochs: int = 1,
                  local_lr: float = 0.1, batch_size: int = 32) -> tuple[TrainConfig, PinnedSettings]:
     """The round's request config and the clients' pinned settings, as the apps build them.
@@ -327,12 +345,7 @@ def simulate(dataset: str | Setup = "digits", *, mechanism: str = "laplace", eps
     setup = dataset if isinstance(dataset, Setup) else build_setup(
         dataset, num_clients=num_clients, pca_components=pca_components, model=model, hidden=hidden, seed=seed)
     n = setup.num_clients
-    calibration = None
-    if target_epsilon is not None:
-        calibration = plan_eps0(target_epsilon, n=n, rounds=rounds, delta=delta, family=family)
-        eps0 = calibration.value
-    assert eps0 is not None  # noqa: S101 - set by one of the two branches above
-    eps = bounds.epsilon(family, eps0, n, delta, rounds, allow_approximate=family in APPROXIMATE_FAMILIES)
+    eps0, calibration, eps = plan_and_account(eps0, target_epsilon, n=n, rounds=rounds, delta=delta, family=family)
     cfg, pinned = study_config(mechanism, eps0, clip, report=report, local_epochs=local_epochs, local_lr=local_lr,
                                batch_size=batch_size)
     decoder = make_mechanism(mechanism, eps0=eps0, clip_l1=cfg.clip_l1, clip_l2=cfg.clip_l2)

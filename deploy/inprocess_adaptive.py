@@ -27,11 +27,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shuffledp.accounting import bounds
 from shuffledp.clients.core import compute_update, payload_from_update
 from shuffledp.clients.mechanism import make_mechanism
 from shuffledp.clients.noise import ChaCha20Rng
-from shuffledp.deploy.inprocess import APPROXIMATE_FAMILIES, Setup, SimResult, build_setup, plan_eps0, study_config
+from shuffledp.deploy.inprocess import Setup, SimResult, build_setup, plan_and_account, study_config
 from shuffledp.server.optim import ServerOptimizer
 
 __all__ = ["ADAPTIVE_FAMILY", "secret_order", "simulate_adaptive"]
@@ -89,12 +88,7 @@ def simulate_adaptive(dataset: str | Setup = "digits", *, mechanism: str = "lapl
     setup = dataset if isinstance(dataset, Setup) else build_setup(
         dataset, num_clients=num_clients, pca_components=pca_components, seed=seed)
     n = setup.num_clients
-    calibration = None
-    if target_epsilon is not None:
-        calibration = plan_eps0(target_epsilon, n=n, rounds=epochs, delta=delta, family=family)
-        eps0 = calibration.value
-    assert eps0 is not None  # noqa: S101 - set by one of the two branches above
-    eps = bounds.epsilon(family, eps0, n, delta, epochs, allow_approximate=family in APPROXIMATE_FAMILIES)
+    eps0, calibration, eps = plan_and_account(eps0, target_epsilon, n=n, rounds=epochs, delta=delta, family=family)
     cfg, pinned = study_config(mechanism, eps0, clip)
     decoder = make_mechanism(mechanism, eps0=eps0, clip_l1=cfg.clip_l1, clip_l2=cfg.clip_l2)
     optimizer = ServerOptimizer(server_optimizer, lr)

@@ -231,24 +231,11 @@ class RoundEngine:
         self.store.save(self._checkpoint())
 
     def restore(self) -> int:
-        """Load the checkpoint (or start fresh), reconcile it with the ledger, and return the next round id.
-
-        * no checkpoint and an empty ledger: a fresh run; a round-0 checkpoint is written at once.
-        * no checkpoint but ledger rows: refused (the ledger belongs to another run or the state file is gone).
-        * no checkpoint and an empty ledger, but the shuffler has already released batches of this key epoch:
-          refused. Those releases were charged to another run's accountant (or to none); a fresh accountant
-          starting at 0 would report an epsilon that leaves them out. Rotate keys (a new key epoch) per run.
-        * a checkpoint, but the shuffler has released more batches of this key epoch than the ledger charges:
-          refused. The surplus is another run's (this run charges a batch before it is released), and this
-          accountant would leave it out.
-        * ledger rows after the checkpoint's round: each is a round whose release was charged but whose model
-          update was not checkpointed (a crash between the ledger append and the checkpoint). The accountant is
-          charged with it from the ledger row, exactly once, and it is recorded as ``"lost"``.
-        * ledger rows up to the checkpoint's round must match the accountant state in the checkpoint.
+        """Load the checkpoint (or start fresh), reconcile it with the ledger, and return the next round id: the rules
+        are :func:`shuffledp.server.resume.restore`'s.
 
         Raises:
-            ResumeError: the stored state and the ledger disagree, or the configuration changed in a setting
-                listed in :data:`RESUME_KEYS`.
+            ResumeError: the stored state and the ledger disagree, or a setting of :data:`RESUME_KEYS` changed.
         """
         return restore(self)
 
