@@ -37,9 +37,10 @@ def clock(seconds: float) -> str:
 
 def is_shown(line: str) -> bool:
     """Whether a line of Flower's streamed output is shown on the terminal (else it goes to the log only): the
-    ServerApp's ``[shuffledp]`` lines other than the round and done lines, which the runner prints itself, and
-    its heap-tuning note, and error lines."""
-    if line.startswith(("[shuffledp] round ", "[shuffledp] done", "[shuffledp] ServerApp heap tuning")):
+    ServerApp's ``[shuffledp]`` lines other than the round and done lines and the plan from a target epsilon, which
+    the runner prints itself, and its heap-tuning note, and error lines."""
+    if line.startswith(("[shuffledp] round ", "[shuffledp] done", "[shuffledp] ServerApp heap tuning",
+                        "[shuffledp] planned from target epsilon")):
         return False
     return any(mark in line for mark in _SHOWN)
 
