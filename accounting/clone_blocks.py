@@ -22,14 +22,14 @@ from collections import OrderedDict
 import numpy as np
 
 from shuffledp.accounting import pld_spread as ps
-from shuffledp.accounting.binomial import binom_logpmf, tail_ge, tail_le
 from shuffledp.accounting.clone_pair import (
     CHUNK_ELEMENTS,
     PLD_WINDOW_DROP,
     _c_distribution,
     _one_minus_2w,
+    _outside_x_window,
     _params,
-    _stable_log_ratio,
+    _x_window,
 )
 
 __all__ = ["BLOCK_RELATIVE_WIDTH", "block_of", "block_start", "round_pld", "clear_block_cache"]
@@ -88,27 +88,10 @@ def _compute(eps0: float, variant: str, h: float, ids: np.ndarray) -> dict[int, 
     halves = np.minimum(np.ceil(math.sqrt(2.0 * PLD_WINDOW_DROP) * 0.5 * np.sqrt(m[:, 0]) + 10.0), m[:, 0] // 2 + 2)
     big = int(halves.max())
     offsets = np.arange(-big, big + 1, dtype=np.float64)
-    log_half = -math.log(2.0)
-    xc = np.floor(m / 2.0)
-    x = xc + offsets[None, :]
-    valid = (x >= 0.0) & (x <= m) & (np.abs(offsets)[None, :] <= halves[:, None])
-    xs = np.clip(x, 0.0, m)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        step = np.log1p((m - 2.0 * xs - 1.0) / (xs + 1.0))
-    step = np.where(valid & (xs < m), step, 0.0)
-    log_bin = np.zeros_like(x)
-    log_bin[:, big + 1 :] = np.cumsum(step[:, big:-1], axis=1)
-    log_bin[:, :big] = -np.cumsum(step[:, big - 1 :: -1], axis=1)[:, ::-1]
-    log_bin += binom_logpmf(xc, m, log_half, log_half)
-    num = (1.0 - w) * xs + w * (m - xs)
-    den = w * xs + (1.0 - w) * (m - xs)
-    with np.errstate(divide="ignore", invalid="ignore", under="ignore"):
-        probs = np.where(valid, np.exp(log_bin) * (2.0 * num / m), 0.0)
-        losses = np.where(valid, _stable_log_ratio(one_m2w * (2.0 * xs - m) / den, num, den), 0.0)
+    xc, valid, probs, losses = _x_window(m, offsets, w, one_m2w, halves)
     x_lo = np.maximum(xc[:, 0] - halves, 0.0)
     x_hi = np.minimum(xc[:, 0] + halves, m[:, 0])
-    below = w * tail_le(x_lo - 1.0, reps) + (1.0 - w) * tail_le(x_lo - 2.0, reps)
-    above = (1.0 - w) * tail_ge(x_hi, reps) + w * tail_ge(x_hi + 1.0, reps)
+    below, above = _outside_x_window(reps, x_lo, x_hi, w)
     out = {}
     for i in range(reps.size):
         cols = np.flatnonzero(valid[i])

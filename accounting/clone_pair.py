@@ -16,7 +16,7 @@ from typing import Literal
 import numpy as np
 from scipy import special, stats
 
-from shuffledp.accounting.binomial import binom_logpmf, binom_window, tail_ge
+from shuffledp.accounting.binomial import binom_logpmf, binom_window, tail_ge, tail_le
 from shuffledp.accounting.core import EPS0_MAX, N_MAX
 from shuffledp.accounting.validation import check_delta, check_eps0, check_epsilon, check_n
 
@@ -153,6 +153,55 @@ def _stable_log_ratio(u: np.ndarray, num: np.ndarray, den: np.ndarray) -> np.nda
     rounded to ``log1p(-1) = -inf`` instead of ``-eps0``)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(u > -0.5, np.log1p(np.maximum(u, -0.5)), np.log(num) - np.log(den))
+
+
+def _x_window(m: np.ndarray, offsets: np.ndarray, w: float, one_m2w: float,
+              halves: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The clone pair's output X = A + D given m = C + 1, on a window of X around m/2, row by row.
+
+    Args:
+        m: ``C + 1`` per row (a column vector, float).
+        offsets: the window's offsets from ``floor(m/2)`` (one row, float).
+        w, one_m2w: the pair's mixture weight and ``1 - 2w``.
+        halves: per-row half widths narrower than the offsets (None: the offsets only).
+
+    Returns:
+        ``(xc, valid, probs, losses)``: the window centres ``floor(m/2)``, which cells are in a row's window,
+        ``P(X = x | C)`` there (``Bin(x; m, 1/2) * 2 num / m``: Loader's form at the centre, the exact ratio
+        recurrence outwards) and the privacy loss at each cell (0 outside).
+    """
+    half = (offsets.size - 1) // 2
+    log_half = -math.log(2.0)
+    xc = np.floor(m / 2.0)
+    x = xc + offsets[None, :]
+    valid = (x >= 0.0) & (x <= m)
+    if halves is not None:
+        valid &= np.abs(offsets)[None, :] <= halves[:, None]
+    xs = np.clip(x, 0.0, m)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        step = np.log1p((m - 2.0 * xs - 1.0) / (xs + 1.0))
+    step = np.where(valid & (xs < m), step, 0.0)
+    log_bin = np.zeros_like(x)
+    log_bin[:, half + 1 :] = np.cumsum(step[:, half:-1], axis=1)
+    log_bin[:, :half] = -np.cumsum(step[:, half - 1 :: -1], axis=1)[:, ::-1]
+    log_bin += binom_logpmf(xc, m, log_half, log_half)
+    num = (1.0 - w) * xs + w * (m - xs)
+    den = w * xs + (1.0 - w) * (m - xs)
+    with np.errstate(divide="ignore", invalid="ignore", under="ignore"):
+        probs = np.where(valid, np.exp(log_bin) * (2.0 * num / m), 0.0)
+        losses = np.where(valid, _stable_log_ratio(one_m2w * (2.0 * xs - m) / den, num, den), 0.0)
+    return xc, valid, probs, losses
+
+
+def _outside_x_window(c: np.ndarray, x_lo: np.ndarray, x_hi: np.ndarray, w: float) -> tuple[np.ndarray, np.ndarray]:
+    """Exact P-masses of X = A + D (A ~ Bin(c, 1/2), D ~ Bern(1 - w)) below ``x_lo`` and above ``x_hi``.
+
+    Returns:
+        ``(below, above)`` per row, from the binomial tails (never as 1 - sum).
+    """
+    below = w * tail_le(x_lo - 1.0, c) + (1.0 - w) * tail_le(x_lo - 2.0, c)
+    above = (1.0 - w) * tail_ge(x_hi, c) + w * tail_ge(x_hi + 1.0, c)
+    return below, above
 
 
 def _one_minus_2w(eps0: float) -> float:

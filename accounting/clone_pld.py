@@ -10,7 +10,6 @@ import numpy as np
 from scipy import optimize, stats
 
 from shuffledp.accounting import pld as _pld
-from shuffledp.accounting.binomial import binom_logpmf, tail_ge, tail_le
 from shuffledp.accounting.clone_pair import (
     CHUNK_ELEMENTS,
     EPSILON_RTOL,
@@ -24,8 +23,9 @@ from shuffledp.accounting.clone_pair import (
     _c_distribution,
     _delta_per_c,
     _one_minus_2w,
+    _outside_x_window,
     _params,
-    _stable_log_ratio,
+    _x_window,
     check_variant,
 )
 from shuffledp.accounting.pld import PrivacyLossDistribution
@@ -86,33 +86,15 @@ def _loss_support(eps0: float, n: int, variant: str, pessimistic: bool):
     half = min(half, m_max // 2 + 2)
     offsets = np.arange(-half, half + 1, dtype=np.float64)
     rows = max(1, CHUNK_ELEMENTS // offsets.size)
-    log_half = -math.log(2.0)
     for start in range(0, reps.size, rows):
         cr = reps[start : start + rows]
         mass = block_mass[start : start + rows]
         m = cr.astype(np.float64)[:, None] + 1.0
-        xc = np.floor(m / 2.0)
-        x = xc + offsets[None, :]
-        valid = (x >= 0.0) & (x <= m)
-        xs = np.clip(x, 0.0, m)
-        # log Bin(x; m, 1/2): Loader's form at the centre, exact ratio recurrence outwards
-        with np.errstate(divide="ignore", invalid="ignore"):
-            step = np.log1p((m - 2.0 * xs - 1.0) / (xs + 1.0))
-        step = np.where(valid & (xs < m), step, 0.0)
-        log_bin = np.zeros_like(x)
-        log_bin[:, half + 1 :] = np.cumsum(step[:, half:-1], axis=1)
-        log_bin[:, :half] = -np.cumsum(step[:, half - 1 :: -1], axis=1)[:, ::-1]
-        log_bin += binom_logpmf(xc, m, log_half, log_half)
-        num = (1.0 - w) * xs + w * (m - xs)  # P(x|c) = Bin(x; m, 1/2) * 2 num / m
-        den = w * xs + (1.0 - w) * (m - xs)
-        with np.errstate(divide="ignore", invalid="ignore", under="ignore"):
-            probs = np.where(valid, np.exp(log_bin) * (2.0 * num / m), 0.0)
-            losses = np.where(valid, _stable_log_ratio(one_m2w * (2.0 * xs - m) / den, num, den), 0.0)
+        xc, valid, probs, losses = _x_window(m, offsets, w, one_m2w)
         # exact P-masses outside the window: X = A + D, A ~ Bin(c, 1/2), D ~ Bern(1 - w)
         x_lo = np.maximum(xc[:, 0] - half, 0.0)
         x_hi = np.minimum(xc[:, 0] + half, m[:, 0])
-        below = w * tail_le(x_lo - 1.0, cr) + (1.0 - w) * tail_le(x_lo - 2.0, cr)
-        above = (1.0 - w) * tail_ge(x_hi, cr) + w * tail_ge(x_hi + 1.0, cr)
+        below, above = _outside_x_window(cr, x_lo, x_hi, w)
         probs *= ((1.0 - below - above) / probs.sum(axis=1))[:, None]
         first = np.argmax(valid, axis=1)
         last = valid.shape[1] - 1 - np.argmax(valid[:, ::-1], axis=1)
