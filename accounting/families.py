@@ -20,13 +20,17 @@ The families (kind in brackets):
 
 * ``clones`` [upper]: the stronger clone pair, C ~ Bin(n-1, 2/(e^{eps0}+1)), w = 1/(e^{eps0}+1) (Feldman,
   McMillan, Talwar, "Stronger privacy amplification by shuffling for Renyi and approximate differential
-  privacy", SODA 2023; Wang, Su, Ye, Shokri, Su, "Unified enhancement of privacy bounds for mixture mechanisms
-  via f-DP", NeurIPS 2023, seed 003). One round: the exact delta(eps)/eps(delta) of the pair
-  (:mod:`shuffledp.accounting.clones`). Several rounds: composition of its pessimistic privacy loss distribution
-  (PLD) (:mod:`shuffledp.accounting.pld`).
+  privacy", SODA 2023, Lemma 3.5 and Thms 3.1/3.2; Wang, Su, Ye, Shokri, Su, "Unified enhancement of privacy
+  bounds for mixture mechanisms via f-DP", NeurIPS 2023, seed 003). One round: the exact delta(eps)/eps(delta) of
+  the pair (:mod:`shuffledp.accounting.clones`). Several rounds: composition of its pessimistic privacy loss
+  distribution (PLD) (:mod:`shuffledp.accounting.pld`). It rests on SODA 2023 Thms 3.1/3.2, whose proof for
+  every eps0-LDP randomizer the paper's errata withdraw (they hold for a restricted class of randomizers); no
+  counterexample is known, and the project's randomizers are outside the class as reconstructed in
+  docs/accounting.md. Kept as a user's choice and as a comparison; ``auto`` never picks it.
 * ``clones-focs`` [upper]: the pair of Feldman, McMillan, Talwar, "Hiding among the clones", FOCS 2021,
   C ~ Bin(n-1, e^{-eps0}), Delta ~ Bern(e^{eps0}/(e^{eps0}+1)); same machinery (Chen, Cao, Ge, "Renyi DP in the
-  shuffle model: enhanced amplification bounds", ICASSP 2024, seed 000, Thm 1 / Cor. 1).
+  shuffle model: enhanced amplification bounds", ICASSP 2024, seed 000, Thm 1 / Cor. 1). Holds for every
+  eps0-LDP randomizer (not among the results the SODA 2023 errata name).
 * ``ccg-gdp`` [approximate]: seed 000, Thm 2, mu = 2 e^{eps0/2}/sqrt(n-1); T rounds: sqrt(sum mu^2).
 * ``ccg-rdp`` [approximate]: seed 000, Cor. 2, (lambda, 2 e^{eps0} lambda/(n-1))-RDP, summed over rounds,
   converted with the improved conversion (:mod:`shuffledp.accounting.rdp`).
@@ -44,6 +48,14 @@ The families (kind in brackets):
   (Balle, Bell, Gascon, Nissim, CRYPTO 2019), blanket mass e^{-eps0/2}, ratios spread to the corners of
   [e^{-eps0/2}, e^{eps0/2}]^2; pessimistic PLD composition (:mod:`shuffledp.accounting.blanket`). Valid only for
   reports of that randomizer (:data:`FAMILY_MECHANISMS`).
+* ``blanket-duchi`` [upper, mechanism-aware]: the privacy blanket of the project's Duchi et al. mechanism: its
+  likelihood ratios lie in the box [2/(e^{eps0}+1), 2e^{eps0}/(e^{eps0}+1)], whose corner pair is exactly the
+  stronger clone pair, so the numbers are those of ``clones``, rigorous for this mechanism without SODA 2023
+  Lemma 3.5 (:class:`~shuffledp.accounting.families_pld.BlanketDuchiFamily`). Valid only for reports of that
+  mechanism.
+
+The run config's ``accounting-family = "auto"`` picks, by the run's mechanism, the tightest upper family that is
+rigorous for it (:data:`AUTO_FAMILIES`, :func:`resolve_family`).
 
 Each method returns ``(value, details)``; the values are the families' own (uncapped). These modules import only
 the standard library and :mod:`shuffledp.accounting.core` when they are loaded (the package imports this one for
@@ -69,6 +81,7 @@ from shuffledp.accounting.families_pld import (
     DELTA_SEARCH_FLOOR,
     DELTA_SEARCH_RTOL,
     FMT_DELTA_FRACTIONS,
+    BlanketDuchiFamily,
     BlanketLaplaceFamily,
     CloneFamily,
     FmtFamily,
@@ -88,6 +101,9 @@ __all__ = [
     "RENYI_FAMILIES",
     "CLONE_VARIANTS",
     "FAMILY_MECHANISMS",
+    "AUTO_FAMILY",
+    "AUTO_FAMILIES",
+    "resolve_family",
     "FMT_DELTA_FRACTIONS",
     "DELTA_SEARCH_RTOL",
     "DELTA_SEARCH_FLOOR",
@@ -113,6 +129,7 @@ REGISTRY: Mapping[str, Family] = {
         CanonicalGdpFamily(),
         NoShuffleFamily(),
         BlanketLaplaceFamily(),
+        BlanketDuchiFamily(),
     )
 }
 
@@ -129,8 +146,44 @@ CLONE_VARIANTS: Mapping[str, str] = {
 }
 
 #: The mechanism-specific families and the one local randomizer each covers (``"laplace"``: the project's discrete
-#: Laplace randomizer); every other family holds for any eps0-LDP randomizer.
+#: Laplace randomizer; ``"duchi"``: its Duchi et al. mechanism); every other family holds for any eps0-LDP
+#: randomizer (``clones`` under the proviso of its SODA 2023 errata, see the module docstring).
 FAMILY_MECHANISMS: Mapping[str, str] = {name: family.mechanism for name, family in REGISTRY.items() if family.mechanism}
+
+#: The run-config value that picks the budget family by mechanism (:func:`resolve_family`).
+AUTO_FAMILY = "auto"
+#: What ``auto`` resolves to, per mechanism (:data:`shuffledp.clients.mechanism.MECHANISMS`): the tightest upper
+#: family that is rigorous for that mechanism without the withdrawn general proof of FMT SODA 2023 Lemma 3.5.
+#: ``laplace``: its privacy blanket (Balle et al., CRYPTO 2019); ``duchi``: its blanket, the stronger clone pair;
+#: ``privunit2``: the FOCS 2021 clone pair (Feldman, McMillan, Talwar, Thm 3.1), valid for any eps0-LDP randomizer.
+AUTO_FAMILIES: Mapping[str, str] = {
+    "laplace": "blanket-laplace",
+    "duchi": "blanket-duchi",
+    "privunit2": "clones-focs",
+}
+
+
+def resolve_family(family: str, mechanism: str) -> str:
+    """The budget family a run uses: ``family`` itself, or for ``"auto"`` the mechanism's default.
+
+    Args:
+        family: a family name or :data:`AUTO_FAMILY`.
+        mechanism: the run's local randomizer (a key of :data:`AUTO_FAMILIES`).
+
+    Returns:
+        ``family`` unchanged unless it is ``"auto"``; then ``AUTO_FAMILIES[mechanism]`` (blanket-laplace,
+        blanket-duchi or clones-focs; see :data:`AUTO_FAMILIES` for why each is rigorous).
+
+    Raises:
+        ValueError: ``family`` is ``"auto"`` and ``mechanism`` has no default (the message lists those that do).
+    """
+    if family != AUTO_FAMILY:
+        return family
+    if mechanism not in AUTO_FAMILIES:
+        raise ValueError(
+            f"accounting family 'auto' has no default for mechanism {mechanism!r}; mechanisms with a default: "
+            f"{', '.join(f'{m} -> {f}' for m, f in AUTO_FAMILIES.items())}; name a family instead")
+    return AUTO_FAMILIES[mechanism]
 
 
 def lookup(family: Any, *, renyi: bool = False) -> Family:

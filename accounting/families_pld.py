@@ -1,5 +1,5 @@
-"""The families composed through privacy loss distributions: the clone pairs (``clones``, ``clones-focs``),
-``fmt``, ``rr-lower`` and ``no-shuffle``.
+"""The families composed through privacy loss distributions: the clone pairs (``clones``, ``clones-focs``,
+``blanket-duchi``), ``fmt``, ``rr-lower``, ``no-shuffle`` and ``blanket-laplace``.
 
 Sources: Feldman, McMillan, Talwar, "Hiding among the clones", FOCS 2021, and "Stronger privacy amplification by
 shuffling for Renyi and approximate differential privacy", SODA 2023; Wang, Su, Ye, Shokri, Su, "Unified
@@ -22,6 +22,7 @@ __all__ = [
     "RrLowerFamily",
     "NoShuffleFamily",
     "BlanketLaplaceFamily",
+    "BlanketDuchiFamily",
     "FMT_DELTA_FRACTIONS",
     "DELTA_SEARCH_RTOL",
     "DELTA_SEARCH_FLOOR",
@@ -44,6 +45,13 @@ _SPREAD = "pessimistic (mean-preserving spread, connect the dots)"
 
 class CloneFamily(Family):
     """A clone pair of the clone reduction (FMT FOCS 2021 Thm 3.1; "stronger clones", FMT SODA 2023).
+
+    ``variant="focs"`` (``clones-focs``) holds for every eps0-LDP randomizer (FOCS 2021 Thm 3.1, not among the
+    results the SODA 2023 errata name). ``variant="stronger"`` (``clones``) rests on SODA 2023 Lemma 3.5 and
+    Thms 3.1/3.2, whose proof for every eps0-LDP randomizer the paper's errata withdraw (they now hold for a
+    restricted class of randomizers); no counterexample is known, and none of the project's randomizers is in the
+    class as reconstructed in docs/accounting.md. The same pair is a rigorous bound for the ``duchi`` mechanism by
+    another route (:class:`BlanketDuchiFamily`).
 
     Args:
         name: the family's name.
@@ -348,3 +356,57 @@ class BlanketLaplaceFamily(Family):
         composed, interval = blanket.composed_blanket_pld(list(items))
         value = _comp().pld_epsilon(composed, delta)
         return value, self._details(method="pld", discretisation=_SPREAD, interval=interval)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mechanism-aware: the privacy blanket of the project's Duchi et al. mechanism (the stronger clone pair)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class BlanketDuchiFamily(CloneFamily):
+    """``blanket-duchi``: the privacy blanket (Balle, Bell, Gascon, Nissim, "The privacy blanket of the shuffle
+    model", CRYPTO 2019) of the project's Duchi, Jordan, Wainwright mechanism (:class:`shuffledp.clients.duchi.
+    DuchiMechanism`), whose dominating pair is exactly the stronger clone pair of ``clones``.
+
+    Derivation (docs/accounting.md, "What `clones` rests on"): the report is ``(seed, b)``; against the base law
+    omega = (the seed's law) x (a fair bit), its likelihood ratio is ``2 P[b | seed, x]``, and the flip probability
+    is clamped into ``[p_lo, p_hi]`` with ``p_lo >= 1/(E+1)``, ``p_hi <= E/(E+1)`` for a certified ``E <= e^eps0``
+    (:func:`shuffledp.clients.coins.rr_interval`). So every input's ratio lies in the box
+    ``[lo, hi] = [2/(e^eps0+1), 2 e^eps0/(e^eps0+1)]`` and every report has blanket mass ``lo``. The blanket argument
+    (reveal the blanket; spread each ratio pair to the corners of the box) gives, since ``lo + hi = 2``, the corner
+    law H = (hi, lo), L = (lo, hi) with probability 1/2 each, and counting H among the blanket draws and the attacked
+    report is the pair C ~ Bin(n-1, 2/(e^eps0+1)), X = A + D of Feldman, McMillan, Talwar, SODA 2023 (and Wang et
+    al., NeurIPS 2023): the same numbers as ``clones``, without SODA 2023 Lemma 3.5. An upper bound for reports of
+    that mechanism only (any dimension and L2 clip); not for any other eps0-LDP randomizer.
+    """
+
+    mechanism = "duchi"
+    restriction = (
+        "reports of the project's Duchi et al. mechanism (DuchiMechanism: L2 clip, a data-independent direction "
+        "sent as a seed, one exactly drawn randomized-response bit) at this eps0, in any dimension d and for any "
+        "clip C; not other eps0-LDP randomizers")
+
+    def __init__(self) -> None:
+        super().__init__("blanket-duchi", "stronger")
+
+    def _details(self, details: Details) -> Details:
+        return {"mechanism": self.mechanism, "restriction": self.restriction, **details}
+
+    def epsilon(self, eps0: float, n: int, delta: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """The stronger clone pair's epsilon (see :meth:`CloneFamily.epsilon`), with the restriction in details."""
+        value, details = super().epsilon(eps0, n, delta, rounds, allow_approximate)
+        return value, self._details(details)
+
+    def delta(self, eps0: float, n: int, epsilon: float, rounds: int, allow_approximate: bool) -> tuple[float, Details]:
+        """The stronger clone pair's delta (see :meth:`CloneFamily.delta`), with the restriction in details."""
+        value, details = super().delta(eps0, n, epsilon, rounds, allow_approximate)
+        return value, self._details(details)
+
+    def heterogeneous_epsilon(
+        self, items: Items, total: int, delta: float, allow_approximate: bool
+    ) -> tuple[float, Details]:
+        """As :meth:`CloneFamily.heterogeneous_epsilon`, with the restriction in details. Moving a round to a
+        larger eps0 or a smaller n dominates it here too: the box grows with eps0, and one more report is
+        post-processing."""
+        value, details = super().heterogeneous_epsilon(items, total, delta, allow_approximate)
+        return value, self._details(details)

@@ -65,7 +65,8 @@ class Family:
         merge_by_eps0: heterogeneous rounds are grouped by eps0 alone (n plays no role).
         mechanism: the local randomizer the family's derivation covers: ``""`` for every eps0-LDP randomizer (the
             generic families), else the name of the one mechanism (``"laplace"``: the project's discrete Laplace
-            randomizer); such a family may enforce a budget only for reports produced by that mechanism.
+            randomizer; ``"duchi"``: its Duchi et al. mechanism); such a family may enforce a budget only for
+            reports produced by that mechanism.
         restriction: the sentence printed next to the values of a mechanism-specific family.
     """
 

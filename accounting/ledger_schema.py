@@ -206,8 +206,9 @@ def _check_real(name: str, value: Any, *, low: float, high: float | None = None)
 
 
 #: How a round's mechanism label starts for each randomizer a mechanism-aware family covers (the server writes
-#: ``discrete-laplace-l1(d=...,C=...,eps0=...,report=...)`` for the project's discrete Laplace randomizer).
-MECHANISM_LABEL_PREFIXES = {"laplace": "discrete-laplace"}
+#: ``discrete-laplace-l1(d=...,C=...,eps0=...,report=...)`` for the project's discrete Laplace randomizer and
+#: ``duchi-l2(d=...,C=...,eps0=...,report=...)`` for its Duchi et al. mechanism).
+MECHANISM_LABEL_PREFIXES = {"laplace": "discrete-laplace", "duchi": "duchi-l2("}
 
 
 def _check_family_mechanism(default_family: str, mechanism: str) -> None:
@@ -223,7 +224,7 @@ def _check_family_mechanism(default_family: str, mechanism: str) -> None:
         raise LedgerError(
             f"the default family {default_family!r} bounds only reports of the {covered!r} randomizer (a mechanism "
             f"label starting {prefix!r}); this round's reports came from {mechanism!r}: charge it with a generic "
-            "family such as clones"
+            "family such as clones-focs"
         )
 
 

@@ -48,7 +48,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "min-reports": 1000,
     "reply-timeout": 900.0,
     "reply-floor": 0.0,
-    "eps0": 3.3204,
+    "eps0": 3.4434,
     "mechanism": "laplace",
     "clip-l1": 0.5,
     "clip-l2": 1.0,
@@ -68,8 +68,8 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "target-delta": 1e-6,
     "target-epsilon": 0.0,
     "budget-epsilon": 10.0,
-    "accounting-family": "clones",
-    "comparison-families": "rr-lower,no-shuffle",
+    "accounting-family": "auto",
+    "comparison-families": "rr-lower,no-shuffle,clones",
     "shuffler-address": "auto",
     "shuffler-root-cert": "",
     "shuffler-client-cert": "",
@@ -98,7 +98,10 @@ class ServerConfig:
     ``clip_l2`` for ``duchi`` / ``privunit2``) are sent to the clients, which refuse values different from their
     own pinned ones; ``min_reports`` (k) is the smallest number of envelopes for which a round is sent to
     the shuffler at all; ``budget_epsilon`` at ``target_delta`` is enforced with ``accounting_family`` before each
-    round (``math.inf`` disables the stop but still accounts).
+    round (``math.inf`` disables the stop but still accounts). ``accounting_family`` is always a family name: the
+    run config's ``"auto"`` is resolved by ``mechanism`` when the config is parsed
+    (:func:`shuffledp.accounting.families.resolve_family`), and the resolved name is what the plan, report.json
+    and the ledger use.
     """
 
     num_server_rounds: int
@@ -256,8 +259,9 @@ def _accounting_families() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _check_mechanism_families(mechanism: str, families: tuple[str, ...]) -> None:
-    """A mechanism-aware family (e.g. ``blanket-laplace``) bounds only the reports of its own randomizer: refuse it
-    (as the budget family or as a comparison) when the run's clients use another ``mechanism``."""
+    """A mechanism-aware family (``blanket-laplace``, ``blanket-duchi``) bounds only the reports of its own
+    randomizer: refuse it (as the budget family or as a comparison) when the run's clients use another
+    ``mechanism``."""
     from shuffledp.accounting.families import FAMILY_MECHANISMS
 
     for name in families:
@@ -265,7 +269,34 @@ def _check_mechanism_families(mechanism: str, families: tuple[str, ...]) -> None
         if needed is not None and needed != mechanism:
             raise ConfigError(
                 f"run config names {name!r}, a bound that holds only for reports of the {needed!r} mechanism, but "
-                f"'mechanism' = {mechanism!r}; use a generic family (e.g. 'clones') or mechanism = {needed!r}")
+                f"'mechanism' = {mechanism!r}; use 'auto' (the mechanism's own default), a generic family (e.g. "
+                f"'clones-focs') or mechanism = {needed!r}")
+
+
+def _budget_family(raw: Mapping[str, Any], mechanism: str, guarantees: tuple[str, ...]) -> str:
+    """The run's budget family: ``accounting-family`` as given, or ``"auto"`` resolved by ``mechanism``
+    (laplace -> blanket-laplace, duchi -> blanket-duchi, privunit2 -> clones-focs:
+    :data:`shuffledp.accounting.families.AUTO_FAMILIES`, each rigorous for its mechanism without the withdrawn
+    general proof of Feldman, McMillan, Talwar, SODA 2023, Lemma 3.5).
+
+    Raises:
+        ConfigError: not ``"auto"`` and not an upper-bound family, or ``"auto"`` for a mechanism without a default.
+    """
+    from shuffledp.accounting.families import AUTO_FAMILY, resolve_family
+
+    family = _str(raw, "accounting-family")
+    if family == AUTO_FAMILY:
+        try:
+            return resolve_family(family, mechanism)
+        except ValueError as exc:
+            raise ConfigError(f"run config 'accounting-family': {exc}") from None
+    if family not in guarantees:
+        raise ConfigError(
+            f"run config 'accounting-family' enforces the budget, so it must be {AUTO_FAMILY!r} (picked by "
+            f"'mechanism') or an upper-bound family, one of {list(guarantees)}; got {family!r} (approximate and "
+            "lower-bound families belong in 'comparison-families')"
+        )
+    return family
 
 
 def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> ServerConfig:
@@ -283,15 +314,10 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         raise ConfigError(f"unknown run config keys {unknown}; known keys: {sorted(DEFAULTS)}")
     known_families, guarantees = _accounting_families()
 
-    family = _str(raw, "accounting-family")
-    if family not in guarantees:
-        raise ConfigError(
-            f"run config 'accounting-family' enforces the budget, so it must be an upper-bound family, one of "
-            f"{list(guarantees)}; got {family!r} (approximate and lower-bound families belong in "
-            "'comparison-families')"
-        )
+    mechanism = _str(raw, "mechanism", choices=MECHANISMS)
+    family = _budget_family(raw, mechanism, guarantees)
     comparison = tuple(f for f in _families(raw, "comparison-families", known_families) if f != family)
-    _check_mechanism_families(_str(raw, "mechanism", choices=MECHANISMS), (family, *comparison))
+    _check_mechanism_families(mechanism, (family, *comparison))
 
     address = _str(raw, "shuffler-address").strip()
     if address != "auto":
@@ -323,7 +349,7 @@ def parse_run_config(raw: Mapping[str, Any], *, allow_unknown: bool = False) -> 
         reply_timeout=_float(raw, "reply-timeout", low=0.0),
         reply_floor=_float(raw, "reply-floor", low=0.0, high=MAX_REPLY_FLOOR, low_inclusive=True),
         eps0=_float(raw, "eps0", low=0.0),
-        mechanism=_str(raw, "mechanism", choices=MECHANISMS),
+        mechanism=mechanism,
         clip_l1=_float(raw, "clip-l1", low=0.0),
         clip_l2=_float(raw, "clip-l2", low=0.0),
         report=_str(raw, "report", choices=REPORT_MODES),

@@ -1,7 +1,9 @@
 """A run planned from a target epsilon: eps0 calibrated before the first round.
 
 With ``target-epsilon`` > 0 the ServerApp does not take ``eps0`` from the run config. Before any round it asks the
-accounting family that enforces the budget for the largest eps0 such that ``num-server-rounds`` rounds of
+accounting family that enforces the budget (the run's ``accounting_family``: with the default ``"auto"``, already
+resolved by mechanism, e.g. ``blanket-laplace`` for ``laplace``; :func:`shuffledp.accounting.families.
+resolve_family`) for the largest eps0 such that ``num-server-rounds`` rounds of
 ``min-reports`` reports each stay within ``target-epsilon`` at ``target-delta``
 (:func:`shuffledp.accounting.bounds.calibrate`). Every charged round has at least ``min-reports`` attested
 reports (a round with fewer is skipped and not charged), and the family's epsilon falls as n grows, so the plan

@@ -81,3 +81,17 @@ def test_a_mechanism_aware_default_family_only_charges_its_own_randomizers_round
                           delta=1e-6, epsilons={"blanket-laplace": 1.5}, kinds={"blanket-laplace": "upper"},
                           default_family="blanket-laplace")
         assert [r["round"] for r in ledger.rows()] == [1]
+
+
+def test_blanket_duchi_only_charges_rounds_of_the_duchi_mechanism(tmp_path: Path) -> None:
+    """blanket-duchi bounds the project's Duchi et al. mechanism only: a discrete Laplace round is refused, and the
+    refusal names a family that holds for any randomizer."""
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        ledger.append(round=1, n_reports=100, eps0=2.0, mechanism="duchi-l2(d=650,C=0.5,eps0=2,report=gradient)",
+                      delta=1e-6, epsilons={"blanket-duchi": 1.0}, kinds={"blanket-duchi": "upper"},
+                      default_family="blanket-duchi")
+        with pytest.raises(LedgerError, match="bounds only reports of the 'duchi' randomizer.*such as clones-focs"):
+            ledger.append(round=2, n_reports=100, eps0=2.0, mechanism="discrete-laplace-l1(d=650,C=1,eps0=2)",
+                          delta=1e-6, epsilons={"blanket-duchi": 1.5}, kinds={"blanket-duchi": "upper"},
+                          default_family="blanket-duchi")
+        assert [r["round"] for r in ledger.rows()] == [1]

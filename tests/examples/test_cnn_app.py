@@ -25,10 +25,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cnn_app"
 N_NODES = 6
 
 
-def _account_epsilon(eps0: float, n: int, delta: float, rounds: int) -> float:
+def _account_epsilon(family: str, eps0: float, n: int, delta: float, rounds: int) -> float:
     out = subprocess.run(
-        [sys.executable, "-m", "shuffledp.deploy.cli", "account", "epsilon", "--eps0", repr(eps0), "--n", str(n),
-         "--delta", repr(delta), "--rounds", str(rounds), "--json"],
+        [sys.executable, "-m", "shuffledp.deploy.cli", "account", "epsilon", "--bound", family, "--eps0", repr(eps0),
+         "--n", str(n), "--delta", repr(delta), "--rounds", str(rounds), "--json"],
         check=True, capture_output=True, text=True,
     ).stdout
     return float(json.loads(out)["value"])
@@ -67,10 +67,13 @@ def test_the_example_app_runs_with_flwr_run_and_charges_what_the_accountant_says
     assert (outputs / "cnn" / "keys" / "public" / "server_hpke.pub").is_file()
     assert f"min-reports (the shuffler's threshold k) lowered from 10 to {N_NODES}" in log, log[-4000:]
     assert report["config"]["min-reports"] == N_NODES
+    # accounting-family = "auto" with the laplace mechanism: the run is charged with blanket-laplace
+    assert report["config"]["accounting-family"] == "blanket-laplace"
     rows = report["rounds"]
     assert [r["round"] for r in rows] == [1, 2] and all(r["n_reports"] == N_NODES for r in rows), log[-4000:]
     for row in rows:
-        expected = _account_epsilon(row["eps0"], row["n_reports"], row["delta"], row["round"])
+        assert row["family"] == "blanket-laplace"
+        expected = _account_epsilon(row["family"], row["eps0"], row["n_reports"], row["delta"], row["round"])
         assert row["epsilon"] == pytest.approx(expected, rel=1e-12, abs=0.0)
         assert row["accuracy"] is not None and 0.0 <= row["accuracy"] <= 1.0
     # the app's own CNN went through: the ServerApp's final metrics name its rounds

@@ -24,7 +24,9 @@ def test_defaults_parse() -> None:
     assert cfg.num_server_rounds == DEFAULTS["num-server-rounds"]
     assert cfg.auto_shuffler
     assert cfg.server_optimizer == "sgd"
-    assert cfg.comparison_families == ("rr-lower", "no-shuffle")
+    # accounting-family = "auto" with the default laplace mechanism; clones is shown next to it
+    assert DEFAULTS["accounting-family"] == "auto" and cfg.accounting_family == "blanket-laplace"
+    assert cfg.comparison_families == ("rr-lower", "no-shuffle", "clones")
 
 
 def test_overrides_and_inf_budget() -> None:
@@ -38,8 +40,48 @@ def test_overrides_and_inf_budget() -> None:
 
 
 def test_default_family_is_removed_from_comparisons() -> None:
-    cfg = parse_run_config({"comparison-families": "clones,rr-lower"})
+    cfg = parse_run_config({"comparison-families": "blanket-laplace,rr-lower"})  # auto -> blanket-laplace (laplace)
     assert cfg.comparison_families == ("rr-lower",)
+
+
+@pytest.mark.parametrize(("mechanism", "family"), [
+    ("laplace", "blanket-laplace"), ("duchi", "blanket-duchi"), ("privunit2", "clones-focs"),
+])
+def test_auto_resolves_by_mechanism_and_the_resolved_name_is_recorded(mechanism: str, family: str) -> None:
+    cfg = parse_run_config({"mechanism": mechanism, "clip-l2": 1.0})
+    assert cfg.accounting_family == family
+    assert cfg.as_dict()["accounting-family"] == family  # report.json's config
+    assert cfg.comparison_families == ("rr-lower", "no-shuffle", "clones")
+    explicit = parse_run_config({"mechanism": mechanism, "clip-l2": 1.0, "accounting-family": "auto"})
+    assert explicit.accounting_family == family
+
+
+def test_auto_covers_every_mechanism_with_a_rigorous_upper_family() -> None:
+    from shuffledp.accounting.accountant import GUARANTEE_FAMILIES
+    from shuffledp.accounting.families import AUTO_FAMILIES, FAMILY_MECHANISMS, resolve_family
+    from shuffledp.clients.mechanism import MECHANISMS
+
+    assert set(AUTO_FAMILIES) == set(MECHANISMS)
+    for mechanism, family in AUTO_FAMILIES.items():
+        assert family in GUARANTEE_FAMILIES and family != "clones"  # never the family the SODA'23 errata restrict
+        assert FAMILY_MECHANISMS.get(family, mechanism) == mechanism
+    assert resolve_family("clones", "duchi") == "clones"
+    with pytest.raises(ValueError, match="no default for mechanism 'gaussian'.*laplace -> blanket-laplace"):
+        resolve_family("auto", "gaussian")
+
+
+def test_an_explicit_clones_stays_allowed_and_leaves_the_comparisons() -> None:
+    cfg = parse_run_config({"accounting-family": "clones"})
+    assert cfg.accounting_family == "clones" and cfg.comparison_families == ("rr-lower", "no-shuffle")
+
+
+def test_blanket_duchi_needs_the_duchi_mechanism() -> None:
+    cfg = parse_run_config({"accounting-family": "blanket-duchi", "mechanism": "duchi", "clip-l2": 1.0})
+    assert cfg.accounting_family == "blanket-duchi"
+    for raw in ({"accounting-family": "blanket-duchi"},
+                {"comparison-families": "blanket-duchi", "mechanism": "privunit2", "clip-l2": 1.0}):
+        with pytest.raises(ConfigError, match="holds only for reports of the 'duchi' mechanism.*use 'auto'"):
+            parse_run_config(raw)
 
 
 def test_blanket_laplace_needs_the_laplace_mechanism() -> None:
@@ -69,7 +111,8 @@ def test_blanket_laplace_needs_the_laplace_mechanism() -> None:
         ("dataset", "cifar", "digits, mnist"),
         ("target-delta", 1.0, "'target-delta'"),
         ("server-momentum", 1.0, "'server-momentum'"),
-        ("accounting-family", "magic", "'accounting-family' enforces the budget, so it must be an upper-bound family"),
+        ("accounting-family", "magic", "'accounting-family' enforces the budget, so it must be 'auto' (picked by"),
+        ("accounting-family", "rr-lower", "or an upper-bound family, one of ["),
         ("comparison-families", "clones,nope", "unknown accounting families ['nope']"),
         ("comparison-families", "rr-lower,girgis-lower", "unknown accounting families ['girgis-lower']"),
         ("key-epoch", 2**32, "'key-epoch' must be an integer in [0, 4294967295]"),

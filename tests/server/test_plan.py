@@ -20,14 +20,26 @@ from shuffledp.server.plan import plan_from_target
 def test_the_plan_is_the_largest_eps0_within_the_target(tmp_path: Path, keys: Any, kit: Any) -> None:
     cfg = kit.make_config(tmp_path, keys, **{"target-epsilon": 3.0, "num-server-rounds": 4, "min-reports": 10})
     plan = plan_from_target(cfg)
-    assert (plan.family, plan.kind, plan.n_per_round, plan.rounds) == ("clones", "upper", 10, 4)
-    at_plan = bounds.epsilon("clones", plan.eps0, 10, cfg.target_delta, 4).value
+    # accounting-family = "auto" with the laplace mechanism: the plan calibrates with the resolved blanket-laplace
+    assert (plan.family, plan.kind, plan.n_per_round, plan.rounds) == ("blanket-laplace", "upper", 10, 4)
+    at_plan = bounds.epsilon("blanket-laplace", plan.eps0, 10, cfg.target_delta, 4).value
     assert at_plan <= 3.0 and at_plan == pytest.approx(plan.achieved_epsilon, rel=1e-12)
-    assert bounds.epsilon("clones", plan.first_failing_eps0, 10, cfg.target_delta, 4).value > 3.0
+    assert bounds.epsilon("blanket-laplace", plan.first_failing_eps0, 10, cfg.target_delta, 4).value > 3.0
     with pytest.raises(ConfigError, match="is above 'budget-epsilon'"):
         kit.make_config(tmp_path, keys, **{"target-epsilon": 3.0, "budget-epsilon": 2.0})
     with pytest.raises(ConfigError, match="cannot plan eps0"):
         plan_from_target(kit.make_config(tmp_path, keys, **{"target-epsilon": 1e-9}))
+
+
+@pytest.mark.parametrize(("mechanism", "family"), [("duchi", "blanket-duchi"), ("privunit2", "clones-focs")])
+def test_the_plan_uses_the_mechanisms_resolved_family(tmp_path: Path, keys: Any, kit: Any, mechanism: str,
+                                                      family: str) -> None:
+    cfg = kit.make_config(tmp_path, keys, **{"target-epsilon": 3.0, "num-server-rounds": 4, "min-reports": 10,
+                                             "mechanism": mechanism, "clip-l2": 1.0, "eps0": 2.0})
+    plan = plan_from_target(cfg)
+    assert (plan.family, plan.kind) == (family, "upper")
+    assert plan.eps0 == bounds.calibrate(family, 3.0, cfg.target_delta, 10, 4).value
+    assert "(" + family + ", upper bound" in plan.describe()
 
 
 def test_a_planned_run_pins_the_planned_eps0_on_the_clients_and_ends_within_the_target(

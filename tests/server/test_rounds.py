@@ -305,7 +305,7 @@ def test_tagging_that_leaves_fewer_than_k_skips_the_round(h: Any) -> None:
 
 def test_budget_stops_before_the_round_that_would_exceed(h: Any) -> None:
     assert ShuffleAccountant(1e-6).epsilon().value == 0.0  # nothing composed, nothing spent
-    probe = ShuffleAccountant(1e-6)
+    probe = ShuffleAccountant(1e-6, family=h.config().accounting_family)  # the run's budget family
     probe.compose(ShuffleRound(12, 8.0))
     eps1 = probe.epsilon().value
     cfg = h.config(**{"budget-epsilon": eps1 * 1.5, "num-server-rounds": 5})
@@ -326,7 +326,7 @@ def test_over_budget_at_the_attested_n_leaves_the_sealed_batch_unfetched_and_on_
     # sealed batch's attestation is recorded as uncharged (an auditor sees every batch the shuffler sealed)
     eps = {}
     for n in (h.N, h.N - 3):
-        probe = ShuffleAccountant(1e-6)
+        probe = ShuffleAccountant(1e-6, family=h.config().accounting_family)  # the run's budget family
         probe.compose(ShuffleRound(n, 8.0))
         eps[n] = probe.epsilon().value
     assert eps[h.N - 3] > eps[h.N]
@@ -794,7 +794,7 @@ def test_report_rows_match_the_ledger(h: Any) -> None:
     ledger = engine.ledger.rows()
     assert [r["round"] for r in rows] == [r["round"] for r in ledger]
     for mine, theirs in zip(rows, ledger):
-        assert mine["epsilon"] == theirs["epsilons"]["clones"]["value"]
+        assert mine["epsilon"] == theirs["epsilons"][cfg.accounting_family]["value"]
         assert mine["n_reports"] == theirs["n_reports"]
     json.dumps(rows, allow_nan=False)
 
