@@ -19,8 +19,9 @@ from shuffledp.accounting import FAMILIES, RefusedError, bounds
 
 __all__ = ["Curve", "DEFAULT_FAMILIES", "epsilon_curves", "integer_grid", "render_png"]
 
-#: Families drawn by default: the instance value ``canonical-gdp`` is left out (it is not a worst case).
-DEFAULT_FAMILIES: tuple[str, ...] = tuple(f for f in FAMILIES if f != "canonical-gdp")
+#: Families drawn by default: all but the instance value ``canonical-gdp`` (not a worst case) and ``blanket-duchi``,
+#: draws the same curve as ``clones`` and would hide it.
+DEFAULT_FAMILIES: tuple[str, ...] = tuple(f for f in FAMILIES if f not in ("canonical-gdp", "blanket-duchi"))
 
 _STYLE = {"upper": "-", "approximate": ":", "lower": "--"}
 
