@@ -20,7 +20,7 @@ from shuffledp.accounting import FAMILIES, RefusedError, bounds
 __all__ = ["Curve", "DEFAULT_FAMILIES", "epsilon_curves", "integer_grid", "render_png"]
 
 #: Families drawn by default: all but the instance value ``canonical-gdp`` (not a worst case) and ``blanket-duchi``,
-#: draws the same curve as ``clones`` and would hide it.
+#: which draws the same curve as ``clones`` and would hide it.
 DEFAULT_FAMILIES: tuple[str, ...] = tuple(f for f in FAMILIES if f not in ("canonical-gdp", "blanket-duchi"))
 
 _STYLE = {"upper": "-", "approximate": ":", "lower": "--"}
