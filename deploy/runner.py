@@ -1,7 +1,7 @@
 """``shuffledp run`` and ``shuffledp resume``: the main job as one command.
 
-``shuffledp run [--rounds R] [--clients N] [--eps0 E | --target-epsilon E] [--run-name NAME] [--output-dir DIR]
-[--run-config K=V ...]``
+``shuffledp run [--rounds R] [--clients N] [--actors A] [--eps0 E | --target-epsilon E] [--run-name NAME]
+[--output-dir DIR] [--run-config K=V ...]``
 
 1. creates ``<output-dir>/<run>/keys`` with fresh keys for the run (``shuffledp keys init``: shuffler, server and
    N client keys, the enrolment, mTLS certificates, the shuffler config with threshold k = min-reports);
@@ -9,7 +9,8 @@
    run's own (``<output-dir>/<run>/.flwr/``), runtime dependency installation, telemetry and update checks
    disabled, and a connection entry pointing at it (Flower's managed local SuperLink would outlive the command);
 3. runs ``flwr run <project> <connection> --run-config ... --federation-config "num-supernodes=N
-   client-resources-num-cpus=1" --stream`` and relays its output (one ``[shuffledp] round ...`` line per round);
+   client-resources-num-cpus=1 init-args-num-cpus=A" --stream`` (A Ray actors, :func:`federation_config`) and relays
+   its output (one ``[shuffledp] round ...`` line per round);
 4. stops the SuperLink (and its children) and prints the path of ``outputs/<run>/``.
 
 ``shuffledp resume RUN`` (a run name under the output directory, or the run's folder) relaunches the same run:
@@ -61,9 +62,11 @@ from shuffledp.deploy.processes import alive as _alive
 from shuffledp.deploy.processes import descendants as _descendants
 from shuffledp.deploy.watchdog import DeployWatchdog, Kind, WatchdogError
 
-__all__ = ["main", "RUNNER_FILE", "RunnerError"]
+__all__ = ["main", "RUNNER_FILE", "RunnerError", "ACTORS_PER_CPU", "default_actors", "federation_config"]
 
 RUNNER_FILE = "runner.json"
+#: Ray actors per CPU by default (:func:`default_actors`; docs/scale.md).
+ACTORS_PER_CPU = 1.0
 _NOISE = ("FutureWarning", "warnings.warn(", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO")
 
 
@@ -221,7 +224,7 @@ def _launch(project: Path, out_dir: Path, spec: Mapping[str, Any], *, flwr_home:
     """Start the SuperLink, run the app with the recorded spec, relay its output; return flwr's exit code."""
     env = _flower_env(flwr_home)
     run_config = run_config_arg(spec["run_config"])
-    federation = f"num-supernodes={int(spec['clients'])} client-resources-num-cpus=1"
+    federation = federation_config(int(spec["clients"]), spec.get("actors"))
     command = [
         flower_bin("flwr"), "run", str(project), CONNECTION_NAME,
         "--run-config", run_config,
@@ -259,6 +262,27 @@ def _launch(project: Path, out_dir: Path, spec: Mapping[str, Any], *, flwr_home:
             raise
 
 
+def default_actors() -> int:
+    """Ray actors (ClientApp processes) of a simulation: :data:`ACTORS_PER_CPU` per CPU of this machine, at least 2."""
+    return max(2, int(ACTORS_PER_CPU * (os.cpu_count() or 1)))
+
+
+def federation_config(clients: int, actors: int | None = None) -> str:
+    """The ``flwr run --federation-config`` of a simulation of ``clients`` SuperNodes run by ``actors`` Ray actors
+    (default :func:`default_actors`).
+
+    Flower 1.42 takes whole CPUs per ClientApp (``client-resources-num-cpus`` is an integer) and starts as many
+    actors as Ray's CPU count holds, so the actor count is set through the CPU count Ray is told
+    (``init-args-num-cpus``), one per actor. Flower's engine waits for each actor's reply before giving it the next
+    message, so an actor idles for a Ray round trip per client; more actors than cores fill those gaps
+    (docs/scale.md).
+    """
+    if isinstance(actors, bool) or (actors is not None and (not isinstance(actors, int) or actors < 1)):
+        raise RunnerError(f"the number of actors must be an int >= 1, got {actors!r}")
+    n = default_actors() if actors is None else actors
+    return f"num-supernodes={int(clients)} client-resources-num-cpus=1 init-args-num-cpus={n}"
+
+
 def _finished(out_dir: Path) -> tuple[bool, str]:
     report = out_dir / "report.json"
     if not report.is_file():
@@ -276,6 +300,9 @@ def _run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shuffledp run", description="run the main job (Flower simulation)")
     p.add_argument("--rounds", type=int, default=None, help="number of rounds (run config num-server-rounds)")
     p.add_argument("--clients", type=int, default=1437, help="simulated clients (one partition each; default 1437)")
+    p.add_argument("--actors", type=int, default=None,
+                   help=f"Ray actors (ClientApp processes) running the simulated clients (default {ACTORS_PER_CPU:g} "
+                        "per CPU, at least 2; docs/scale.md)")
     p.add_argument("--eps0", type=float, default=None, help="local epsilon of each report")
     p.add_argument("--target-epsilon", type=float, default=None,
                    help="plan eps0 so that the run's rounds stay within this epsilon at target-delta (run config "
@@ -312,6 +339,8 @@ def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
                           "given: a target plans eps0 itself; give one")
     if ns.clients < 1:
         raise RunnerError(f"--clients must be >= 1, got {ns.clients}")
+    if ns.actors is not None and ns.actors < 1:
+        raise RunnerError(f"--actors must be >= 1, got {ns.actors}")
     run_name = ns.run_name or overrides.get("run-name") or datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S")
     out_root = Path(ns.output_dir).expanduser().resolve()
     out_dir = out_root / str(run_name)
@@ -350,7 +379,7 @@ def _start(argv: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
                               "--k", str(cfg.min_reports), "--key-epoch", str(cfg.key_epoch)])
     if code != 0:
         raise RunnerError(f"`shuffledp keys init` failed with exit code {code}")
-    spec = {"clients": ns.clients, "run_config": overrides, "project": str(project)}
+    spec = {"clients": ns.clients, "actors": ns.actors, "run_config": overrides, "project": str(project)}
     (out_dir / RUNNER_FILE).write_text(json.dumps(spec, indent=2) + "\n")
     return project, out_dir, spec
 

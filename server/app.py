@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from threadpoolctl import threadpool_limits
 
+from shuffledp.clients import flower_sim
 from shuffledp.server.config import parse_run_config
 from shuffledp.server.strategy import ShuffleStrategy
 
@@ -36,6 +37,10 @@ __all__ = ["app"]
 # product here is small, and faster on one thread; so the process that loads this app uses one BLAS thread.
 # (`shuffledp run` also sets OPENBLAS_NUM_THREADS=1 for everything it starts.)
 threadpool_limits(limits=1, user_api="blas")
+# In a simulation this process also runs Flower's engine: give its in-memory LinkState a per-node index (a round of N
+# clients is O(N) instead of O(N^2) there; see shuffledp.clients.flower_sim, which the ClientApp installs too). No
+# effect on a deployment's SuperLink.
+flower_sim.install()
 
 app = ServerApp()
 

@@ -11,15 +11,28 @@ from typing import Any
 
 import blake3
 
+from shuffledp.clients import flower_sim
 from shuffledp.clients import messages as M
 from shuffledp.server.config import ServerConfig
 from shuffledp.server.outcome import GridLike, RoundOutcome, ShufflerLike
 
-__all__ = ["wait_for_nodes", "sample_nodes", "envelope_of", "collect_into_stream", "PULL_INTERVAL_SECONDS",
+__all__ = ["wait_for_nodes", "sample_nodes", "envelope_of", "collect_into_stream", "poll_pause",
+           "PULL_INTERVAL_SECONDS", "POLL_COST_RATIO", "MAX_POLL_PAUSE_SECONDS", "FULL_POLL_SECONDS",
            "FLUSH_SECONDS", "KEEPALIVE_SECONDS", "SUBMIT_MARGIN_SECONDS"]
 
 #: Seconds between polls for replies on a grid that does not say (Flower's simulation grid has pull_interval).
 PULL_INTERVAL_SECONDS = 1.0
+#: After a poll that took t seconds, wait at least this many times t before the next: a poll asks about every
+#: outstanding message (Flower's in-memory state checks each one, about 10 us apiece), so with 10,000 outstanding
+#: a poll every 0.1 s would take half a core of the process that also runs the simulated clients' engine; at 20 t
+#: the polls take at most about 5% of it.
+POLL_COST_RATIO = 20.0
+#: ... but never more than this (the set shrinks as replies arrive, and so does the pause).
+MAX_POLL_PAUSE_SECONDS = 5.0
+#: On Flower's simulation grid, polls between full ones ask only about the messages whose reply has arrived
+#: (:func:`shuffledp.clients.flower_sim.replied`); a full poll (every outstanding id, which also turns an expired
+#: message or a departed node into Flower's error reply) runs at least this often.
+FULL_POLL_SECONDS = 10.0
 #: Forward the envelopes collected so far to the shuffler at least this often (or once a packed message is full).
 FLUSH_SECONDS = 1.0
 #: Send a Keepalive on the Submit stream after this long without an envelope (the shuffler's default idle
@@ -80,6 +93,12 @@ def envelope_of(reply: Any, *, max_bytes: int) -> tuple[bytes | None, str]:
     return envelope, "ok"
 
 
+def poll_pause(interval: float, poll_seconds: float) -> float:
+    """Seconds to wait before the next poll: the grid's ``interval``, or :data:`POLL_COST_RATIO` times what the last
+    poll took if that is longer, at most :data:`MAX_POLL_PAUSE_SECONDS` (never less than ``interval``)."""
+    return max(interval, min(POLL_COST_RATIO * poll_seconds, MAX_POLL_PAUSE_SECONDS))
+
+
 def collect_into_stream(grid: GridLike, shuffler: ShufflerLike, cfg: ServerConfig, envelope_length: int,
                         messages: list[Any], round_id: int, digest: bytes, out: RoundOutcome) -> Any | None:
     """Send the round's messages and stream each reply's envelope to the shuffler as it arrives.
@@ -122,8 +141,21 @@ def collect_into_stream(grid: GridLike, shuffler: ShufflerLike, cfg: ServerConfi
         # collection.
         pending: list[bytes] = []
         pending_bytes = 0
+        next_full = time.monotonic()
         while outstanding:
-            for reply in grid.pull_messages(set(outstanding)):
+            polled = time.monotonic()
+            ready = None if polled >= next_full else flower_sim.replied(grid, outstanding)
+            if ready is None:  # a full poll: every outstanding id
+                replies = list(grid.pull_messages(set(outstanding)))
+                took = time.monotonic() - polled
+                pause = poll_pause(interval, took)
+                next_full = time.monotonic() + max(FULL_POLL_SECONDS, POLL_COST_RATIO * took)
+            else:  # only the replied ones (Flower's simulation grid): costs what it returns
+                replies = list(grid.pull_messages(ready)) if ready else []
+                pause = interval
+            replies.reverse()  # popped from the end: arrival order, each reply dropped once its envelope is taken
+            while replies:
+                reply = replies.pop()
                 slot = str(reply.metadata.reply_to_message_id)
                 if slot not in outstanding:  # not one of ours, or a second reply for a slot: ignore
                     continue
@@ -141,10 +173,13 @@ def collect_into_stream(grid: GridLike, shuffler: ShufflerLike, cfg: ServerConfi
                     envelope = b""
                 pending.append(envelope)
                 pending_bytes += len(envelope) + FIELD_OVERHEAD
+                # flush once the next envelope would not fit in the packed message, so messages stay whole
+                if pending_bytes + envelope_length + FIELD_OVERHEAD > stream.batch_bytes:
+                    stream.send_many(pending)
+                    pending, pending_bytes = [], 0
+                    last_sent = time.monotonic()
             now = time.monotonic()
-            # flush once the next envelope would not fit in the packed message, so messages stay whole
-            full = pending_bytes + envelope_length + FIELD_OVERHEAD > stream.batch_bytes
-            if pending and (full or now - last_sent >= FLUSH_SECONDS):
+            if pending and now - last_sent >= FLUSH_SECONDS:
                 stream.send_many(pending)
                 pending, pending_bytes = [], 0
                 last_sent = now
@@ -153,7 +188,7 @@ def collect_into_stream(grid: GridLike, shuffler: ShufflerLike, cfg: ServerConfi
             if time.monotonic() - last_sent >= KEEPALIVE_SECONDS:
                 stream.keepalive()
                 last_sent = time.monotonic()
-            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         stream.send_many(pending + [b""] * len(outstanding))  # and a placeholder per node without a reply
         del pending
     except BaseException:

@@ -38,7 +38,8 @@ __all__ = [
 REPORT_MODES = ("gradient", "delta")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 MODELS = ("logreg", "mlp")
-DATASETS = ("digits", "mnist5k", "mnist")
+#: The datasets a run may name: the clients' loaders (``shuffledp.clients.data.DATASETS``; a test checks they agree).
+DATASETS = ("digits", "mnist5k", "mnist5k-aug", "mnist")
 PARTITIONS = ("iid", "dirichlet")
 
 #: The defaults, identical to ``[tool.flwr.app.config]`` in pyproject.toml (a test checks they agree).

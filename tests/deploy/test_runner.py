@@ -37,8 +37,6 @@ def test_usage_errors_exit_2_and_create_nothing(tmp_path: Path, capsys: pytest.C
     assert runner.main(["bogus"]) == 2
 
 
-
-
 def test_errors_found_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A missing MNIST folder, a flag given twice (once through --run-config) and an unknown key are refused with
     exit code 2 before keys, outputs or Flower are created."""
@@ -90,3 +88,34 @@ def test_resuming_a_finished_run_starts_nothing(tmp_path: Path, capsys: pytest.C
     assert runner.main(["resume", str(run)]) == 0
     out = capsys.readouterr().out
     assert "already finished; nothing to resume" in out and str(run / "keys" / "journal") in out
+
+
+def test_the_federation_config_sets_the_actors_through_rays_cpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Flower 1.42 takes whole CPUs per ClientApp; the actor count is the CPU count Ray is told
+    assert runner.federation_config(10_000, 3) == (
+        "num-supernodes=10000 client-resources-num-cpus=1 init-args-num-cpus=3")
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 8)
+    assert runner.default_actors() == int(8 * runner.ACTORS_PER_CPU) and runner.federation_config(5).endswith(
+        f"init-args-num-cpus={runner.default_actors()}")
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 1)
+    assert runner.default_actors() == 2  # at least two: one waits for its Ray round trip while the other works
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(runner.RunnerError, match="actors must be an int >= 1"):
+            runner.federation_config(5, bad)  # type: ignore[arg-type]
+
+
+def test_actors_flag_is_checked_and_recorded_for_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert runner.main(["run", "--clients", "3", "--actors", "0", "--output-dir", str(tmp_path)]) == 2
+    assert "--actors must be >= 1" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+    seen: dict[str, object] = {}
+
+    def fake_launch(project: Path, out_dir: Path, spec: dict[str, object], **kwargs: object) -> int:
+        seen.update(spec)
+        return 0
+
+    monkeypatch.setattr(runner, "_launch", fake_launch)
+    runner.main(["run", "--clients", "3", "--actors", "3", "--rounds", "1", "--run-name", "a",
+                 "--output-dir", str(tmp_path)])
+    assert seen["actors"] == 3 and seen["clients"] == 3
+    assert json.loads((tmp_path / "a" / runner.RUNNER_FILE).read_text())["actors"] == 3  # resume launches the same

@@ -176,3 +176,12 @@ def test_the_mechanism_and_its_clip_are_run_config_keys() -> None:
     from shuffledp.server.rounds import RESUME_KEYS
 
     assert {"mechanism", "clip-l2"} <= set(RESUME_KEYS)
+
+
+def test_the_server_accepts_exactly_the_datasets_the_clients_can_load() -> None:
+    from shuffledp.clients.data import DATASETS as CLIENT_DATASETS
+    from shuffledp.server.config import DATASETS
+
+    assert DATASETS == CLIENT_DATASETS
+    cfg = parse_run_config({"dataset": "mnist5k-aug"})
+    assert cfg.dataset == "mnist5k-aug"
