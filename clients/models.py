@@ -90,12 +90,19 @@ def set_arrays(model: nn.Module, arrays: Sequence[np.ndarray]) -> None:
             p.copy_(torch.from_numpy(a32))
 
 
+def _uninitialised_linear(n_in: int, n_out: int) -> nn.Linear:
+    """A float32 ``nn.Linear`` for :func:`set_arrays` to overwrite at once: built with torch's default
+    initialisation from its global generator (values discarded), without :func:`build_model`'s seeding and the
+    save/restore of the generator around it, which cost more than the layer on every client reply."""
+    return nn.Linear(n_in, n_out, dtype=torch.float32)
+
+
 def model_from_arrays(arrays: Sequence[np.ndarray]) -> nn.Module:
     """Rebuild the model whose parameters these are (logreg: 2 arrays, mlp: 4 arrays) and load them."""
     shapes = [np.asarray(a).shape for a in arrays]
     if len(shapes) == 2 and len(shapes[0]) == 2 and shapes[1] == (shapes[0][0],):
         n_classes, n_features = shapes[0]
-        model = build_model("logreg", n_features, n_classes)
+        model: nn.Module = nn.Sequential(_uninitialised_linear(n_features, n_classes))
     elif (
         len(shapes) == 4
         and len(shapes[0]) == 2
@@ -105,7 +112,8 @@ def model_from_arrays(arrays: Sequence[np.ndarray]) -> nn.Module:
         and shapes[3] == (shapes[2][0],)
     ):
         hidden, n_features = shapes[0]
-        model = build_model("mlp", n_features, shapes[2][0], hidden=hidden)
+        model = nn.Sequential(_uninitialised_linear(n_features, hidden), nn.ReLU(),
+                              _uninitialised_linear(hidden, shapes[2][0]))
     else:
         raise ValueError(f"arrays with shapes {shapes} are neither a logreg [W, b] nor an mlp [W1, b1, W2, b2]")
     set_arrays(model, arrays)
