@@ -10,7 +10,10 @@ for their real-number ideals:
   with exact rational arithmetic on the floats against a correctly rounded 60-digit ``e^eps0`` (Python's
   :mod:`decimal` rounds ``exp`` correctly), so both ratios are at most ``e^eps0`` exactly;
 * :func:`bernoulli` draws ``P[1] = p`` exactly for a float ``p``: a float is a dyadic rational ``n / 2**k``, and
-  a uniform ``k``-bit integer ``r`` from the CSPRNG satisfies ``P[r < n] = n / 2**k`` with no rounding anywhere.
+  a uniform ``k``-bit integer ``r`` from the CSPRNG satisfies ``P[r < n] = n / 2**k`` with no rounding anywhere;
+* :func:`bernoulli_words` draws a batch of such coins from given uniform words, the same comparison written for
+  ``W`` 64-bit words per coin (``W`` fixed by the smallest probability the mechanism can use, so every coin of a
+  batch takes the same number of keystream bytes, whatever the data).
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ import math
 from decimal import Decimal, localcontext
 from fractions import Fraction
 
+import numpy as np
+
 from shuffledp.clients.noise import ChaCha20Rng
 from shuffledp.clients.validation import check_positive_finite
 
-__all__ = ["RR_MAX_EPS0", "rr_interval", "rr_epsilon", "bernoulli", "exp_lower", "check_l2_parameters"]
+__all__ = ["RR_MAX_EPS0", "rr_interval", "rr_epsilon", "bernoulli", "coin_words", "bernoulli_words", "exp_lower",
+           "check_l2_parameters"]
 
 #: The largest eps0 the L2 mechanisms accept (their flip probability 1 / (e^eps0 + 1) stays above 2**-93).
 RR_MAX_EPS0 = 64.0
@@ -128,3 +134,63 @@ def bernoulli(p: float, rng: ChaCha20Rng) -> bool:
     if k == 0:
         return n == 1
     return rng.getrandbits(k) < n
+
+
+def coin_words(p_min: float) -> int:
+    """The 64-bit words an exact coin needs for every float probability in ``[p_min, 1]``.
+
+    A float ``p >= p_min > 0`` is ``n / 2**k`` with ``k <= 53 - e`` where ``p_min = m 2**e``, ``m`` in [1/2, 1).
+
+    Returns:
+        ``max(1, ceil((53 - e) / 64))`` (1 for ``p_min >= 2**-12``; 3 for the smallest ``p_lo`` of eps0 = 64).
+
+    Raises:
+        ValueError: ``p_min`` is not a float in (0, 1].
+    """
+    if not isinstance(p_min, float) or not 0.0 < p_min <= 1.0:
+        raise ValueError(f"the smallest coin probability must be a float in (0, 1], got {p_min!r}")
+    _, e = math.frexp(p_min)
+    return max(1, -(-(53 - e) // 64))
+
+
+def bernoulli_words(p: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """A batch of coins with ``P[True] = p_i`` exactly, coin i decided by the uniform words ``words[i]``.
+
+    Coin i compares the ``64 W``-bit integer ``R`` whose big-endian words are ``words[i]`` with
+    ``N = p_i 2**(64 W)``, an integer whenever ``p_i = n / 2**k`` with ``k <= 64 W`` (:func:`coin_words`):
+    ``P[R < N] = N / 2**(64 W) = p_i`` exactly. It is :func:`bernoulli`'s comparison: ``R < n 2**(64 W - k)``
+    holds iff the top ``k`` bits of ``R`` are ``< n`` (Knuth and Yao, 1976). The words of ``N`` are
+    ``floor(p 2**(64 j)) mod 2**64``, exact in float64 (a power-of-two scaling, a floor and an ``fmod`` of
+    integers below 2**1024 are exact). ``p_i = 1`` is True whatever the words.
+
+    Args:
+        p: float64 ``(k,)`` probabilities in [0, 1], each a float with ``k <= 64 W`` (the caller's bound).
+        words: uint64 ``(k, W)`` uniform words from the CSPRNG (most significant first).
+
+    Returns:
+        bool ``(k,)``.
+
+    Raises:
+        ValueError: a probability outside [0, 1], or one that needs more than ``W`` words.
+    """
+    prob = np.asarray(p, dtype=np.float64)
+    w = np.asarray(words, dtype=np.uint64)
+    if w.ndim != 2 or prob.ndim != 1 or w.shape[0] != prob.shape[0]:
+        raise ValueError(f"need p of shape (k,) and words of shape (k, W), got {prob.shape} and {w.shape}")
+    if not ((prob >= 0.0) & (prob <= 1.0)).all():
+        raise ValueError("a coin's probability must be a float in [0, 1]")
+    width = w.shape[1]
+    one = prob == 1.0
+    frac = np.where(one, 0.0, prob)
+    scaled = np.ldexp(frac, 64 * width)
+    if (scaled != np.floor(scaled)).any():
+        raise ValueError(f"a probability needs more than {width} words of 64 bits")
+    # word j of N = floor(p 2**(64 (j + 1))) mod 2**64 (exact); the coin is settled at the first unequal word
+    word = np.floor(np.ldexp(frac, 64)).astype(np.uint64)  # < 2**64: p < 1 here
+    out = one | (w[:, 0] < word)
+    decided = one | (w[:, 0] != word)
+    for j in range(1, width):
+        word = np.fmod(np.floor(np.ldexp(frac, 64 * (j + 1))), 2.0**64).astype(np.uint64)
+        out |= ~decided & (w[:, j] < word)
+        decided |= w[:, j] != word
+    return out

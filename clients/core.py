@@ -46,6 +46,7 @@ __all__ = [
     "local_model",
     "make_payload",
     "payload_from_update",
+    "payloads_from_updates",
     "make_envelope",
 ]
 
@@ -139,6 +140,50 @@ def make_payload(
     return rnd.randomize(vec)
 
 
+def payloads_from_updates(
+    arrays: Sequence[np.ndarray],
+    config: TrainConfig | Mapping[str, Any],
+    pinned: PinnedSettings,
+    updates: np.ndarray,
+    *,
+    rng: ChaCha20Rng | None = None,
+) -> np.ndarray:
+    """The encoded reports of k updates computed elsewhere: clip, randomize, encode, one report per row (the
+    pinned mechanism's ``randomize_batch``). What :func:`payload_from_update` does for one client, for k clients at
+    once (in-process studies); a non-finite update is replaced by the zero update, as in :func:`make_payload`.
+
+    Args:
+        arrays: the model as received (each update must have as many entries as it has parameters).
+        config: the request's config.
+        pinned: the clients' pinned settings (checked against the config).
+        updates: the unclipped reports, real ``(k, parameters)``.
+        rng: the CSPRNG of the noise; default, the pinned randomizer's (keyed from ``os.urandom``).
+
+    Returns:
+        uint8 ``(k, report length)``: row i is the payload of ``updates[i]`` (``shuffledp.clients.report``).
+
+    Raises:
+        RequestError: a malformed config.
+        PinnedMismatchError: the config asks for other values than the pinned ones.
+        ValueError: the updates do not have the model's size or are not a real array.
+    """
+    _parse(config, pinned, arrays)
+    n = _n_parameters(arrays)
+    vecs = np.asarray(updates)
+    if vecs.dtype.kind not in "fiu":
+        raise ValueError(f"the update must be a real array, got dtype {vecs.dtype}")
+    if vecs.ndim != 2 or vecs.shape[1] != n or n == 0:
+        raise ValueError(f"the update has {vecs.shape[-1] if vecs.ndim else vecs.size} entries; "
+                         f"the model has {n} parameters")
+    vecs = vecs.astype(np.float64)
+    finite = np.isfinite(vecs).all(axis=1)
+    if not finite.all():
+        _log.warning("%d local updates have non-finite values; reporting the zero update, randomized as usual",
+                     int(np.count_nonzero(~finite)))
+        vecs[~finite] = 0.0
+    return _mechanism(pinned, rng).randomize_batch(vecs)
+
+
 def payload_from_update(
     arrays: Sequence[np.ndarray],
     config: TrainConfig | Mapping[str, Any],
@@ -147,7 +192,8 @@ def payload_from_update(
     *,
     rng: ChaCha20Rng | None = None,
 ) -> bytes:
-    """The encoded report of an update computed elsewhere: clip, randomize, encode.
+    """The encoded report of an update computed elsewhere: clip, randomize, encode (:func:`payloads_from_updates`
+    on one update).
 
     A non-finite update is replaced by the zero update (logged on the client only), as in :func:`make_payload`.
 
@@ -166,18 +212,14 @@ def payload_from_update(
         PinnedMismatchError: the config asks for other values than the pinned ones.
         ValueError: the update does not have the model's size or is not a real array.
     """
-    _parse(config, pinned, arrays)
-    n = _n_parameters(arrays)
     vec = np.asarray(update)
     if vec.dtype.kind not in "fiu":
         raise ValueError(f"the update must be a real array, got dtype {vec.dtype}")
-    vec = vec.astype(np.float64).reshape(-1)
+    n = _n_parameters(arrays)
     if vec.size != n or n == 0:
+        _parse(config, pinned, arrays)  # a malformed config is named first
         raise ValueError(f"the update has {vec.size} entries; the model has {n} parameters")
-    if not np.all(np.isfinite(vec)):
-        _log.warning("the local update has non-finite values; reporting the zero update, randomized as usual")
-        vec = np.zeros(n, dtype=np.float64)
-    return _mechanism(pinned, rng).randomize(vec)
+    return payloads_from_updates(arrays, config, pinned, vec.reshape(1, -1), rng=rng)[0].tobytes()
 
 
 def local_model(

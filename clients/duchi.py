@@ -27,18 +27,24 @@ Decode (unbiased). For ``z`` uniform on the sphere, ``E[z sign<u, z>] = m_d u`` 
 
 Report: the 20-byte mechanism header (magic ``b"SDPD"``), the 32-byte seed and one byte ``b in {0, 1}``: 53 bytes
 whatever d.
+
+Batches. :meth:`DuchiMechanism.randomize_batch` randomizes k updates at once and :meth:`DuchiMechanism.randomize`
+is it on a batch of one. Each client takes a fixed ``32 + 8 W`` bytes of the CSPRNG, its seed then its coin's
+``W`` words (:func:`shuffledp.clients.coins.coin_words` of ``p_lo``: the same for every input), client after
+client, so a batch consumes the keystream exactly as the same clients randomized one at a time would.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
-from shuffledp.clients.coins import bernoulli, check_l2_parameters, rr_epsilon, rr_interval
+from shuffledp.clients.coins import bernoulli_words, check_l2_parameters, coin_words, rr_epsilon, rr_interval
 from shuffledp.clients.noise import ChaCha20Rng
-from shuffledp.clients.report import ReportError, decode_mechanism_header, encode_mechanism_header
-from shuffledp.clients.sphere import SEED_BYTES, clip_l2, direction_from_seed
+from shuffledp.clients.report import DecodedBatch, Payloads, encode_mechanism_header, read_mechanism_reports
+from shuffledp.clients.sphere import SEED_BYTES, clip_l2_rows_and_norms, directions_from_seeds, row_norms
 from shuffledp.clients.validation import check_int
 
 __all__ = ["DUCHI_MAGIC", "DuchiMechanism", "mean_abs_coordinate"]
@@ -46,8 +52,10 @@ __all__ = ["DUCHI_MAGIC", "DuchiMechanism", "mean_abs_coordinate"]
 DUCHI_MAGIC = b"SDPD"
 _HEADER_BYTES = 20
 _BODY_BYTES = SEED_BYTES + 1
+_BLOCK_ELEMENTS = 2**20  # directions are derived this many coordinates at a time (bounded memory)
 
 
+@functools.lru_cache(maxsize=64)
 def mean_abs_coordinate(d: int) -> float:
     """``E|z_1|`` for ``z`` uniform on the unit sphere of R^d (Duchi, Jordan, Wainwright, JASA 2018, Sec. 4.2.3).
 
@@ -77,32 +85,90 @@ class DuchiMechanism:
         self.eps_used = rr_epsilon(self.p_lo, self.p_hi)
         self.rng = rng if rng is not None else ChaCha20Rng()
 
-    def flip_probability(self, x: float) -> float:
-        """``P[b = +1]`` for the signed, scaled projection ``x`` in [-1, 1].
+    def flip_probabilities(self, x: np.ndarray) -> np.ndarray:
+        """``P[b = +1]`` for each signed, scaled projection in ``x``.
 
         Returns:
-            ``clamp(1/2 + x (p_hi - 1/2), p_lo, p_hi)``: always a float in ``[p_lo, p_hi]`` (a non-finite ``x``
-            gives 1/2).
+            float64 ``clamp(1/2 + x (p_hi - 1/2), p_lo, p_hi)`` elementwise, the clamp last: always in
+            ``[p_lo, p_hi]`` (a non-finite ``x`` gives 1/2).
         """
-        if not math.isfinite(x):
-            return 0.5
-        p = 0.5 + self.half_gap * x
-        return min(max(p, self.p_lo), self.p_hi)
+        x = np.asarray(x, dtype=np.float64)
+        finite = np.isfinite(x)
+        p = 0.5 + self.half_gap * np.where(finite, x, 0.0)
+        return np.where(finite, np.minimum(np.maximum(p, self.p_lo), self.p_hi), 0.5)
+
+    def flip_probability(self, x: float) -> float:
+        """``P[b = +1]`` for one projection ``x`` (:meth:`flip_probabilities`).
+
+        Returns:
+            A float in ``[p_lo, p_hi]``.
+        """
+        return float(self.flip_probabilities(np.array([x], dtype=np.float64))[0])
+
+    def projections(self, g: np.ndarray, z: np.ndarray, norms: np.ndarray | None = None) -> np.ndarray:
+        """``x_i = sign(<g_i, z_i>) min(1, ||g_i||_2 / C)`` for clipped updates and directions, row by row.
+
+        Args:
+            g: clipped updates ``(k, d)``; z: directions ``(k, d)``.
+            norms: ``row_norms(g)`` if already known.
+
+        Returns:
+            float64 ``(k,)`` in [-1, 1] (0 where ``<g_i, z_i> = 0``).
+        """
+        dot = np.einsum("ij,ij->i", g, z)
+        scale = np.minimum(1.0, (row_norms(g) if norms is None else norms) / self.clip)
+        zero = (dot == 0.0) | ~np.isfinite(dot)
+        return np.where(zero, 0.0, np.copysign(scale, np.where(zero, 1.0, dot)))
 
     def projection(self, g: np.ndarray, z: np.ndarray) -> float:
-        """``x = sign(<g, z>) min(1, ||g||_2 / C)`` for a clipped update ``g`` and a direction ``z``.
+        """``x = sign(<g, z>) min(1, ||g||_2 / C)`` for one clipped update and direction (:meth:`projections`).
 
         Returns:
             The float x in [-1, 1] (0 when ``<g, z> = 0``).
         """
-        dot = float(np.dot(g, z))
-        if dot == 0.0 or not math.isfinite(dot):
-            return 0.0
-        scale = min(1.0, float(np.linalg.norm(g)) / self.clip)
-        return math.copysign(scale, dot)
+        return float(self.projections(np.asarray(g, dtype=np.float64).reshape(1, -1),
+                                      np.asarray(z, dtype=np.float64).reshape(1, -1))[0])
+
+    @property
+    def coin_words(self) -> int:
+        """The 64-bit words of every coin (:func:`shuffledp.clients.coins.coin_words` of ``p_lo``)."""
+        return coin_words(self.p_lo)
+
+    def randomize_batch(self, vecs: np.ndarray) -> np.ndarray:
+        """Randomize k updates: for each, clip to L2 radius C, take a seed and its direction, send one exact
+        randomized-response bit (module docstring).
+
+        Args:
+            vecs: real ``(k, d)``, one update per row.
+
+        Returns:
+            uint8 ``(k, 53)``: row i is the report of ``vecs[i]``.
+
+        Raises:
+            ValueError: ``vecs`` has a non-finite entry or no column.
+        """
+        g, norms = clip_l2_rows_and_norms(vecs, self.clip)
+        k, d = g.shape
+        check_int("the update's size", d, 1, 2**28)
+        width = self.coin_words
+        draws = self.rng.random_bytes(k * (SEED_BYTES + 8 * width)).reshape(k, SEED_BYTES + 8 * width)
+        seeds = draws[:, :SEED_BYTES]
+        words = np.ascontiguousarray(draws[:, SEED_BYTES:]).view(">u8").astype(np.uint64)
+        x = np.empty(k)
+        step = max(1, _BLOCK_ELEMENTS // d)
+        for lo in range(0, k, step):
+            x[lo:lo + step] = self.projections(g[lo:lo + step], directions_from_seeds(seeds[lo:lo + step], d),
+                                               norms[lo:lo + step])
+        bits = bernoulli_words(self.flip_probabilities(x), words)
+        out = np.empty((k, _HEADER_BYTES + _BODY_BYTES), dtype=np.uint8)
+        out[:, :_HEADER_BYTES] = np.frombuffer(encode_mechanism_header(DUCHI_MAGIC, d, self.eps_used), dtype=np.uint8)
+        out[:, _HEADER_BYTES:_HEADER_BYTES + SEED_BYTES] = seeds
+        out[:, -1] = bits
+        return out
 
     def randomize(self, vec: np.ndarray) -> bytes:
-        """Clip to L2 radius C, draw a seed and its direction, send one exact randomized-response bit.
+        """Clip to L2 radius C, draw a seed and its direction, send one exact randomized-response bit
+        (:meth:`randomize_batch` on one update).
 
         Returns:
             The fixed-length report (:meth:`report_length`).
@@ -110,12 +176,7 @@ class DuchiMechanism:
         Raises:
             ValueError: ``vec`` has a non-finite entry or is empty.
         """
-        g = clip_l2(vec, self.clip)
-        d = check_int("the update's size", int(g.size), 1, 2**28)
-        seed = self.rng.random_bytes(SEED_BYTES).tobytes()
-        z = direction_from_seed(seed, d)
-        bit = bernoulli(self.flip_probability(self.projection(g, z)), self.rng)
-        return encode_mechanism_header(DUCHI_MAGIC, d, self.eps_used) + seed + (b"\x01" if bit else b"\x00")
+        return self.randomize_batch(np.asarray(vec).reshape(1, -1))[0].tobytes()
 
     def scale(self, dim: int) -> float:
         """The decode factor ``C / (c m_d)`` with ``c = 2 p_hi - 1``.
@@ -125,8 +186,42 @@ class DuchiMechanism:
         """
         return self.clip / ((2.0 * self.half_gap) * mean_abs_coordinate(dim))
 
+    def decode_batch(self, reports: Payloads, dim: int) -> DecodedBatch:
+        """The unbiased estimates ``C / (c m_d) * b z`` of a batch of reports (module docstring); a malformed report
+        (magic, version, dimension, length, bit not 0 or 1) is refused, not raised.
+
+        Args:
+            reports: a ``(k, 53)`` uint8 array or a sequence of payloads.
+            dim: the model's dimension.
+
+        Returns:
+            :class:`shuffledp.clients.report.DecodedBatch` (float64 ``(k, dim)``).
+        """
+        body, refused = read_mechanism_reports(reports, magic=DUCHI_MAGIC, expected_dim=dim, body_bytes=_BODY_BYTES)
+        bits = body[:, -1]
+        bad_bit = bits > 1
+        if bad_bit.any():
+            for i in np.flatnonzero(bad_bit):
+                refused.setdefault(int(i), f"the duchi report's bit must be 0 or 1, got {bits[i]}")
+        k = body.shape[0]
+        out = np.zeros((k, dim))
+        rows: np.ndarray | None = None
+        if refused:
+            ok = np.ones(k, dtype=bool)
+            ok[list(refused)] = False
+            rows = np.flatnonzero(ok)
+        s = self.scale(dim)
+        step = max(1, _BLOCK_ELEMENTS // dim)
+        seeds = body[:, :SEED_BYTES]
+        for lo in range(0, k if rows is None else rows.size, step):
+            idx = slice(lo, lo + step) if rows is None else rows[lo:lo + step]
+            z = directions_from_seeds(seeds[idx], dim)
+            out[idx] = np.where(bits[idx] == 1, s, -s)[:, None] * z
+        return DecodedBatch(out, refused)
+
     def decode(self, report: bytes, dim: int) -> np.ndarray:
-        """The unbiased estimate ``C / (c m_d) * b z`` of the client's clipped update (module docstring).
+        """The unbiased estimate ``C / (c m_d) * b z`` of the client's clipped update (:meth:`decode_batch` on one
+        report).
 
         Returns:
             A float64 vector of shape ``(dim,)``.
@@ -134,13 +229,7 @@ class DuchiMechanism:
         Raises:
             ReportError: a malformed report (magic, version, dimension, length, bit not 0 or 1).
         """
-        decode_mechanism_header(report, magic=DUCHI_MAGIC, expected_dim=dim, body_bytes=_BODY_BYTES)
-        buf = bytes(report)
-        seed, bit = buf[_HEADER_BYTES:_HEADER_BYTES + SEED_BYTES], buf[-1]
-        if bit not in (0, 1):
-            raise ReportError(f"the duchi report's bit must be 0 or 1, got {bit}")
-        z = direction_from_seed(seed, dim)
-        return (self.scale(dim) if bit else -self.scale(dim)) * z
+        return self.decode_batch([report], dim).only()
 
     def report_length(self, dim: int) -> int:
         """Bytes of one report: the header, the seed and the bit.

@@ -6,6 +6,8 @@ inputs of the client, and the server decodes a report to an unbiased estimate of
     mech = make_mechanism("duchi", eps0=1.0, clip_l1=1.0, clip_l2=1.0)
     report = mech.randomize(update)            # client: bytes of length mech.report_length(d)
     estimate = mech.decode(report, d)          # server: E[estimate] = the clipped update
+    reports = mech.randomize_batch(updates)    # k clients at once: uint8 (k, mech.report_length(d)), one per row
+    batch = mech.decode_batch(reports, d)      # DecodedBatch: values (k, d), refused {row: why}
 
 * ``laplace``: L1 clip ``clip-l1``, the exact discrete Laplace mechanism (:mod:`shuffledp.clients.randomizer`;
   Dwork, McSherry, Nissim, Smith, TCC 2006; Canonne, Kamath, Steinke, NeurIPS 2020);
@@ -15,7 +17,8 @@ inputs of the client, and the server decodes a report to an unbiased estimate of
   Kapoor, Rogers, arXiv:1812.00984, 2018). Research-only (:data:`RESEARCH_ONLY`): its floating-point argument
   is written in docs/mechanisms.md, not certified in code, so a deployed client refuses it.
 
-The apps (the ClientApp's report path, the server's decode) and in-process benchmarks use this same code.
+The apps (the ClientApp's report path, the server's decode) and in-process benchmarks use this same code: each
+mechanism implements the batch methods, and ``randomize`` / ``decode`` are them on a batch of one.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 
 from shuffledp.clients.noise import ChaCha20Rng
 from shuffledp.clients.randomizer import DiscreteLaplaceRandomizer
-from shuffledp.clients.report import decode_report, report_length
+from shuffledp.clients.report import DecodedBatch, Payloads, read_reports, report_length
 
 __all__ = ["MECHANISMS", "L2_MECHANISMS", "RESEARCH_ONLY", "DEFAULT_MECHANISM", "Mechanism", "LaplaceMechanism",
            "make_mechanism", "check_mechanism_name"]
@@ -49,12 +52,22 @@ class Mechanism(Protocol):
     clip: float
 
     def randomize(self, vec: np.ndarray) -> bytes:
-        """Clip ``vec`` and randomize it; returns the fixed-length report."""
+        """Clip ``vec`` and randomize it; returns the fixed-length report (``randomize_batch`` on one row)."""
+        ...
+
+    def randomize_batch(self, vecs: np.ndarray) -> np.ndarray:
+        """Clip and randomize each row of ``vecs`` (``(k, d)``); returns uint8 ``(k, report_length(d))``, one report
+        per row."""
         ...
 
     def decode(self, report: bytes, dim: int) -> np.ndarray:
         """Validate a report of dimension ``dim``; returns the unbiased float64 estimate of the clipped update.
-        Raises :class:`shuffledp.clients.report.ReportError` for a malformed report."""
+        Raises :class:`shuffledp.clients.report.ReportError` for a malformed report (``decode_batch`` on one)."""
+        ...
+
+    def decode_batch(self, reports: Payloads, dim: int) -> DecodedBatch:
+        """Validate and decode a batch (a ``(k, length)`` uint8 array or a sequence of payloads); returns a
+        :class:`shuffledp.clients.report.DecodedBatch` whose malformed rows are zero and named, not raised."""
         ...
 
     def report_length(self, dim: int) -> int:
@@ -84,17 +97,36 @@ class LaplaceMechanism:
         self.expected_log2_grid = DiscreteLaplaceRandomizer(randomizer.eps0, randomizer.clip,
                                                             rng=randomizer.rng).log2_grid
 
+    def randomize_batch(self, vecs: np.ndarray) -> np.ndarray:
+        """Clip each row to L1, round to the grid, add exact discrete Laplace noise, encode.
+
+        Args:
+            vecs: real ``(k, d)``, one update per row.
+
+        Returns:
+            uint8 ``(k, 20 + 4 d)``, one report per row (:meth:`DiscreteLaplaceRandomizer.encode_rows`).
+        """
+        return self.randomizer.encode_rows(vecs)
+
     def randomize(self, vec: np.ndarray) -> bytes:
-        """Clip to L1, round to the grid, add exact discrete Laplace noise, encode.
+        """Clip to L1, round to the grid, add exact discrete Laplace noise, encode (:meth:`randomize_batch` on one).
 
         Returns:
             The fixed-length report (:func:`shuffledp.clients.report.encode_report`).
         """
-        return self.randomizer.encode(vec)
+        return self.randomize_batch(np.asarray(vec).reshape(1, -1))[0].tobytes()
+
+    def decode_batch(self, reports: Payloads, dim: int) -> DecodedBatch:
+        """The reports' real-valued vectors (unbiased: the noise has mean 0; up to the grid rounding and the rare
+        int32 saturation); a malformed report or one on another grid than (eps0, clip-l1)'s default is refused.
+
+        Returns:
+            :class:`shuffledp.clients.report.DecodedBatch` (float64 ``(k, dim)``).
+        """
+        return read_reports(reports, expected_dim=dim, expected_log2_grid=self.expected_log2_grid).to_batch()
 
     def decode(self, report: bytes, dim: int) -> np.ndarray:
-        """The report's real-valued vector (unbiased: the noise has mean 0; up to the grid rounding and the rare
-        int32 saturation).
+        """The report's real-valued vector (:meth:`decode_batch` on one report).
 
         Returns:
             A float64 vector of shape ``(dim,)``.
@@ -102,7 +134,7 @@ class LaplaceMechanism:
         Raises:
             ReportError: a malformed report or one on another grid than (eps0, clip-l1)'s default.
         """
-        return decode_report(report, expected_dim=dim, expected_log2_grid=self.expected_log2_grid)
+        return self.decode_batch([report], dim).only()
 
     def report_length(self, dim: int) -> int:
         """Returns ``20 + 4 * dim`` (:func:`shuffledp.clients.report.report_length`)."""

@@ -26,6 +26,11 @@ Decode (unbiased). With ``t = <V, u>`` of density proportional to ``(1 - t^2)^((
 
 Report: the 20-byte mechanism header (magic ``b"SDPU"``) and ``V`` as float32[d] (rounding ``V`` is
 post-processing; it moves the estimate by a relative 2**-24 at most).
+
+Batches. :meth:`PrivUnit2Mechanism.randomize_batch` randomizes k updates at once (:meth:`randomize` is it on a
+batch of one): the sign and region coins of every client first (one 64-bit word each, from the CSPRNG), then
+rounds of proposals, each client taking the first of its proposals that falls in its drawn region. The proposals
+are iid uniform directions whatever the data, so each client's output has the law above.
 """
 
 from __future__ import annotations
@@ -36,10 +41,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shuffledp.clients.coins import RR_MAX_EPS0, bernoulli, check_l2_parameters
+from shuffledp.clients.coins import RR_MAX_EPS0, bernoulli_words, check_l2_parameters, coin_words
 from shuffledp.clients.noise import ChaCha20Rng
-from shuffledp.clients.report import ReportError, decode_mechanism_header, encode_mechanism_header
-from shuffledp.clients.sphere import clip_l2, directions, unit_or_default
+from shuffledp.clients.report import DecodedBatch, Payloads, encode_mechanism_header, read_mechanism_reports
+from shuffledp.clients.sphere import clip_l2_rows, directions, unit_rows
 from shuffledp.clients.validation import check_int, check_positive_finite
 
 __all__ = ["PRIVUNIT_MAGIC", "CAP_MARGIN", "MIN_CAP_MASS", "PrivUnitParams", "privunit_params", "cap_mass",
@@ -173,24 +178,85 @@ class PrivUnit2Mechanism:
                              f"got d={dim}")
         return privunit_params(self.eps0, check_int("dim", dim, 2, 2**28))
 
+    def sample_rows(self, u: np.ndarray, in_cap: np.ndarray, par: PrivUnitParams) -> np.ndarray:
+        """One PrivUnit2 output per row of ``u`` given its region coin: rejection from uniform directions.
+
+        Clients are served in blocks of at most :data:`_MAX_BATCH_ELEMENTS` proposal coordinates; in each round a
+        pending client gets ``max(8, ceil(2 / share))`` fresh proposals (``share`` its region's mass, capped by the
+        block) and keeps the first in its region ``<v, u_i> >= gamma`` (cap) or ``<`` (rest).
+
+        Args:
+            u: float64 ``(k, d)`` unit rows (the rounded directions ``+-u``).
+            in_cap: bool ``(k,)``: the region coins.
+            par: the parameters for ``d``.
+
+        Returns:
+            float64 ``(k, d)`` unit rows.
+        """
+        k, d = u.shape
+        out = np.empty((k, d))
+        per = np.where(in_cap, math.ceil(2.0 / par.cap), math.ceil(2.0 / (1.0 - par.cap)))
+        per = np.minimum(np.maximum(8, per), max(1, _MAX_BATCH_ELEMENTS // d))
+        pending = np.arange(k)
+        while pending.size:
+            # the next block of pending clients whose proposals fit in the element budget (at least one client)
+            take = max(1, int(np.searchsorted(np.cumsum(per[pending]) * d, _MAX_BATCH_ELEMENTS, side="right")))
+            block, rest = pending[:take], pending[take:]
+            counts = per[block]
+            v = directions(int(counts.sum()), d, self.rng)
+            owner = np.repeat(np.arange(block.size), counts)
+            hits = (np.einsum("ij,ij->i", v, u[block][owner]) >= par.gamma) == in_cap[block][owner]
+            hit = np.flatnonzero(hits)
+            who, at = np.unique(owner[hit], return_index=True)  # each client's first hit, in proposal order
+            first = np.full(block.size, -1)
+            first[who] = hit[at]
+            done = first >= 0
+            out[block[done]] = v[first[done]]
+            pending = np.concatenate([block[~done], rest])
+        return out
+
     def sample(self, u: np.ndarray, par: PrivUnitParams) -> np.ndarray:
         """One PrivUnit2 output for the unit vector ``u``: the region coin, then rejection from uniform directions.
 
         Returns:
             A float64 unit vector of shape ``(d,)``.
         """
-        d = u.size
-        in_cap = bernoulli(par.p, self.rng)
-        share = par.cap if in_cap else 1.0 - par.cap
-        batch = int(min(max(8, math.ceil(2.0 / share)), max(1, _MAX_BATCH_ELEMENTS // d)))
-        while True:
-            v = directions(batch, d, self.rng)
-            hits = np.flatnonzero((v @ u >= par.gamma) == in_cap)
-            if hits.size:
-                return v[int(hits[0])]
+        width = coin_words(par.p)
+        in_cap = bernoulli_words(np.array([par.p]), self.rng.random_bytes(8 * width).view(">u8").reshape(1, width))
+        return self.sample_rows(np.asarray(u, dtype=np.float64).reshape(1, -1), in_cap, par)[0]
+
+    def randomize_batch(self, vecs: np.ndarray) -> np.ndarray:
+        """Randomize k updates: for each, clip to L2 radius C, round the direction's sign by the norm, and apply
+        PrivUnit2 (module docstring).
+
+        Args:
+            vecs: real ``(k, d)``, one update per row.
+
+        Returns:
+            uint8 ``(k, 20 + 4 d)``: row i is the report of ``vecs[i]``.
+
+        Raises:
+            ValueError: ``vecs`` has a non-finite entry or fewer than 2 columns.
+        """
+        g = clip_l2_rows(vecs, self.clip)
+        k, d = g.shape
+        par = self.params(d)
+        u, norm = unit_rows(g)
+        keep_p = 0.5 + 0.5 * np.minimum(1.0, norm / self.clip)
+        w_keep, w_cap = coin_words(0.5), coin_words(par.p)
+        words = self.rng.random_bytes(8 * k * (w_keep + w_cap)).view(">u8").reshape(k, w_keep + w_cap)
+        keep = bernoulli_words(keep_p, words[:, :w_keep].astype(np.uint64))
+        in_cap = bernoulli_words(np.full(k, par.p), words[:, w_keep:].astype(np.uint64))
+        v = self.sample_rows(np.where(keep[:, None], u, -u), in_cap, par)
+        out = np.empty((k, _HEADER_BYTES + 4 * d), dtype=np.uint8)
+        out[:, :_HEADER_BYTES] = np.frombuffer(encode_mechanism_header(PRIVUNIT_MAGIC, par.d, par.eps_used),
+                                               dtype=np.uint8)
+        out[:, _HEADER_BYTES:] = v.astype("<f4").view(np.uint8)
+        return out
 
     def randomize(self, vec: np.ndarray) -> bytes:
-        """Clip to L2 radius C, round the direction's sign by the norm, and apply PrivUnit2.
+        """Clip to L2 radius C, round the direction's sign by the norm, and apply PrivUnit2
+        (:meth:`randomize_batch` on one update).
 
         Returns:
             The fixed-length report (:meth:`report_length`).
@@ -198,15 +264,39 @@ class PrivUnit2Mechanism:
         Raises:
             ValueError: ``vec`` has a non-finite entry or fewer than 2 entries.
         """
-        g = clip_l2(vec, self.clip)
-        par = self.params(int(g.size))
-        u, norm = unit_or_default(g)
-        keep = bernoulli(0.5 + 0.5 * min(1.0, norm / self.clip), self.rng)
-        v = self.sample(u if keep else -u, par)
-        return encode_mechanism_header(PRIVUNIT_MAGIC, par.d, par.eps_used) + v.astype("<f4").tobytes()
+        return self.randomize_batch(np.asarray(vec).reshape(1, -1))[0].tobytes()
+
+    def decode_batch(self, reports: Payloads, dim: int) -> DecodedBatch:
+        """The unbiased estimates ``(C / m) V`` of a batch of reports; a malformed report, or one whose ``V`` is
+        not finite or not of unit norm (within 1e-4), is refused, not raised.
+
+        Args:
+            reports: a ``(k, 20 + 4 dim)`` uint8 array or a sequence of payloads.
+            dim: the model's dimension.
+
+        Returns:
+            :class:`shuffledp.clients.report.DecodedBatch` (float64 ``(k, dim)``).
+        """
+        par = self.params(dim)
+        body, refused = read_mechanism_reports(reports, magic=PRIVUNIT_MAGIC, expected_dim=dim, body_bytes=4 * dim)
+        v = body.view("<f4").astype(np.float64)
+        finite = np.isfinite(v).all(axis=1)
+        if not finite.all():
+            for i in np.flatnonzero(~finite):
+                refused.setdefault(int(i), "the privunit2 report has non-finite coordinates")
+            v[~finite] = 0.0
+        norm = np.sqrt(np.einsum("ij,ij->i", v, v))
+        off = np.abs(norm - 1.0) > _NORM_TOLERANCE
+        if off.any():
+            for i in np.flatnonzero(off):
+                refused.setdefault(int(i), f"the privunit2 report's vector has norm {float(norm[i])!r}, not 1")
+        out = (self.clip / par.m) * v
+        if refused:
+            out[list(refused)] = 0.0
+        return DecodedBatch(out, refused)
 
     def decode(self, report: bytes, dim: int) -> np.ndarray:
-        """The unbiased estimate ``(C / m) V`` of the client's clipped update.
+        """The unbiased estimate ``(C / m) V`` of the client's clipped update (:meth:`decode_batch` on one report).
 
         Returns:
             A float64 vector of shape ``(dim,)``.
@@ -214,15 +304,7 @@ class PrivUnit2Mechanism:
         Raises:
             ReportError: a malformed report, or a ``V`` that is not finite or not of unit norm (within 1e-4).
         """
-        par = self.params(dim)
-        decode_mechanism_header(report, magic=PRIVUNIT_MAGIC, expected_dim=dim, body_bytes=4 * dim)
-        v = np.frombuffer(bytes(report), dtype="<f4", offset=_HEADER_BYTES, count=dim).astype(np.float64)
-        if not np.all(np.isfinite(v)):
-            raise ReportError("the privunit2 report has non-finite coordinates")
-        norm = float(np.linalg.norm(v))
-        if abs(norm - 1.0) > _NORM_TOLERANCE:
-            raise ReportError(f"the privunit2 report's vector has norm {norm!r}, not 1")
-        return (self.clip / par.m) * v
+        return self.decode_batch([report], dim).only()
 
     def report_length(self, dim: int) -> int:
         """Bytes of one report.

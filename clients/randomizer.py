@@ -28,10 +28,11 @@ from fractions import Fraction
 import numpy as np
 
 from shuffledp.clients.noise import ChaCha20Rng, DiscreteLaplaceSampler
-from shuffledp.clients.report import INT_MAX, LOG2_GRID_MAX, LOG2_GRID_MIN, encode_report
+from shuffledp.clients.report import INT_MAX, LOG2_GRID_MAX, LOG2_GRID_MIN, encode_reports
 from shuffledp.clients.validation import check_positive_finite
 
-__all__ = ["clip_l1", "flatten_arrays", "unflatten_vector", "DiscreteLaplaceRandomizer", "NOISE_LOG2_DEN"]
+__all__ = ["clip_l1", "clip_l1_rows", "flatten_arrays", "unflatten_vector", "DiscreteLaplaceRandomizer",
+           "NOISE_LOG2_DEN"]
 
 NOISE_LOG2_DEN = 52  # the noise parameter s = num / 2**52
 MAX_RADIUS = 2**30  # K = floor(C / gamma) must stay below this (|q| * K fits in int64)
@@ -40,38 +41,72 @@ MAX_SATURATION_LOG2 = -30  # refuse settings whose per-coordinate int32 saturati
 MAX_EPS0 = 64.0
 
 
-def clip_l1(x: np.ndarray, clip: float) -> np.ndarray:
-    """Scale ``x`` so that its L1 norm is at most ``clip`` (a new float64 array; ``x`` is never modified).
+def clip_l1_rows(x: np.ndarray, clip: float) -> np.ndarray:
+    """Scale each row of ``x`` so that its L1 norm is at most ``clip`` (a new float64 array; ``x`` is never modified).
 
-    ``x * min(1, clip / ||x||_1)``: the direction is kept, a zero vector stays zero. The float result is
-    guaranteed ``sum(|out|) <= clip`` as numpy computes it (the scale is nudged down if rounding overshoots).
-    NaN or Inf anywhere raises ``ValueError`` (a non-finite update is a bug, not something to hide).
+    Row by row, ``x * min(1, clip / ||x||_1)``: the direction is kept, a zero row stays zero. Each float result is
+    guaranteed ``sum(|row|) <= clip`` as numpy computes it (a row's scale is nudged down if rounding overshoots).
+    Only clipping: the privacy of :class:`DiscreteLaplaceRandomizer` rests on its integer re-projection, never on
+    this float bound.
+
+    Args:
+        x: a real array ``(k, d)``.
+        clip: the L1 radius, finite and > 0.
+
+    Returns:
+        float64 ``(k, d)``.
+
+    Raises:
+        ValueError: NaN or Inf anywhere (a non-finite update is a bug, not something to hide), or ``x`` not 2-D;
+        TypeError: ``x`` is not a real array.
     """
     c = check_positive_finite("clip", clip)
     arr = np.asarray(x)
     if arr.dtype.kind not in "fiub":
         raise TypeError(f"x must be a real numeric array, got dtype {arr.dtype}")
-    out = np.array(arr, dtype=np.float64, copy=True)
-    norm = float(np.abs(out).sum())
-    # a finite sum of |x_i| proves every entry finite; otherwise look at the entries (NaN/Inf, or overflow)
-    if not math.isfinite(norm) and not np.all(np.isfinite(out)):
-        bad = int(np.count_nonzero(~np.isfinite(out)))
-        raise ValueError(f"x has {bad} non-finite entries (NaN or Inf); refusing to clip")
-    if not math.isfinite(norm):
-        # finite entries whose sum overflows: rescale first (exact power-of-two scaling, direction kept);
-        # the original norm is > 1e308 >= c, so the result must be scaled down in any case
-        out = np.ldexp(out, -64)
-        norm = float(np.abs(out).sum())
-    elif norm <= c:
-        return out
-    scale = c / norm
-    y = out * scale
+    if arr.ndim != 2:
+        raise ValueError(f"clip_l1_rows takes a 2-D array of rows, got shape {arr.shape}")
+    base = arr.astype(np.float64, copy=False)
+    with np.errstate(over="ignore"):
+        norm = np.abs(base).sum(axis=1)
+    huge = ~np.isfinite(norm)
+    if huge.any():
+        # a finite sum of |x_i| proves every entry finite; otherwise look at the entries (NaN/Inf, or overflow)
+        bad = int(np.count_nonzero(~np.isfinite(base[huge])))
+        if bad:
+            raise ValueError(f"x has {bad} non-finite entries (NaN or Inf); refusing to clip")
+        # finite entries whose sum overflows: rescale first (exact power-of-two scaling, direction kept); the
+        # original norm is > 1e308 >= c, so such a row must be scaled down in any case
+        base = base.copy()
+        base[huge] = np.ldexp(base[huge], -64)
+        norm[huge] = np.abs(base[huge]).sum(axis=1)
+    clipped = huge | (norm > c)
+    # x * 1.0 is x exactly: the rows inside the ball are copied unchanged by the same product
+    scale = np.divide(c, norm, out=np.ones_like(norm), where=clipped)
+    out = base * scale[:, None]
+    pending = np.flatnonzero(clipped & (np.abs(out).sum(axis=1) > c))  # the rows that rounding took over c
     for _ in range(200):
-        if float(np.abs(y).sum()) <= c:
-            return y
-        scale = float(np.nextafter(scale, 0.0)) * (1.0 - 2.0**-50)
-        y = out * scale
+        if pending.size == 0:
+            return out
+        scale[pending] = np.nextafter(scale[pending], 0.0) * (1.0 - 2.0**-50)
+        out[pending] = base[pending] * scale[pending, None]
+        pending = pending[np.abs(out[pending]).sum(axis=1) > c]
     raise ArithmeticError("could not bring the L1 norm under the clip bound")  # pragma: no cover
+
+
+def clip_l1(x: np.ndarray, clip: float) -> np.ndarray:
+    """Scale ``x`` (any shape, one vector) so that its L1 norm is at most ``clip``: :func:`clip_l1_rows` on one row.
+
+    Returns:
+        A new float64 array of ``x``'s shape with ``sum(|out|) <= clip`` as numpy computes it.
+
+    Raises:
+        ValueError: NaN or Inf anywhere; TypeError: ``x`` is not a real array.
+    """
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "fiub":
+        raise TypeError(f"x must be a real numeric array, got dtype {arr.dtype}")
+    return clip_l1_rows(arr.reshape(1, -1), clip).reshape(arr.shape)
 
 
 def flatten_arrays(arrays: list[np.ndarray]) -> np.ndarray:
@@ -219,26 +254,54 @@ class DiscreteLaplaceRandomizer:
 
     # -- the mechanism ----------------------------------------------------------------------------------------
 
-    def quantize(self, x: np.ndarray) -> np.ndarray:
-        """Clip (float), round to the grid, and re-project in integers: int64 ``q`` with ``||q||_1 <= K``."""
-        xc = clip_l1(np.asarray(x).reshape(-1), self.clip)
+    def quantize_rows(self, x: np.ndarray) -> np.ndarray:
+        """Clip each row (float), round to the grid, and re-project in integers.
+
+        Args:
+            x: real ``(k, d)``: one update per row.
+
+        Returns:
+            int64 ``(k, d)`` with ``||q_i||_1 <= K`` for every row, exactly.
+        """
+        xc = clip_l1_rows(x, self.clip)
         q = np.rint(np.ldexp(xc, -self.log2_grid)).astype(np.int64)  # exact power-of-two scaling
-        total = int(np.abs(q).sum())
-        if total > self.radius:
+        total = np.abs(q).sum(axis=1)
+        over = np.flatnonzero(total > self.radius)
+        if over.size:
             # sign(q) * floor(|q| * K / total): sum <= K exactly; |q| <= K + 1 < 2**31 so the product fits int64
-            mag = np.abs(q) * np.int64(self.radius) // np.int64(total)
-            q = np.where(q < 0, -mag, mag)
+            qo = q[over]
+            mag = np.abs(qo) * np.int64(self.radius) // total[over, None]
+            q[over] = np.sign(qo) * mag  # mag = 0 where q = 0
+        return q
+
+    def quantize(self, x: np.ndarray) -> np.ndarray:
+        """Clip (float), round to the grid, and re-project in integers: int64 ``q`` with ``||q||_1 <= K``
+        (:meth:`quantize_rows` on one row)."""
+        return self.quantize_rows(np.asarray(x).reshape(1, -1))[0]
+
+    def privatize_rows(self, x: np.ndarray) -> np.ndarray:
+        """The noisy integer vectors ``q(x_i) + Z_i`` (int64 ``(k, d)``; not yet saturated): the noise of all rows
+        is one draw of ``k * d`` iid exact discrete Laplace samples from the CSPRNG, in row order."""
+        q = self.quantize_rows(x)
+        q += self.sampler.sample(q.size, self.rng).reshape(q.shape)
         return q
 
     def privatize(self, x: np.ndarray) -> np.ndarray:
-        """The noisy integer vector ``q(x) + Z`` (int64; not yet saturated)."""
-        q = self.quantize(x)
-        q += self.sampler.sample(q.size, self.rng)
-        return q
+        """The noisy integer vector ``q(x) + Z`` (int64; not yet saturated): :meth:`privatize_rows` on one row."""
+        return self.privatize_rows(np.asarray(x).reshape(1, -1))[0]
+
+    def encode_rows(self, x: np.ndarray) -> np.ndarray:
+        """clip -> grid -> projection -> exact noise -> fixed-length report, for each row of ``x`` (``(k, d)``).
+
+        Returns:
+            uint8 ``(k, 20 + 4 d)``: row i is the report of ``x[i]`` (:func:`shuffledp.clients.report.encode_reports`).
+        """
+        return encode_reports(self.privatize_rows(x), log2_grid=self.log2_grid, eps_used=self.eps_used)
 
     def encode(self, x: np.ndarray) -> bytes:
-        """clip -> grid -> projection -> exact noise -> fixed-length report (see :mod:`shuffledp.clients.report`)."""
-        return encode_report(self.privatize(x), log2_grid=self.log2_grid, eps_used=self.eps_used)
+        """clip -> grid -> projection -> exact noise -> fixed-length report (see :mod:`shuffledp.clients.report`):
+        :meth:`encode_rows` on one row."""
+        return self.encode_rows(np.asarray(x).reshape(1, -1))[0].tobytes()
 
     def __repr__(self) -> str:
         return (

@@ -10,6 +10,7 @@ grpc, and ``shuffledp shuffler serve`` never imports torch or flwr.
     shuffledp run|resume ...     -> shuffledp.deploy.runner
     shuffledp deploy ...         -> shuffledp.deploy.deploy_cli
     shuffledp audit ...          -> shuffledp.deploy.audit_cli
+    shuffledp sweep ...          -> shuffledp.deploy.sweep
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ _ROUTES: dict[str, str] = {
     "resume": "shuffledp.deploy.runner",
     "deploy": "shuffledp.deploy.deploy_cli",
     "audit": "shuffledp.deploy.audit_cli",
+    "sweep": "shuffledp.deploy.sweep",
 }
 
 _USAGE = """usage: shuffledp <command> [...]   (shuffledp --version: the installed version)
@@ -42,6 +44,7 @@ commands:
   resume     continue a killed run from its last checkpoint
   deploy     local multi-process TLS deployment
   audit      check that every batch the shuffler released was charged in the ledger
+  sweep      in-process study over mechanisms, eps0 or target epsilon, rounds and seeds: one table, one figure
 """
 
 

@@ -1,26 +1,30 @@
-"""In-process simulation of the round protocol for studies (benchmarks), on the apps' own code.
+"""In-process simulation of the round protocol for studies (benchmarks, sweeps), on the apps' own code.
 
-One round, as the apps run it, with every step taken from the module the apps use:
+One round, as the apps run it, with every step taken from the module the apps use, for ``chunk`` clients at a
+time (the server side keeps O(model) memory: each chunk's reports are decoded into the running sum and dropped):
 
 1. each client computes its report at the round's model: the average gradient or the local delta
    (:func:`shuffledp.clients.core.compute_update`, or :func:`batched_updates`, which computes the same updates
    for many clients at once with ``torch.func.vmap`` over the same loss, :func:`shuffledp.clients.models.local_loss`);
-2. the client's report path clips and randomizes it with its pinned mechanism
-   (:func:`shuffledp.clients.core.payload_from_update`, which calls
-   ``shuffledp.clients.mechanism.make_mechanism(...).randomize``: the noise comes from the mechanism's ChaCha20
-   CSPRNG, keyed from ``os.urandom``);
-3. the server decodes each report with the run's mechanism (``make_mechanism(...).decode``, as
-   ``shuffledp.server.rounds`` does) into the O(model) running sum
-   (:class:`shuffledp.server.optim.ReportAccumulator`) and takes one :class:`shuffledp.server.optim.ServerOptimizer`
-   step with the mean;
-4. central evaluation (:func:`shuffledp.clients.models.evaluate`) on the public split (validation: what studies
+2. the clients' report path clips and randomizes it with the pinned mechanism
+   (:func:`shuffledp.clients.core.payloads_from_updates`, the batch form of the apps'
+   :func:`shuffledp.clients.core.payload_from_update`: ``make_mechanism(...).randomize_batch``, of which the apps'
+   ``randomize`` is the batch of one; the noise comes from the mechanism's ChaCha20 CSPRNG, keyed from
+   ``os.urandom``);
+3. optionally (``through_shuffler``) the reports are sealed as the apps seal them and go through a real shuffler
+   process (:mod:`shuffledp.deploy.sweep_shuffler`), and the server opens the permuted inner layer;
+4. the server decodes the reports with the run's mechanism (``make_mechanism(...).decode_batch``, of which the
+   apps' ``decode`` is the batch of one) into the O(model) running sum
+   (:meth:`shuffledp.server.optim.ReportAccumulator.add_batch`) and takes one
+   :class:`shuffledp.server.optim.ServerOptimizer` step with the mean;
+5. central evaluation (:func:`shuffledp.clients.models.evaluate`) on the public split (validation: what studies
    choose hyper-parameters on) and on the test split (reported only).
 
-Left out, because they change neither the numbers nor their distribution: the shuffler (it only permutes the
-reports, and the server's mean does not depend on their order), the envelopes' encryption and signatures, and
-Flower's transport. The privacy accounting is the project's: ``shuffledp.accounting.bounds.epsilon`` for the
-rounds as run (n = the number of clients, every one reporting every round), ``bounds.calibrate`` for a run
-planned from a target epsilon.
+Left out by default, because they change neither the numbers nor their distribution: the shuffler (it only
+permutes the reports, and the server's mean does not depend on their order), the envelopes' encryption and
+signatures, and Flower's transport. The privacy accounting is the project's: ``shuffledp.accounting.bounds.epsilon``
+for the rounds as run (n = the number of clients, every one reporting every round), ``bounds.calibrate`` for a run
+planned from a target epsilon. :class:`PhaseTimes` says where the time went.
 
 ``seed`` fixes only the simulation setup (data splits, partition, initial model:
 :func:`shuffledp.clients.data.load_data`, :func:`shuffledp.clients.data.partition`,
@@ -36,6 +40,8 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,20 +50,23 @@ from typing import Any
 import numpy as np
 
 from shuffledp.accounting import Bound, bounds
-from shuffledp.clients.core import compute_update, payload_from_update
+from shuffledp.clients.core import compute_update
 from shuffledp.clients.data import Dataset, load_data, partition
 from shuffledp.clients.mechanism import L2_MECHANISMS, Mechanism, check_mechanism_name, make_mechanism
 from shuffledp.clients.messages import TrainConfig
 from shuffledp.clients.noise import ChaCha20Rng
 from shuffledp.clients.settings import DEFAULT_MAX_LOCAL_EPOCHS, PinnedSettings
-from shuffledp.server.optim import ReportAccumulator, ServerOptimizer
+from shuffledp.deploy.sweep_round import PhaseTimes, ReportExchange, report_round
+from shuffledp.server.optim import ServerOptimizer
 
-__all__ = ["Setup", "SimResult", "build_setup", "plan_eps0", "study_config", "batched_updates", "client_updates",
-           "run_round", "simulate"]
+__all__ = ["Setup", "SimResult", "PhaseTimes", "ReportExchange", "DEFAULT_CHUNK", "build_setup", "plan_eps0",
+           "study_config", "batched_updates", "client_updates", "run_round", "simulate"]
 
 #: Families that are CLT approximations: calibrated and evaluated with ``allow_approximate=True``, labelled so.
 APPROXIMATE_FAMILIES = frozenset({"ccg-rdp", "ccg-gdp", "canonical-gdp"})
 _NO_KEY = bytes(32)  # the simulation seals nothing: the pinned key fields are placeholders
+#: Clients per chunk: the reports of this many clients are computed, randomized and decoded together.
+DEFAULT_CHUNK = 10_000
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,13 @@ class Setup:
         """The model's number of parameters (the report's dimension)."""
         return int(sum(a.size for a in self.initial))
 
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        """The clients grouped by partition size: ``(client ids ascending, their row indices (m, size))`` each."""
+        sizes = np.array([len(p) for p in self.parts])
+        return tuple((ids, np.stack([self.parts[i] for i in ids]).reshape(ids.size, int(size)))
+                     for size in np.unique(sizes) for ids in [np.flatnonzero(sizes == size)])
+
 
 def build_setup(dataset: str = "digits", *, num_clients: int | None = None, pca_components: int | None = 10,
                 model: str = "logreg", hidden: int = 64, scheme: str = "iid", alpha: float = 0.5, seed: int = 0,
@@ -117,8 +133,10 @@ def build_setup(dataset: str = "digits", *, num_clients: int | None = None, pca_
     return Setup(ds, parts, init, model, seed)
 
 
+@functools.lru_cache(maxsize=256)
 def plan_eps0(target_epsilon: float, *, n: int, rounds: int, delta: float = 1e-6, family: str = "clones") -> Bound:
-    """The largest eps0 whose ``rounds`` rounds of ``n`` reports stay within ``target_epsilon`` at ``delta``.
+    """The largest eps0 whose ``rounds`` rounds of ``n`` reports stay within ``target_epsilon`` at ``delta`` (a
+    deterministic search, remembered per process: a sweep plans each (target, n, rounds) once).
 
     Args:
         target_epsilon: the epsilon to stay within.
@@ -215,7 +233,8 @@ def batched_updates(arrays: Sequence[np.ndarray], cfg: TrainConfig, x: np.ndarra
     g = grad(loss)
     if cfg.report == "gradient":
         out = vmap(g, in_dims=(None, 0, 0))(params, xt, yt)
-        parts = [out[name].reshape(k, -1).double() for name in names]
+        # one float32 concatenation, then one exact widening to float64 (the same values as widening each part)
+        return torch.cat([out[name].reshape(k, -1) for name in names], dim=1).numpy().astype(np.float64)
     else:
         def run(p: dict[str, Any], xi: Any, yi: Any) -> dict[str, Any]:
             for _ in range(cfg.local_epochs):
@@ -228,31 +247,41 @@ def batched_updates(arrays: Sequence[np.ndarray], cfg: TrainConfig, x: np.ndarra
     return torch.cat(parts, dim=1).numpy()
 
 
-def client_updates(arrays: Sequence[np.ndarray], cfg: TrainConfig, setup: Setup, *,
-                   batched: bool = True) -> np.ndarray:
-    """Every client's unclipped update at ``arrays``: :func:`batched_updates` per group of equal partition size
+def client_updates(arrays: Sequence[np.ndarray], cfg: TrainConfig, setup: Setup, *, batched: bool = True,
+                   clients: slice | None = None) -> np.ndarray:
+    """The clients' unclipped updates at ``arrays``: :func:`batched_updates` per group of equal partition size
     where it applies, else the apps' per-client :func:`shuffledp.clients.core.compute_update`.
 
+    Args:
+        arrays: the round's model; cfg: the round's config; setup: the simulation setup.
+        batched: use :func:`batched_updates` where it applies (False: the per-client code).
+        clients: a range of client ids (``slice(lo, hi)``); None: all of them.
+
     Returns:
-        float64 array ``(num_clients, model parameters)``.
+        float64 array ``(clients, model parameters)``, rows in client order.
     """
     ds = setup.dataset
-    out = np.empty((setup.num_clients, setup.dim), dtype=np.float64)
-    sizes = np.array([len(p) for p in setup.parts])
-    for size in np.unique(sizes):
-        members = np.flatnonzero(sizes == size)
-        if batched and (cfg.report == "gradient" or size <= cfg.batch_size):
-            idx = np.stack([setup.parts[i] for i in members])
+    lo, hi, _ = (clients or slice(None)).indices(setup.num_clients)
+    out = np.empty((max(hi - lo, 0), setup.dim), dtype=np.float64)
+    for ids, rows in setup.groups:
+        a, b = np.searchsorted(ids, [lo, hi])
+        if a == b:
+            continue
+        members, idx = ids[a:b] - lo, rows[a:b]
+        if batched and (cfg.report == "gradient" or idx.shape[1] <= cfg.batch_size):
             out[members] = batched_updates(arrays, cfg, ds.x_train[idx], ds.y_train[idx])
         else:
-            for i in members:
-                out[i] = compute_update(arrays, cfg, ds.x_train[setup.parts[i]], ds.y_train[setup.parts[i]])
+            for i, r in zip(members, idx):
+                out[i] = compute_update(arrays, cfg, ds.x_train[r], ds.y_train[r])
     return out
 
 
 def run_round(arrays: Sequence[np.ndarray], updates: np.ndarray, cfg: TrainConfig, pinned: PinnedSettings,
-              decoder: Mechanism, optimizer: ServerOptimizer, *, rng: ChaCha20Rng | None = None) -> list[np.ndarray]:
-    """One round after the local computation: each client's report path, the server's decode, mean and step.
+              decoder: Mechanism, optimizer: ServerOptimizer, *, rng: ChaCha20Rng | None = None,
+              chunk: int = DEFAULT_CHUNK, times: PhaseTimes | None = None,
+              shuffler: ReportExchange | None = None, workers: int = 1) -> list[np.ndarray]:
+    """One round after the local computation: the clients' report path, the server's decode, mean and step, for
+    ``chunk`` clients at a time.
 
     Args:
         arrays: the round's model.
@@ -262,15 +291,19 @@ def run_round(arrays: Sequence[np.ndarray], updates: np.ndarray, cfg: TrainConfi
         optimizer: the server optimizer (its state carries over rounds).
         rng: tests only: a keyed ChaCha20 stream for the clients' mechanism (default: the pinned mechanism's
             CSPRNG, keyed from ``os.urandom``).
+        chunk: clients per batch of reports.
+        times: where to add the phases' seconds (default: not kept).
+        shuffler: send the round's sealed reports through this shuffler (default: none; module docstring).
+        workers: threads that randomize and decode chunks (:func:`shuffledp.deploy.sweep_round.report_round`).
 
     Returns:
         The model after the round.
     """
-    dim = updates.shape[1]
-    acc = ReportAccumulator(dim)
-    for vec in updates:
-        acc.add(decoder.decode(payload_from_update(arrays, cfg, pinned, vec, rng=rng), dim))
-    return optimizer.step(arrays, acc.mean())
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    parts = (updates[lo:lo + chunk] for lo in range(0, updates.shape[0], chunk))
+    return report_round(arrays, parts, updates.shape[1], cfg, pinned, decoder, optimizer, rng=rng,
+                  times=times if times is not None else PhaseTimes(), shuffler=shuffler, workers=workers)
 
 
 @dataclass
@@ -285,6 +318,8 @@ class SimResult:
         public_accuracy, test_accuracy, public_loss, test_loss: after each round (index t-1 for round t).
         seconds: wall time.
         arrays: the final model.
+        phases: seconds per phase over all rounds (:class:`PhaseTimes`), the one-off setup excluded.
+        round_seconds: wall seconds of each round (updates, reports, decode, step, evaluation).
     """
 
     settings: dict[str, Any]
@@ -297,6 +332,8 @@ class SimResult:
     test_loss: list[float] = field(default_factory=list)
     seconds: float = 0.0
     arrays: list[np.ndarray] = field(default_factory=list)
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
+    round_seconds: list[float] = field(default_factory=list)
 
     def epsilon_after(self, rounds: int) -> Bound:
         """The cumulative epsilon after the first ``rounds`` rounds (same family, delta and n)."""
@@ -310,8 +347,8 @@ def simulate(dataset: str | Setup = "digits", *, mechanism: str = "laplace", eps
              server_optimizer: str = "sgd", server_momentum: float = 0.9, report: str = "gradient",
              local_epochs: int = 1, local_lr: float = 0.1, batch_size: int = 32, delta: float = 1e-6,
              family: str = "clones", seed: int = 0, pca_components: int | None = 10, num_clients: int | None = None,
-             model: str = "logreg", hidden: int = 64, batched: bool = True,
-             rng: ChaCha20Rng | None = None) -> SimResult:
+             model: str = "logreg", hidden: int = 64, batched: bool = True, chunk: int = DEFAULT_CHUNK,
+             workers: int = 1, through_shuffler: bool = False, rng: ChaCha20Rng | None = None) -> SimResult:
     """Run ``rounds`` rounds of the protocol in-process (module docstring) and evaluate after each.
 
     Args:
@@ -326,6 +363,11 @@ def simulate(dataset: str | Setup = "digits", *, mechanism: str = "laplace", eps
         delta: the target delta; family: the accounting family.
         seed, pca_components, num_clients, model, hidden: the setup (:func:`build_setup`; ignored for a Setup).
         batched: compute the updates with :func:`batched_updates` where it applies (False: per-client code).
+        chunk: clients whose reports are computed, randomized and decoded together (memory O(chunk x d)).
+        workers: threads that randomize and decode chunks while the next chunk's updates are computed
+            (:func:`shuffledp.deploy.sweep_round.report_round`; 1: none).
+        through_shuffler: seal every round's reports and send them through a real shuffler process (slow: for
+            checking the path at small n; :mod:`shuffledp.deploy.sweep_shuffler`).
         rng: tests only (see :func:`run_round`).
 
     Returns:
@@ -334,12 +376,16 @@ def simulate(dataset: str | Setup = "digits", *, mechanism: str = "laplace", eps
     Raises:
         ValueError: both or neither of eps0 and target_epsilon; RefusedError: no eps0 meets the target.
     """
+    import contextlib
+
     import torch
 
     from shuffledp.clients.models import evaluate
 
     if (eps0 is None) == (target_epsilon is None):
         raise ValueError("give exactly one of eps0 and target_epsilon")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
     torch.set_num_threads(1)  # tiny models: a thread pool only adds contention
     t0 = time.perf_counter()
     setup = dataset if isinstance(dataset, Setup) else build_setup(
@@ -354,19 +400,33 @@ def simulate(dataset: str | Setup = "digits", *, mechanism: str = "laplace", eps
                 "seed": setup.seed, "mechanism": mechanism, "eps0": eps0, "rounds": rounds, "clip": clip,
                 "server_optimizer": server_optimizer, "server_lr": server_lr, "report": report,
                 "local_epochs": local_epochs, "local_lr": local_lr, "delta": delta, "family": family,
-                "target_epsilon": target_epsilon}
+                "target_epsilon": target_epsilon, "through_shuffler": through_shuffler, "workers": workers}
     result = SimResult(settings, float(eps0), calibration, eps)
+    times = result.phases
     ds = setup.dataset
     arrays = [a.copy() for a in setup.initial]
-    for _ in range(rounds):
-        updates = client_updates(arrays, cfg, setup, batched=batched)
-        arrays = run_round(arrays, updates, cfg, pinned, decoder, optimizer, rng=rng)
-        loss, accuracy = evaluate(arrays, ds.x_public, ds.y_public)
-        result.public_loss.append(loss)
-        result.public_accuracy.append(accuracy)
-        loss, accuracy = evaluate(arrays, ds.x_test, ds.y_test)
-        result.test_loss.append(loss)
-        result.test_accuracy.append(accuracy)
+    with contextlib.ExitStack() as stack:
+        shuffler = None
+        if through_shuffler:
+            from shuffledp.deploy.sweep_shuffler import ShufflerExchange
+
+            shuffler = stack.enter_context(ShufflerExchange(n))
+        for t in range(rounds):
+            t_round = time.perf_counter()
+            cfg = dataclasses.replace(cfg, round=t + 1)  # the round id the shuffler binds
+            chunks = (client_updates(arrays, cfg, setup, batched=batched, clients=slice(lo, lo + chunk))
+                      for lo in range(0, n, chunk))
+            arrays = report_round(arrays, chunks, setup.dim, cfg, pinned, decoder, optimizer, rng=rng, times=times,
+                                  shuffler=shuffler, workers=workers)
+            t1 = time.perf_counter()
+            loss, accuracy = evaluate(arrays, ds.x_public, ds.y_public)
+            result.public_loss.append(loss)
+            result.public_accuracy.append(accuracy)
+            loss, accuracy = evaluate(arrays, ds.x_test, ds.y_test)
+            result.test_loss.append(loss)
+            result.test_accuracy.append(accuracy)
+            times.evaluate += time.perf_counter() - t1
+            result.round_seconds.append(time.perf_counter() - t_round)
     result.arrays = arrays
     result.seconds = time.perf_counter() - t0
     return result

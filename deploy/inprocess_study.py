@@ -2,20 +2,23 @@
 (validation) split, the test split reported for the chosen setting only.
 
 A *trial* is one simulated run: a group (what is compared, e.g. mechanism and target epsilon), a setting (the
-hyper-parameters searched) and a seed. :func:`run_trials` runs them; :func:`choose` picks, within each group, the
-setting with the highest mean public accuracy after the last round over the seeds, and reports that setting's
-test accuracy (mean, min, max over the same seeds). The test split never takes part in the choice.
+hyper-parameters searched) and a seed. :func:`grid_trials` builds them from a grid, :func:`run_trials` runs them;
+:func:`choose` picks, within each group, the setting with the highest mean public accuracy after the last round
+over the seeds, and reports that setting's test accuracy (mean, min, max over the same seeds). The test split never
+takes part in the choice. ``shuffledp sweep`` (:mod:`shuffledp.deploy.sweep`) and ``benchmarks/tradeoff.py`` are
+built on these.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Trial", "Outcome", "Choice", "run_trials", "choose", "spread"]
+__all__ = ["Trial", "Outcome", "Choice", "grid_trials", "run_trials", "choose", "spread"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class Choice:
     epsilon: float = math.nan
     kind: str = ""
     family: str = ""
+    seconds: float = math.nan
 
     @property
     def test_mean(self) -> float:
@@ -71,10 +75,10 @@ class Choice:
 
 
 @functools.lru_cache(maxsize=4)
-def _setup(dataset: str, pca: int | None, seed: int, num_clients: int | None) -> Any:
+def _setup(dataset: str, pca: int | None, seed: int, num_clients: int | None, data_dir: str | None) -> Any:
     from shuffledp.deploy.inprocess import build_setup
 
-    return build_setup(dataset, pca_components=pca, seed=seed, num_clients=num_clients)
+    return build_setup(dataset, pca_components=pca, seed=seed, num_clients=num_clients, data_dir=data_dir)
 
 
 def _run(trial: Trial) -> Outcome:
@@ -82,10 +86,38 @@ def _run(trial: Trial) -> Outcome:
     from shuffledp.deploy.inprocess_adaptive import simulate_adaptive
 
     kw = dict(trial.kwargs)
-    setup = _setup(kw.pop("dataset"), kw.pop("pca_components"), trial.seed, kw.pop("num_clients", None))
+    setup = _setup(kw.pop("dataset"), kw.pop("pca_components"), trial.seed, kw.pop("num_clients", None),
+                   kw.pop("data_dir", None))
     r = (simulate_adaptive if trial.adaptive else simulate)(setup, **kw)
     return Outcome(trial, r.public_accuracy[-1], r.test_accuracy[-1], r.eps0, r.epsilon.value, r.epsilon.kind,
                    r.epsilon.family, r.seconds)
+
+
+def grid_trials(groups: Mapping[str, Sequence[Any]], searched: Mapping[str, Sequence[Any]], seeds: Iterable[int],
+                fixed: Mapping[str, Any]) -> list[Trial]:
+    """The trials of a grid: every combination of the group axes (what is compared; the group is the tuple of their
+    values, in ``groups``' order) and of the searched settings (chosen within each group by :func:`choose`), for
+    each seed.
+
+    Args:
+        groups: axis name -> values, e.g. ``{"mechanism": [...], "target_epsilon": [...], "rounds": [...]}``.
+        searched: setting name -> values, e.g. ``{"server_lr": [...], "clip": [...]}``.
+        seeds: the setups' seeds.
+        fixed: the other keyword arguments of :func:`shuffledp.deploy.inprocess.simulate`; ``dataset`` and
+            ``pca_components`` (and optionally ``num_clients``, ``data_dir``) build the setup.
+
+    Returns:
+        The trials, group by group, setting by setting, seed by seed.
+    """
+    names = sorted(searched)
+    seeds = list(seeds)
+    out = []
+    for group in itertools.product(*groups.values()):
+        for values in itertools.product(*(searched[n] for n in names)):
+            setting = tuple(zip(names, values))
+            kwargs = {**fixed, **dict(zip(groups, group)), **dict(setting)}
+            out.extend(Trial(group, setting, seed, tuple(sorted(kwargs.items()))) for seed in seeds)
+    return out
 
 
 def run_trials(trials: Sequence[Trial], *, jobs: int = 1,
@@ -127,7 +159,8 @@ def choose(outcomes: Iterable[Outcome]) -> list[Choice]:
         best = max(settings, key=lambda s: sum(o.public for o in settings[s]) / len(settings[s]))
         runs = settings[best]
         choices.append(Choice(group, dict(best), sum(o.public for o in runs) / len(runs), [o.test for o in runs],
-                              runs[0].eps0, max(o.epsilon for o in runs), runs[0].kind, runs[0].family))
+                              runs[0].eps0, max(o.epsilon for o in runs), runs[0].kind, runs[0].family,
+                              sum(o.seconds for o in runs) / len(runs)))
     return choices
 
 

@@ -85,6 +85,22 @@ class ReportAccumulator:
         self._sum += vec
         self.count += 1
 
+    def add_batch(self, reports: np.ndarray) -> None:
+        """Add a batch of reports (``(m, size)``, one per row): the same sum as ``m`` calls of :meth:`add`, up to
+        the order of the floating-point additions (which the shuffler's permutation leaves arbitrary anyway).
+
+        Raises:
+            ValueError: wrong shape or a non-finite value (nothing is added then).
+        """
+        batch = np.asarray(reports, dtype=np.float64)
+        if batch.ndim != 2 or batch.shape[1] != self._sum.shape[0]:
+            raise ValueError(f"a batch of reports has shape {batch.shape}, the model has {self._sum.shape[0]} "
+                             "parameters per report")
+        if not np.isfinite(batch).all():
+            raise ValueError("a report contains NaN or infinite values")
+        self._sum += batch.sum(axis=0)
+        self.count += batch.shape[0]
+
     def mean(self) -> np.ndarray:
         """The average of the added reports.
 

@@ -1,5 +1,7 @@
-"""The in-process simulation runs the apps' own report path: equal updates, equal reports and decode, the planned
-eps0 within the target, the seed fixing the setup but never the noise."""
+"""The in-process simulation runs the apps' own report path: equal updates, equal reports and decode (chunks of one
+client are the apps' path report for report; larger chunks are the batch path of tests/clients/test_batch_reports.py),
+the planned eps0 within the target, the seed fixing the setup but never the noise, and the optional real shuffler
+releasing the very reports it was given."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from shuffledp.clients.core import compute_update, make_payload
 from shuffledp.clients.mechanism import make_mechanism
 from shuffledp.clients.noise import ChaCha20Rng
 from shuffledp.deploy.inprocess import (
+    PhaseTimes,
     batched_updates,
     build_setup,
     client_updates,
@@ -21,6 +24,8 @@ from shuffledp.deploy.inprocess import (
 )
 from shuffledp.deploy.inprocess_adaptive import secret_order, simulate_adaptive
 from shuffledp.server.optim import ReportAccumulator, ServerOptimizer
+
+KEY = bytes(range(32))
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +61,8 @@ def test_delta_with_several_minibatches_falls_back_to_the_apps_code(small):
 
 @pytest.mark.parametrize("mechanism", ["laplace", "duchi", "privunit2"])
 def test_a_round_is_the_apps_report_decode_mean_and_step(mechanism):
-    """With one keyed ChaCha20 stream on both sides, the simulated round gives the very model of the apps' path:
-    make_payload per client (compute, clip, randomize), the server's decode, the accumulator's mean, the step."""
+    """With one keyed ChaCha20 stream on both sides, a round in chunks of one client gives the very model of the apps'
+    path: make_payload per client (compute, clip, randomize), the server's decode, the accumulator's mean, the step."""
     setup = build_setup("digits", num_clients=30, pca_components=5, seed=3)
     cfg, pinned = study_config(mechanism, 2.0, 0.5)
     decoder = make_mechanism(mechanism, eps0=2.0, clip_l1=cfg.clip_l1, clip_l2=cfg.clip_l2)
@@ -72,11 +77,104 @@ def test_a_round_is_the_apps_report_decode_mean_and_step(mechanism):
     want = ServerOptimizer("sgd", 3.0).step(arrays, acc.mean())
 
     updates = client_updates(arrays, cfg, setup, batched=False)
-    got = run_round(arrays, updates, cfg, pinned, decoder, ServerOptimizer("sgd", 3.0), rng=ChaCha20Rng(key))
+    times = PhaseTimes()
+    got = run_round(arrays, updates, cfg, pinned, decoder, ServerOptimizer("sgd", 3.0), rng=ChaCha20Rng(key),
+                    chunk=1, times=times)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
         assert np.array_equal(g, w)
     assert not np.array_equal(got[0], arrays[0])  # the round moved the model
+    assert times.randomize > 0 and times.decode > 0 and times.step > 0 and times.shuffle == 0
+
+
+def test_duchi_rounds_in_chunks_are_the_apps_round():
+    """duchi consumes the stream client after client: any chunking gives the apps' reports, hence their model (up to
+    the order of the float additions of the mean)."""
+    setup = build_setup("digits", num_clients=30, pca_components=5, seed=3)
+    cfg, pinned = study_config("duchi", 2.0, 0.5)
+    decoder = make_mechanism("duchi", eps0=2.0, clip_l2=0.5)
+    arrays = list(setup.initial)
+    updates = client_updates(arrays, cfg, setup)
+    models = [run_round(arrays, updates, cfg, pinned, decoder, ServerOptimizer("sgd", 3.0), rng=ChaCha20Rng(KEY),
+                        chunk=chunk) for chunk in (1, 7, 30)]
+    for other in models[1:]:
+        for g, w in zip(other, models[0]):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)  # float32 model: the mean's rounding only
+    diff = [np.abs(g - a).max() for g, a in zip(models[0], arrays)]
+    assert max(diff) > 1e-3
+
+
+class _Recording:
+    """The run's decoder, keeping every decoded batch."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.batches = []
+
+    def decode_batch(self, reports, dim):
+        out = self.decoder.decode_batch(reports, dim)
+        self.batches.append(out.values.copy())
+        return out
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_every_chunk_is_decoded_once_into_the_mean_whatever_the_threads(workers):
+    setup = build_setup("digits", num_clients=30, pca_components=5, seed=3)
+    cfg, pinned = study_config("laplace", 2.0, 0.5)
+    decoder = _Recording(make_mechanism("laplace", eps0=2.0, clip_l1=0.5))
+    arrays = list(setup.initial)
+    times = PhaseTimes()
+    got = run_round(arrays, client_updates(arrays, cfg, setup), cfg, pinned, decoder, ServerOptimizer("sgd", 3.0),
+                    chunk=7, times=times, workers=workers)
+    assert sorted(len(b) for b in decoder.batches) == [2, 7, 7, 7, 7]  # threads may finish in any order
+    want = ServerOptimizer("sgd", 3.0).step(arrays, np.vstack(decoder.batches).mean(axis=0))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    assert times.randomize > 0 and times.decode > 0
+    with pytest.raises(ValueError, match="workers"):
+        run_round(arrays, client_updates(arrays, cfg, setup), cfg, pinned, decoder, ServerOptimizer("sgd", 3.0),
+                  workers=0)
+
+
+def test_client_updates_in_ranges_are_the_rows_of_all_clients():
+    setup = build_setup("digits", num_clients=50, pca_components=5, seed=2)  # partitions of 28 and 29 rows
+    cfg, _ = study_config("laplace", 1.0, 1.0)
+    arrays = list(setup.initial)
+    whole = client_updates(arrays, cfg, setup)
+    parts = [client_updates(arrays, cfg, setup, clients=slice(lo, lo + 13)) for lo in range(0, 50, 13)]
+    np.testing.assert_array_equal(np.vstack(parts), whole)
+    assert len({len(p) for p in setup.parts}) == 2  # two groups of partition sizes, both cut by the ranges
+
+
+def test_simulate_reports_where_the_time_went(small):
+    r = simulate(small, mechanism="laplace", eps0=2.0, rounds=2, clip=1.0, server_lr=1.0, chunk=16)
+    ph = r.phases.as_dict()
+    assert set(ph) == {"updates", "randomize", "shuffle", "decode", "step", "evaluate"}
+    assert all(ph[k] > 0 for k in ("updates", "randomize", "decode", "step", "evaluate")) and ph["shuffle"] == 0
+    assert len(r.round_seconds) == 2 and sum(ph.values()) <= sum(r.round_seconds) <= r.seconds
+    with pytest.raises(ValueError, match="chunk"):
+        simulate(small, mechanism="laplace", eps0=2.0, rounds=1, chunk=0)
+
+
+def test_through_a_real_shuffler_the_server_opens_the_reports_it_was_given():
+    """20 clients: the payloads sealed, shuffled by a real shuffler process and opened are the submitted multiset
+    (in the shuffler's order), and a simulated round through the shuffler runs and moves the model."""
+    from shuffledp.deploy.sweep_shuffler import ShufflerExchange
+
+    setup = build_setup("digits", num_clients=20, pca_components=5, seed=1)
+    cfg, pinned = study_config("duchi", 2.0, 1.0)
+    arrays = list(setup.initial)
+    reports = [r.tobytes() for r in make_mechanism("duchi", eps0=2.0, clip_l2=1.0).randomize_batch(
+        client_updates(arrays, cfg, setup))]
+    assert len(set(reports)) == 20
+    with ShufflerExchange(20) as shuffler:
+        opened = shuffler.exchange(reports, arrays, round_id=1)
+        again = shuffler.exchange(reports, arrays, round_id=2)
+    assert sorted(opened) == sorted(reports) == sorted(again)
+    assert opened != reports or again != reports  # permuted (the identity twice has probability 1 / 20!^2)
+    r = simulate(setup, mechanism="duchi", eps0=2.0, rounds=1, clip=1.0, server_lr=1.0, through_shuffler=True)
+    assert r.phases.shuffle > 0 and r.settings["through_shuffler"]
+    assert not np.array_equal(r.arrays[0], setup.initial[0])
 
 
 def test_planning_from_a_target_keeps_epsilon_within_it(small):
