@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from shuffledp.accounting import Bound, bounds
+from shuffledp.accounting.families import resolve_family
 from shuffledp.clients.core import compute_update
 from shuffledp.clients.data import Dataset, load_data, partition
 from shuffledp.clients.mechanism import L2_MECHANISMS, Mechanism, check_mechanism_name, make_mechanism
@@ -346,7 +347,7 @@ def simulate(dataset: str | Setup = "digits", *, mechanism: str = "laplace", eps
              target_epsilon: float | None = None, rounds: int = 10, clip: float = 1.0, server_lr: float = 20.0,
              server_optimizer: str = "sgd", server_momentum: float = 0.9, report: str = "gradient",
              local_epochs: int = 1, local_lr: float = 0.1, batch_size: int = 32, delta: float = 1e-6,
-             family: str = "clones", seed: int = 0, pca_components: int | None = 10, num_clients: int | None = None,
+             family: str = "auto", seed: int = 0, pca_components: int | None = 10, num_clients: int | None = None,
              model: str = "logreg", hidden: int = 64, batched: bool = True, chunk: int = DEFAULT_CHUNK,
              workers: int = 1, through_shuffler: bool = False, rng: ChaCha20Rng | None = None) -> SimResult:
     """Run ``rounds`` rounds of the protocol in-process (module docstring) and evaluate after each.
@@ -360,7 +361,8 @@ def simulate(dataset: str | Setup = "digits", *, mechanism: str = "laplace", eps
         clip: the mechanism's clip (L1 for ``laplace``, L2 otherwise).
         server_lr, server_optimizer, server_momentum: the :class:`ServerOptimizer`.
         report: ``"gradient"`` or ``"delta"``; local_epochs, local_lr, batch_size: the delta's local SGD.
-        delta: the target delta; family: the accounting family.
+        delta: the target delta; family: the accounting family; ``"auto"`` (the apps' default) takes the
+            mechanism's rigorous default (:func:`shuffledp.accounting.families.resolve_family`).
         seed, pca_components, num_clients, model, hidden: the setup (:func:`build_setup`; ignored for a Setup).
         batched: compute the updates with :func:`batched_updates` where it applies (False: per-client code).
         chunk: clients whose reports are computed, randomized and decoded together (memory O(chunk x d)).
@@ -391,6 +393,7 @@ def simulate(dataset: str | Setup = "digits", *, mechanism: str = "laplace", eps
     setup = dataset if isinstance(dataset, Setup) else build_setup(
         dataset, num_clients=num_clients, pca_components=pca_components, model=model, hidden=hidden, seed=seed)
     n = setup.num_clients
+    family = resolve_family(family, mechanism)
     eps0, calibration, eps = plan_and_account(eps0, target_epsilon, n=n, rounds=rounds, delta=delta, family=family)
     cfg, pinned = study_config(mechanism, eps0, clip, report=report, local_epochs=local_epochs, local_lr=local_lr,
                                batch_size=batch_size)

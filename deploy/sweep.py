@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                    "public accuracy (default: 5)")
     p.add_argument("--clip", default="1", help="clips (L1 for laplace, L2 otherwise), comma-separated; chosen per "
                    "row on public accuracy (default: 1)")
-    p.add_argument("--family", default="clones", help="accounting family (default: clones)")
+    p.add_argument("--family", default="auto",
+                   help="accounting family (default: auto, the apps' rigorous default for each mechanism)")
     p.add_argument("--delta", type=float, default=1e-6, help="target delta (default: 1e-6)")
     p.add_argument("--chunk", type=int, default=10_000, help="clients per batch of reports (default: 10000)")
     p.add_argument("--workers", type=int, default=1,
@@ -84,6 +85,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]]
             allowed).
     """
     from shuffledp.accounting import FAMILIES
+    from shuffledp.accounting.families import AUTO_FAMILY, FAMILY_MECHANISMS
     from shuffledp.clients.data import DATASETS
     from shuffledp.clients.mechanism import check_mechanism_name
 
@@ -110,8 +112,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]]
         raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {ns.dataset!r}")
     if ns.num_clients is not None and ns.num_clients < 2:
         raise ValueError(f"--num-clients must be >= 2, got {ns.num_clients}")
-    if ns.family not in FAMILIES:
-        raise ValueError(f"--family must be one of {', '.join(FAMILIES)}; got {ns.family!r}")
+    if ns.family not in (*FAMILIES, AUTO_FAMILY):
+        raise ValueError(f"--family must be {AUTO_FAMILY!r} or one of {', '.join(FAMILIES)}; got {ns.family!r}")
+    needed = FAMILY_MECHANISMS.get(ns.family)
+    if needed is not None and set(mechanisms) != {needed}:
+        raise ValueError(f"--family {ns.family} holds only for reports of the {needed!r} mechanism; --mechanisms "
+                         f"{','.join(mechanisms)} needs a generic family or 'auto' (each mechanism's own default)")
     if not 0 < ns.delta < 1:
         raise ValueError(f"--delta must be in (0, 1), got {ns.delta}")
     if min(ns.chunk, ns.jobs, ns.workers) < 1:
@@ -210,16 +216,19 @@ def plot(table: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
 def _check_plans(ns: argparse.Namespace, grid: dict[str, Any]) -> None:
     """Plan every (target epsilon, rounds) before the runs (a target no eps0 meets is a bad argument)."""
     from shuffledp.accounting import RefusedError
+    from shuffledp.accounting.families import resolve_family
     from shuffledp.deploy.inprocess import build_setup, plan_and_account
 
     n = ns.num_clients or build_setup(ns.dataset, pca_components=grid["pca"], data_dir=ns.data_dir).num_clients
-    for value in grid["values"]:
-        for rounds in grid["rounds"]:
-            try:
-                plan_and_account(None, value, n=n, rounds=rounds, delta=ns.delta, family=ns.family)
-            except RefusedError as exc:
-                raise ValueError(f"--target-epsilon {value:g} cannot be met in {rounds} rounds of {n} reports "
-                                 f"({ns.family}): {exc}") from None
+    for mech in grid["mechanisms"]:
+        family = resolve_family(ns.family, mech)
+        for value in grid["values"]:
+            for rounds in grid["rounds"]:
+                try:
+                    plan_and_account(None, value, n=n, rounds=rounds, delta=ns.delta, family=family)
+                except RefusedError as exc:
+                    raise ValueError(f"--target-epsilon {value:g} cannot be met in {rounds} rounds of {n} reports "
+                                     f"({mech}, {family}): {exc}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

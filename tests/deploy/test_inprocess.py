@@ -181,8 +181,9 @@ def test_planning_from_a_target_keeps_epsilon_within_it(small):
     result = simulate(small, mechanism="duchi", target_epsilon=1.5, rounds=3, clip=1.0, server_lr=1.0, delta=1e-6)
     assert result.epsilon.value <= 1.5
     assert result.epsilon.value > 1.4  # calibrated, not merely small
-    assert result.epsilon.family == "clones" and result.epsilon.kind == "upper"
-    assert result.eps0 == plan_eps0(1.5, n=40, rounds=3, delta=1e-6).value
+    # family "auto", as in the apps: duchi's rigorous default
+    assert result.epsilon.family == "blanket-duchi" and result.epsilon.kind == "upper"
+    assert result.eps0 == plan_eps0(1.5, n=40, rounds=3, delta=1e-6, family="blanket-duchi").value
     assert result.epsilon_after(1).value < result.epsilon.value
     assert len(result.test_accuracy) == len(result.public_accuracy) == 3
 

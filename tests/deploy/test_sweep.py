@@ -27,7 +27,9 @@ def test_a_tiny_sweep_writes_the_table_and_the_figure(tmp_path: Path, capsys: py
     assert list(table[0]) == list(COLUMNS)
     for r in table:
         assert 0.0 <= float(r["test_min"]) <= float(r["test_mean"]) <= float(r["test_max"]) <= 1.0
-        assert r["server_lr"] in ("1.0", "5.0") and r["seeds"] == "1" and r["family"] == "clones"
+        assert r["server_lr"] in ("1.0", "5.0") and r["seeds"] == "1"
+        # auto: each mechanism's rigorous default, as in the apps
+        assert r["family"] == {"laplace": "blanket-laplace", "duchi": "blanket-duchi"}[r["mechanism"]]
     eps = {r["budget_value"]: float(r["epsilon"]) for r in table}
     assert eps["2.0"] < eps["8.0"]  # the cumulative epsilon grows with eps0
     md = (out / "sweep.md").read_text()
@@ -45,7 +47,9 @@ def test_a_tiny_sweep_writes_the_table_and_the_figure(tmp_path: Path, capsys: py
     (["--eps0", "0"], "--eps0 values must be in (0, 64]"),
     (["--eps0", "2", "--rounds", "0"], "--rounds values must be ints >= 1"),
     (["--eps0", "2", "--dataset", "cifar"], "--dataset must be one of digits"),
-    (["--eps0", "2", "--family", "magic"], "--family must be one of clones"),
+    (["--eps0", "2", "--family", "magic"], "--family must be 'auto' or one of clones"),
+    (["--eps0", "2", "--mechanisms", "laplace,duchi", "--family", "blanket-laplace"],
+     "holds only for reports of the 'laplace' mechanism"),
     (["--target-epsilon", "0.001", "--num-clients", "50"], "cannot be met in 10 rounds of 50 reports"),
 ])
 def test_bad_arguments_exit_2_saying_what_is_allowed(argv: list[str], message: str, tmp_path: Path,
