@@ -20,12 +20,18 @@ the shuffler journals and fsyncs every batch before acknowledging it, so that ra
 that size. ``--core-breakdown`` pushes one batch per size through the in-process core (no gRPC) and splits
 add() (open, verify, stage) from finish() (output digest, fsync, sign, journal).
 
-After each shuffler run, plain gRPC over the same mTLS credentials streams the same envelopes to a do-nothing
+Next to each shuffler run, plain gRPC over the same mTLS credentials streams the same envelopes to a do-nothing
 servicer in a child process and as many inner-sized items back from it (the transport on this machine, unless
-``--no-baseline``); the two alternate, so that both see the same load of a shared machine, and the summary gives
-transport time over shuffler time (submit + fetch): the ratio of the medians and the median of the pairs.
+``--no-baseline``): after the shuffler run in odd runs, before it in even ones, so that both see the same load of a
+shared machine and a trend in that load favours neither. The summary gives transport time over shuffler time
+(submit + fetch): the ratio of the medians, and the median and minimum of the pairs; and the CPU seconds of both
+(the plain server and this client) per phase.
 
-``--big-batch N`` (default 1,000,000; 0 skips it) then pushes one batch of N small envelopes
+``--warmup`` (default 1) untimed submit + fetch rounds per size come first, for the shuffler and the plain server
+alike: a fresh shuffler faults in its staging buffer at its first memory-path batch (about 2.5 ms per MB on this
+VM; the buffer is then kept for the next batches), which is a start-up cost, not the throughput.
+
+``--big-batch N[,N...]`` (default 1,000,000; 0 skips it) then pushes one batch of N small envelopes
 (``--big-envelope-bytes``, default 256) of N freshly enrolled clients through a real shuffler process and reports
 its submit and fetch time and the peak RSS of the shuffler and of this client; sealing them (``--seal-workers``
 processes) is not timed. ``--quick``: 300 reports per size, 3 runs, no disk probe, a 20,000-report big batch.
@@ -220,6 +226,9 @@ def one_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: int
                             shuffler_verify_key=keys.verify_key, max_message_bytes=max_msg, timeout=3600)
     me = os.getpid()
     try:
+        # connect (TLS handshake) before the clock starts, as the plain gRPC baseline does once: a ServerApp keeps
+        # its shuffler client for the whole run; the Stats call that each submit makes is timed
+        client.stats()
         reset_hwm(proc.pid), reset_hwm(me)
         c0, s0 = cpu_seconds(me), cpu_seconds(proc.pid)
         t0 = time.perf_counter()
@@ -296,6 +305,8 @@ class Baseline:
 
         from shuffledp.shuffler import shuffler_pb2_grpc as pb_grpc
 
+        #: CPU seconds per run: (server submit, server fetch, client submit, client fetch)
+        self.cpu: list[tuple[float, float, float, float]] = []
         port_file = workdir / "baseline.port"
         port_file.unlink(missing_ok=True)
         d = keys.d
@@ -324,13 +335,18 @@ class Baseline:
     def run(self, envs: EnvelopeFile) -> tuple[float, float]:
         """Seconds to client-stream the envelopes to the sink (one per message, as protobuf messages), and seconds
         to server-stream as many inner-sized items back from the source, packed as Fetch packs them and decoded
-        as ``ShufflerClient.fetch`` decodes them: the transport's own cost in each direction."""
+        as ``ShufflerClient.fetch`` decodes them: the transport's own cost in each direction. The CPU seconds of
+        the sink/source process and of this client in each phase are appended to :attr:`cpu`
+        (``(server submit, server fetch, client submit, client fetch)``)."""
         from shuffledp.shuffler import shuffler_pb2 as pb
 
         inner_length = envs.length - ENVELOPE_OVERHEAD + INNER_OVERHEAD
+        me = os.getpid()
+        s0, c0 = cpu_seconds(self.proc.pid), cpu_seconds(me)
         t0 = time.perf_counter()
         resp = self.stub.Submit(pb.SubmitRequest(envelope=bytes(e)) for e in envs)
         t1 = time.perf_counter()
+        s1, c1 = cpu_seconds(self.proc.pid), cpu_seconds(me)
         raw_fetch = self.channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString,
                                               response_deserializer=None)
         got = 0
@@ -339,6 +355,8 @@ class Baseline:
             for item in wire.decode_repeated_bytes_field(raw, 1) or []:
                 got += len(item)
         t3 = time.perf_counter()
+        s3, c3 = cpu_seconds(self.proc.pid), cpu_seconds(me)
+        self.cpu.append((s1 - s0, s3 - s1, c1 - c0, c3 - c1))
         if int(resp.statement) != envs.count * envs.length:
             raise RuntimeError("baseline sink received the wrong number of bytes")
         if got != envs.count * inner_length:
@@ -574,9 +592,11 @@ def main(argv: list[str] | None = None) -> int:
                          "each shuffler run")
     ap.add_argument("--quick", action="store_true",
                     help="a short run: 300 reports per size, 3 runs each, no disk probe, a 20,000-report big batch")
-    ap.add_argument("--big-batch", type=int, default=1_000_000,
+    ap.add_argument("--big-batch", default="1000000",
                     help="reports in one batch of small envelopes through the real service, with time and peak "
-                         "memory (0: skip)")
+                         "memory; several sizes comma-separated, each its own batch (0: skip)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed submit + fetch rounds per size before the timed ones (shuffler and plain gRPC)")
     ap.add_argument("--big-envelope-bytes", type=int, default=256, help="envelope length of the big batch")
     ap.add_argument("--seal-workers", type=int, default=2, help="processes that seal the big batch")
     ap.add_argument("--staging-memory-limit", default=None,
@@ -608,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         if "--disk-probe-mib" not in given:
             ns.disk_probe_mib = 0
         if "--big-batch" not in given:
-            ns.big_batch = 20_000
+            ns.big_batch = "20000"
     sizes = [parse_size(s) for s in ns.sizes.split(",")]
     staging_limit = None if ns.staging_memory_limit is None else parse_size(ns.staging_memory_limit)
     if ns.reports < 1 or ns.repeat < 1 or not sizes:
@@ -639,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     digest = model_digest([b"bench-model"])
     rows: list[Run] = []
     transport: dict[int, list[tuple[float, float]]] = {}
+    transport_cpu: dict[int, list[tuple[float, float, float, float]]] = {}
     round_id = 0
     try:
         for size in sizes:
@@ -653,19 +674,40 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 print(f"# shuffler pid {proc.pid} at {proc.address}; idle VmHWM {fmt_bytes(vm_hwm(proc.pid))}",
                       flush=True)
+                for _ in range(ns.warmup):
+                    round_id += 1
+                    envs = seal_round(keys, work / "envelopes.bin", ns.reports, size, round_id, digest)
+                    t = time.perf_counter()
+                    one_run(keys, proc, envs, round_id, digest, max_msg)
+                    warm = f"# size {size} warm-up (untimed): shuffler submit + fetch {time.perf_counter() - t:.2f}s"
+                    if base is not None:
+                        warm += f", plain gRPC {sum(base.run(envs)):.2f}s"
+                        base.cpu.pop()
+                    print(warm, flush=True)
+                    shutil.rmtree(journal / "batches", ignore_errors=True)
+                    (journal / "batches").mkdir(exist_ok=True)
                 for rep in range(ns.repeat):
                     round_id += 1
                     t = time.perf_counter()
                     envs = seal_round(keys, work / "envelopes.bin", ns.reports, size, round_id, digest)
                     t_seal = time.perf_counter() - t
+                    # next to each other, on the same envelopes, so that the ratio sees the same load; the order
+                    # alternates (shuffler first in odd runs, plain gRPC first in even ones) so that a trend in the
+                    # machine's load does not favour either
+                    plain_first = base is not None and rep % 2 == 1
+                    if plain_first:
+                        tb, tf = base.run(envs)  # type: ignore[union-attr] - base is not None here
                     run = one_run(keys, proc, envs, round_id, digest, max_msg)
                     rows.append(run)
                     line = (f"# size {size} run {rep + 1}: seal {t_seal:.2f}s (untimed), submit {run.t_submit:.2f}s, "
                             f"fetch {run.t_fetch:.2f}s")
-                    if base is not None:  # right after, on the same envelopes: the ratio sees the same load
-                        tb, tf = base.run(envs)
+                    if base is not None:
+                        if not plain_first:
+                            tb, tf = base.run(envs)
                         transport.setdefault(size, []).append((tb, tf))
-                        line += f"; plain gRPC: submit {tb:.2f}s, fetch {tf:.2f}s"
+                        transport_cpu.setdefault(size, []).append(base.cpu[-1])
+                        line += (f"; plain gRPC ({'before' if plain_first else 'after'}): submit {tb:.2f}s, "
+                                 f"fetch {tf:.2f}s; ratio {(tb + tf) / (run.t_submit + run.t_fetch):.0%}")
                     print(line, flush=True)
                     shutil.rmtree(journal / "batches", ignore_errors=True)  # keep disk use bounded between runs
                     (journal / "batches").mkdir(exist_ok=True)
@@ -694,8 +736,9 @@ def main(argv: list[str] | None = None) -> int:
                 if base is not None:
                     base.close()
                 proc.stop()
-        if ns.big_batch > 0:
-            extra.append(big_batch(keys, work, ns.big_batch, ns.big_envelope_bytes, ns))
+        for n_big in (int(x) for x in str(ns.big_batch).split(",")):
+            if n_big > 0:
+                extra.append(big_batch(keys, work, n_big, ns.big_envelope_bytes, ns))
     finally:
         tmp.cleanup()
 
@@ -734,6 +777,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {size // 1024} KiB | {css:.2f} | {med([r.cpu_shuffler_fetch for r in rs]):.2f} | "
               f"{med([r.cpu_client_submit for r in rs]):.2f} | {med([r.cpu_client_fetch for r in rs]):.2f} | "
               f"{rs[0].env_bytes / MB / css if css else float('inf'):,.0f} |")
+    if transport_cpu:
+        print()
+        print("CPU seconds of plain gRPC over the same mTLS (medians): the sink/source process and this client")
+        print("| payload | server submit | server fetch | client submit | client fetch | shuffler extra CPU-s "
+              "(shuffler + client, submit + fetch) |")
+        print("|---|---|---|---|---|---|")
+        for size in sizes:
+            rs = [r for r in rows if r.size == size]
+            cpus = transport_cpu.get(size, [])
+            if not cpus:
+                continue
+            med = statistics.median
+            extra_cpu = med([r.cpu_shuffler_submit + r.cpu_shuffler_fetch + r.cpu_client_submit + r.cpu_client_fetch
+                             - sum(c) for r, c in zip(rs, cpus)])
+            print(f"| {size // 1024} KiB | " + " | ".join(f"{med([c[i] for c in cpus]):.2f}" for i in range(4))
+                  + f" | {extra_cpu:+.2f} |")
     if transport:
         print()
         print("Against plain gRPC over the same mTLS, run right after each shuffler run on the same envelopes "

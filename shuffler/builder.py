@@ -13,10 +13,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shuffledp.shuffler import envelope as env
 from shuffledp.shuffler.batch import (
-    JOURNAL_HEADROOM_BYTES,
-    JOURNAL_HEADROOM_PER_REPORT,
+    INTO_SLOT_MIN_BYTES,
     PIPELINE_MAX_BYTES,
     PIPELINE_MAX_REPORTS,
     PIPELINE_MIN_JOB_BYTES,
@@ -26,7 +27,15 @@ from shuffledp.shuffler.batch import (
     envelope_fingerprint,
     request_digest,
 )
-from shuffledp.shuffler.staging import ZERO_CHUNK, prefault, pwrite_all, round_up, stages_in_memory
+from shuffledp.shuffler.staging import (
+    close_mapping,
+    draw_permutation,
+    map_staging_buffer,
+    pwrite_all,
+    reserve_file,
+    stages_in_memory,
+)
+from shuffledp.shuffler.tags import TagSet
 
 __all__ = ["BatchBuilder"]
 
@@ -36,12 +45,14 @@ log = logging.getLogger(__name__)
 class BatchBuilder:
     """One submission in progress. Not thread-safe (one per stream).
 
-    Permute on arrival: when the first report is accepted, a uniformly random permutation ``perm`` of the
-    ``expected_count`` slots is drawn (Fisher-Yates with ``secrets.randbelow``, over ``os.urandom``) and kept
-    compactly as an ``array('I')``; the j-th *accepted* inner ciphertext is written at slot ``perm[j]`` of the
-    staging file. The output order is the slot order. If some envelopes were dropped, the holes are squeezed
-    out at seal time, and the relative order of ``perm[0..m-1]`` is itself a uniform permutation of the m
-    accepted reports. The permutation exists only in memory and is dropped at seal time.
+    Permute on arrival: at the first envelope that passes the public length checks, a uniformly random
+    permutation ``perm`` of the ``expected_count`` slots is drawn from the CSPRNG (:meth:`draw_permutation`) and
+    kept compactly as an ``array('I')``; the k-th claim of a slot gets slot ``perm[k]`` of the staging area. A
+    report claims its slot when it is accepted (and is copied in), or, for large reports on the memory path,
+    when its outer layer opens (it is decrypted straight into the slot; ``INTO_SLOT_MIN_BYTES``). The output
+    order is the slot order. Slots of dropped envelopes are holes, squeezed out at seal time; which claims are
+    accepted depends on the reports only, never on ``perm``, so the accepted reports' slots are in a uniformly
+    random relative order. The permutation exists only in memory and is dropped at seal time.
 
     Where the slots live is a deterministic function of the batch size, ``expected_count * inner_length``
     (:func:`stages_in_memory`): up to ``staging_memory_limit`` bytes, in one anonymous ``mmap`` buffer (memory
@@ -52,6 +63,11 @@ class BatchBuilder:
     reserved with ``posix_fallocate`` when the first report is accepted; there is no sync during the batch,
     only the one before the commit. Each accepted report's inner hash (computed for its signature check) is kept
     at its slot, 32 bytes per slot, so that the output digest needs no second pass over the reports.
+
+    Memory per report is a few fixed-width arrays, never a Python object per report: the permutation (4 bytes),
+    the slot hash (32), the envelope fingerprint (32), and the replay tags and inner encapsulated key in
+    :class:`~shuffledp.shuffler.tags.TagSet` s (about 40, 24 and 40 bytes); one report per signer is a bitmap over
+    the enrolment (one byte per enrolled client).
 
     Signature checks are done per job: the envelopes of one received message (:meth:`add_many`; :meth:`add`
     is a job of one). Each envelope is decrypted on the calling thread. With ``verify_threads`` >= 1, a job of
@@ -70,16 +86,26 @@ class BatchBuilder:
         self.received = 0
         self.n_accepted = 0
         self.drops: Counter[str] = Counter()
-        self._envelope_hashes: list[bytes] = []
+        #: the fingerprint of every envelope received (:func:`envelope_fingerprint`, 32 bytes each, arrival order)
+        self._fingerprints = bytearray()
         self.inner_length = -1
         self._lengths: set[int] = set()
-        self._signers: set[bytes] = set()
-        self.encs: set[bytes] = set()
-        self.report_ids: set[bytes] = set()
-        #: the accepted inner ciphertexts' hashes and inner HPKE encapsulated keys: two enrolled signers wrapping
-        #: one inner ciphertext would be counted as two reports (the copy as cover) for one report the server opens
-        self._inner_hashes: set[bytes] = set()
-        self._inner_encs: set[bytes] = set()
+        #: one byte per enrolled client: set once a report of that signer was accepted (sized at first staging)
+        self._signers = bytearray()
+        #: the accepted reports' replay tags (outer HPKE enc, report id) and inner HPKE encapsulated keys. Two
+        #: enrolled signers wrapping one inner ciphertext would be counted as two reports (the copy as cover) for
+        #: one report the server opens; an identical inner ciphertext has the same encapsulated key, so that key
+        #: catches it (and a different one sharing the key). Sized for the batch at first staging.
+        self.encs = TagSet(env.ENC_BYTES)
+        self.report_ids = TagSet(env.REPORT_ID_BYTES)
+        self._inner_encs = TagSet(env.ENC_BYTES)
+        self._tags_sized = False
+        #: slots handed out so far: the k-th claim gets slot perm[k] (see _begin_staging)
+        self._claimed = 0
+        #: the slots of the accepted reports, in acceptance order
+        self._accepted_slots = array("I")
+        #: whether envelopes are decrypted straight into their slots (set at first staging)
+        self._into_slots = False
         self._done = False
         self.staging_fd = -1
         self.staging_path: Path | None = None
@@ -91,8 +117,8 @@ class BatchBuilder:
         #: the inner ciphertext's hash at each slot (shuffledp.shuffler.envelope.inner_hash; 32 bytes per slot, slot
         #: order), for the output digest
         self._slot_hashes: bytearray | None = None
-        #: signature-check jobs in flight on the core's verify pool, oldest first: (future, reports, bytes)
-        self._pending: deque[tuple[Future[list[env.OpenedReport | str]], int, int]] = deque()
+        #: signature-check jobs in flight on the core's verify pool, oldest first: (future, reports, bytes, slots)
+        self._pending: deque[tuple[Future[list[env.OpenedReport | str]], int, int, list[int]]] = deque()
         self._pending_reports = 0
         self._pending_bytes = 0
         if not replay_only:
@@ -110,18 +136,16 @@ class BatchBuilder:
 
     @staticmethod
     def draw_permutation(n: int) -> array:
-        """A uniformly random permutation of ``range(n)`` as ``array('I')``: Fisher-Yates over a CSPRNG."""
-        perm = array("I", range(n))
-        for i in range(n - 1, 0, -1):
-            j = secrets.randbelow(i + 1)
-            perm[i], perm[j] = perm[j], perm[i]
-        return perm
+        """A uniformly random permutation of ``range(n)`` as ``array('I')``, from the CSPRNG
+        (:func:`shuffledp.shuffler.staging.draw_permutation`)."""
+        return draw_permutation(n)
 
-    def used_slots(self) -> list[int]:
-        """The slots of the accepted reports, in acceptance order (raises once the permutation is gone)."""
+    def used_slots(self) -> np.ndarray:
+        """The slots of the accepted reports in ascending (output) order, as ``uint32`` (raises once the
+        permutation is gone)."""
         if self._perm is None:
             raise RuntimeError("no permutation (replay-only builder, nothing accepted, or already sealed)")
-        return list(self._perm[: self.n_accepted])
+        return np.sort(np.frombuffer(self._accepted_slots, dtype=np.uint32))
 
     @property
     def slot_hashes(self) -> bytearray:
@@ -135,6 +159,13 @@ class BatchBuilder:
         self._perm = None
         self._slot_hashes = None
 
+    def forget_tags(self) -> None:
+        """Drop the per-report checking state (fingerprints, replay tags, inner keys, signer bitmap) once the seal
+        has taken the request digest and the sorted replay tags from it."""
+        self._fingerprints = bytearray()
+        self.encs, self.report_ids, self._inner_encs = TagSet(32), TagSet(16), TagSet(32)
+        self._signers = bytearray()
+
     def release_buffer(self, *, retain: bool = False) -> None:
         """Let go of the memory path's staging buffer (idempotent). ``retain=True`` (after a successful seal only)
         hands it to the core for the next batch (:meth:`ShufflerCore.give_back_buffer`); otherwise, as on every
@@ -145,7 +176,7 @@ class BatchBuilder:
         if retain:
             self.core.give_back_buffer(buf)
         else:
-            buf.close()
+            close_mapping(buf)
 
     def _begin_staging(self, inner_length: int) -> None:
         """Fix the batch's inner length, stage (:meth:`_start_staging`) and draw the permutation: called once, at
@@ -159,6 +190,21 @@ class BatchBuilder:
         self._start_staging()  # chooses memory or disk staging
         self._perm = self.draw_permutation(self.header.expected_count)  # allocated lazily
         self._slot_hashes = bytearray(32 * self.header.expected_count)
+        # Large inner ciphertexts on the memory path are decrypted straight into their slots (no plaintext object,
+        # no copy): the k-th envelope that opens claims slot perm[k], and a report dropped after it opened leaves a
+        # hole there, squeezed out at seal. Otherwise the k-th accepted report claims slot perm[k] and is copied in.
+        # Either way the claims are a prefix of perm and which ones are accepted depends on the reports only, so
+        # the accepted reports' slots are in a uniformly random relative order. A function of public sizes only.
+        self._into_slots = bool(self.in_memory and self.header.envelope_length
+                                and self.inner_length >= INTO_SLOT_MIN_BYTES)
+        self._claimed = 0
+        if not self._tags_sized:  # nothing is accepted before the first staging: the sets are still empty
+            count = self.header.expected_count
+            self.encs = TagSet(env.ENC_BYTES, count)
+            self.report_ids = TagSet(env.REPORT_ID_BYTES, count)
+            self._inner_encs = TagSet(env.ENC_BYTES, count)
+            self._signers = bytearray(len(self.core.enrolled))
+            self._tags_sized = True
 
     def _restage(self, inner_length: int) -> None:
         """Legacy header only, before any report is accepted: the first accepted report's inner length differs
@@ -181,37 +227,7 @@ class BatchBuilder:
                 self.header.expected_count, self.inner_length, self.core.config.staging_memory_limit
             )
             if self.in_memory:
-                try:
-                    # the retained buffer of an earlier batch if it is large enough, else a fresh anonymous,
-                    # private mapping (zero pages until written; never backed by a file)
-                    retained = self.core.take_buffer(round_up(size))
-                    buf = retained or mmap.mmap(-1, round_up(size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                except (OSError, MemoryError, OverflowError) as exc:
-                    raise Refused(
-                        "resource_exhausted",
-                        "staging_memory",
-                        f"cannot allocate {size} bytes of staging memory for a batch of "
-                        f"{self.header.expected_count} reports ({type(exc).__name__}); retry later",
-                    ) from None
-                self.staging_buffer = buf
-                # MADV_DONTDUMP: keep reports and their slot layout out of core dumps. MADV_HUGEPAGE: 512x fewer
-                # page faults while the buffer fills (best effort; both are advice only).
-                for advice in ("MADV_DONTDUMP", "MADV_HUGEPAGE"):
-                    if hasattr(mmap, advice):
-                        try:
-                            buf.madvise(getattr(mmap, advice))
-                        except OSError:
-                            pass
-                if retained is None:
-                    try:
-                        prefault(buf)
-                    except (OSError, MemoryError) as exc:
-                        raise Refused(
-                            "resource_exhausted",
-                            "staging_memory",
-                            f"cannot fault in {size} bytes of staging memory for a batch of "
-                            f"{self.header.expected_count} reports ({type(exc).__name__}); retry later",
-                        ) from None
+                self.staging_buffer = map_staging_buffer(self.core.take_buffer, size, self.header.expected_count)
             self._preallocate(zero_fill=not self.in_memory)
         except Refused as exc:
             with self.core._lock:
@@ -222,54 +238,15 @@ class BatchBuilder:
 
     def _preallocate(self, *, zero_fill: bool = True) -> None:
         """Check free space and reserve the whole file (the staging file, or on the memory path the output
-        file); on the disk path also zero-fill it. Before the first report is written.
-
-        The free-space check keeps a reserve for the journal, so that concurrent batches cannot fill the disk
-        and make a commit record fail. Zero-filling in offset order dirties every page of the file before any
-        report arrives, so whenever the kernel writes pages back (at the commit's fsync, or earlier under
-        memory pressure or the dirty-page expiry) it writes all of them, in (cyclic) offset order: the filesystem
-        converts ``posix_fallocate``'s unwritten extents in that order, not in arrival order, and reports
-        later only overwrite blocks already laid out. Without the zero-fill, an early writeback would convert
-        just the slots filled so far and the layout could record part of the permutation. The zeros are not
-        synced: nothing needs them on disk (a staging file is discarded after a crash), and a sync here would
-        write the whole batch to disk twice. The memory path writes nothing before seal (the output is then
-        written once, in output order), so it only reserves the space.
-        """
-        size = self.header.expected_count * self.inner_length
-        need = size + JOURNAL_HEADROOM_BYTES + JOURNAL_HEADROOM_PER_REPORT * self.header.expected_count
+        file); on the disk path also zero-fill it. Before the first report is written
+        (:func:`shuffledp.shuffler.staging.reserve_file`). Raises :class:`Refused` (``disk_full``)."""
         with self.core._alloc_lock:  # check and reserve atomically with respect to other batches
-            st = os.statvfs(self.core.journal.staging_dir)
-            free = st.f_bavail * st.f_frsize
-            if free < need:
-                raise Refused(
-                    "resource_exhausted",
-                    "disk_full",
-                    f"a batch of {self.header.expected_count} reports needs {need} bytes with the journal "
-                    "reserve; not enough is free",  # the host's free space is not the submitter's business
-                )
-            try:
-                os.posix_fallocate(self.staging_fd, 0, size)
-            except OSError as exc:
-                raise Refused(
-                    "resource_exhausted",
-                    "disk_full",
-                    f"cannot allocate {size} bytes for a batch of {self.header.expected_count} reports: "
-                    f"{exc.strerror}",
-                ) from None
-        if not zero_fill:
-            return
-        zeros = memoryview(bytes(min(ZERO_CHUNK, size)))
-        try:
-            for pos in range(0, size, ZERO_CHUNK):
-                pwrite_all(self.staging_fd, zeros[: min(len(zeros), size - pos)], pos)
-        except OSError as exc:
-            raise Refused(
-                "resource_exhausted", "disk_full", f"cannot write the staging file: {exc.strerror}"
-            ) from None
+            reserve_file(self.staging_fd, self.core.journal.staging_dir, self.header.expected_count,
+                         self.inner_length, zero_fill=zero_fill)
 
     def request_digest(self) -> bytes:
         """The order-independent digest of this submission: its header and the sorted envelope fingerprints."""
-        return request_digest(self.header, self._envelope_hashes)
+        return request_digest(self.header, self._fingerprints)
 
     @property
     def room(self) -> int:
@@ -287,7 +264,7 @@ class BatchBuilder:
         if self._done:
             raise RuntimeError("batch already finished")
         room = self.room
-        self._check_job(self._decrypt_all(envelopes[:room] if len(envelopes) > room else envelopes))
+        self._check_job(*self._decrypt_all(envelopes[:room] if len(envelopes) > room else envelopes))
         if len(envelopes) > room:
             self.received += 1
             self.settle()  # a staging refusal pending behind a signature check takes precedence, as inline
@@ -301,13 +278,15 @@ class BatchBuilder:
                 f"more envelopes than the header's expected_count {self.header.expected_count}",
             )
 
-    def _decrypt_all(self, envelopes: Sequence[bytes]) -> list[env.DecryptedReport]:
-        """Count the envelopes in, drop what fails the length checks or the outer HPKE open, return the rest."""
+    def _decrypt_all(self, envelopes: Sequence[bytes]) -> tuple[list[env.DecryptedReport], list[int]]:
+        """Count the envelopes in, drop what fails the length checks or the outer HPKE open; return the rest and
+        the slot each was decrypted into (-1: not yet placed, it is copied to a slot if accepted)."""
         cfg = self.core.config
         out: list[env.DecryptedReport] = []
+        slots: list[int] = []
         for envelope in envelopes:
             self.received += 1
-            self._envelope_hashes.append(envelope_fingerprint(envelope))
+            self._fingerprints += envelope_fingerprint(envelope)
             if self.replay_only:
                 continue
             if len(envelope) == 0:  # the submitter's placeholder for a report it does not have (keeps the count)
@@ -323,10 +302,19 @@ class BatchBuilder:
                     # submitter whether an envelope verifies. Raises Refused (the builder is then aborted).
                     self._begin_staging(env.inner_length_for(len(envelope)))
                 try:
-                    out.append(self._opener.decrypt(envelope))
+                    if self._into_slots and self._perm is not None and self.staging_buffer is not None:
+                        slot = self._perm[self._claimed]
+                        off = slot * self.inner_length
+                        out.append(self._opener.decrypt_into(
+                            envelope, memoryview(self.staging_buffer)[off : off + self.inner_length]))
+                        self._claimed += 1  # only once it opened: a failed open leaves the slot to the next one
+                        slots.append(slot)
+                    else:
+                        out.append(self._opener.decrypt(envelope))
+                        slots.append(-1)
                 except env.EnvelopeError as exc:
                     self.drops[exc.reason] += 1
-        return out
+        return out, slots
 
     def _verify_job(self, job: list[env.DecryptedReport]) -> list[env.OpenedReport | str]:
         """The signature checks of one job, in order: the verified report, or the drop reason of a failed check
@@ -341,18 +329,18 @@ class BatchBuilder:
                 results.append(exc.reason)
         return results
 
-    def _check_job(self, job: list[env.DecryptedReport]) -> None:
+    def _check_job(self, job: list[env.DecryptedReport], slots: list[int]) -> None:
         if not job:
             return
-        size = sum(len(d.outer_plaintext) for d in job)
+        size = sum(d.size for d in job)
         pool = self.core.verify_pool
         if pool is None or size < PIPELINE_MIN_JOB_BYTES:
             self.settle()  # earlier reports first: acceptance stays in arrival order
-            self._conclude(self._verify_job(job))
+            self._conclude(self._verify_job(job), slots)
             return
         # Pipelined: the job's signature checks run on a worker while this thread receives and decrypts the next
         # messages; jobs are concluded in arrival order, so what is accepted, and where, is exactly as inline.
-        self._pending.append((pool.submit(self._verify_job, job), len(job), size))
+        self._pending.append((pool.submit(self._verify_job, job), len(job), size, slots))
         self._pending_reports += len(job)
         self._pending_bytes += size
         while self._pending and (
@@ -364,18 +352,19 @@ class BatchBuilder:
 
     def _take_pending(self) -> None:
         """Wait for the oldest pending job and accept or drop its reports."""
-        future, n, size = self._pending.popleft()
+        future, n, size, slots = self._pending.popleft()
         self._pending_reports -= n
         self._pending_bytes -= size
-        self._conclude(future.result())
+        self._conclude(future.result(), slots)
 
-    def _conclude(self, results: list[env.OpenedReport | str]) -> None:
-        """Count a drop for each failed signature check, else accept or drop the verified report, in order."""
-        for result in results:
+    def _conclude(self, results: list[env.OpenedReport | str], slots: list[int]) -> None:
+        """Count a drop for each failed signature check, else accept or drop the verified report, in order
+        (``slots``: where each was decrypted into, -1 if nowhere yet)."""
+        for result, slot in zip(results, slots, strict=True):
             if isinstance(result, str):
                 self.drops[result] += 1
             else:
-                self._accept(result)
+                self._accept(result, slot)
 
     def settle(self) -> None:
         """Wait for every signature check in flight and accept or drop its report, in arrival order (no-op when
@@ -383,48 +372,54 @@ class BatchBuilder:
         while self._pending:
             self._take_pending()
 
-    def _accept(self, report: env.OpenedReport) -> None:
-        """Enrolment, replay and one-report-per-signer checks for a verified report, then staging at its slot."""
-        if report.signer_public_key not in self.core._by_key:
+    def _accept(self, report: env.OpenedReport, placed: int = -1) -> None:
+        """Enrolment, replay and one-report-per-signer checks for a verified report, then staging at its slot
+        (``placed``: the slot it was decrypted into, else -1 and it is copied to the next claimed slot)."""
+        core = self.core
+        signer = core.enrolled.index(report.signer_public_key)
+        if signer < 0:
             self.drops["unknown_signer"] += 1
             return
         epoch = self.header.key_epoch
+        enc, report_id = report.enc, report.report_id
         inner_enc = bytes(report.inner[: env.ENC_BYTES])
         if not report.inner_hash:
             raise RuntimeError("a verified report without its inner hash")  # verify() always sets it
+        seen_enc, seen_rid = core._seen_enc.get(epoch), core._seen_rid.get(epoch)
         if (
-            report.enc in self.encs
-            or report.report_id in self.report_ids
-            or report.enc in self.core._seen_enc.get(epoch, ())
-            or report.report_id in self.core._seen_rid.get(epoch, ())
+            self.encs.index(enc) >= 0
+            or self.report_ids.index(report_id) >= 0
+            or (seen_enc is not None and seen_enc.index(enc) >= 0)
+            or (seen_rid is not None and seen_rid.index(report_id) >= 0)
             # an inner ciphertext (or its inner encapsulated key) already accepted in this batch, wrapped again by
             # another enrolled signer: keep the first, so the attested count is one per distinct report. Across
             # batches the inner layer is bound to its round id, so a copy of an earlier round's does not open.
-            or report.inner_hash in self._inner_hashes
-            or inner_enc in self._inner_encs
+            or self._inner_encs.index(inner_enc) >= 0
         ):
             self.drops["replay"] += 1
             return
-        if report.signer_public_key in self._signers:
+        if self._signers[signer]:
             self.drops["duplicate_signer"] += 1
             return
-        self._signers.add(report.signer_public_key)
-        self.encs.add(report.enc)
-        self.report_ids.add(report.report_id)
-        self._inner_hashes.add(report.inner_hash)
+        self._signers[signer] = 1
+        self.encs.add(enc)
+        self.report_ids.add(report_id)
         self._inner_encs.add(inner_enc)
         inner = report.inner
         if len(inner) != self.inner_length and self.n_accepted == 0 and not self.header.envelope_length:
             self._restage(len(inner))
         self._lengths.add(len(inner))
         if len(inner) == self.inner_length and self._perm is not None and self._slot_hashes is not None:
-            # slots are fixed-size: the j-th accepted report goes to slot perm[j], at perm[j] * inner_length
-            slot = self._perm[self.n_accepted]
-            off = slot * self.inner_length
-            if self.staging_buffer is not None:
-                self.staging_buffer[off : off + self.inner_length] = inner
-            else:
-                pwrite_all(self.staging_fd, inner, off)
+            slot = placed
+            if slot < 0:  # slots are fixed-size: the k-th claim gets slot perm[k], at perm[k] * inner_length
+                slot = self._perm[self._claimed]
+                self._claimed += 1
+                off = slot * self.inner_length
+                if self.staging_buffer is not None:
+                    self.staging_buffer[off : off + self.inner_length] = inner
+                else:
+                    pwrite_all(self.staging_fd, inner, off)
+            self._accepted_slots.append(slot)
             # through a memoryview: a hash of another length raises instead of resizing the array
             memoryview(self._slot_hashes)[slot * 32 : (slot + 1) * 32] = report.inner_hash
         self.n_accepted += 1
@@ -492,7 +487,7 @@ class BatchBuilder:
         if not self._done:
             self._done = True
             self.core._builder_closed()
-        for future, _, _ in self._pending:
+        for future, _, _, _ in self._pending:
             future.cancel()  # one already running finishes on its own plaintext; nothing reads its result
         self._pending.clear()
         self._pending_reports = 0

@@ -134,8 +134,9 @@ class ShufflerClient:
 
         The header announces the number of envelopes: ``count`` if given (then ``envelopes`` may be any
         iterable, e.g. a generator reading from disk, and must yield exactly ``count`` items), else
-        ``len(envelopes)`` (a non-sized iterable is materialised first). Envelopes are streamed one per message
-        (through :meth:`open_submit`; small envelopes are packed several per message).
+        ``len(envelopes)`` (a non-sized iterable is materialised first). gRPC's request thread reads the
+        envelopes and sends them packed up to the size the shuffler accepts (as :meth:`open_submit` packs), with no
+        queue in between.
 
         ``envelope_length`` (recommended) announces the length every envelope of the round has: an envelope of
         another length is then dropped and counted (``wrong_length``) and the honest rest of the batch is
@@ -150,10 +151,14 @@ class ShufflerClient:
             count = len(items)  # type: ignore[arg-type] - a list, or Sized (hasattr above)
         else:
             items = envelopes
-        with self.open_submit(round_id=round_id, key_epoch=key_epoch, model_digest=model_digest, count=count,
-                              envelope_length=envelope_length) as stream:
-            stream.send_many(items)
+        # gRPC's request thread packs and sends straight from ``items``: no queue and no hand-off between threads
+        # per message, as with open_submit, whose envelopes arrive over time
+        stream = SubmitStream(self, round_id=round_id, key_epoch=key_epoch, model_digest=model_digest, count=count,
+                              envelope_length=envelope_length, timeout=self._timeout, source=items)
+        try:
             return stream.close()
+        finally:
+            stream.cancel()  # no-op once closed; ends the call if the source or a check raised
 
     def open_submit(
         self,
@@ -251,7 +256,7 @@ class SubmitStream:
     """
 
     def __init__(self, client: ShufflerClient, *, round_id: int, key_epoch: int, model_digest: bytes, count: int,
-                 envelope_length: int | None, timeout: float | None) -> None:
+                 envelope_length: int | None, timeout: float | None, source: Iterable[bytes] | None = None) -> None:
         env.binding(key_epoch, round_id, model_digest)  # validates types and ranges
         if not is_int(count) or count < 0:
             raise ValueError(f"count must be a non-negative int, got {count!r}")
@@ -283,6 +288,9 @@ class SubmitStream:
             )
         ).SerializeToString()
 
+        #: an exception raised by ``source`` while gRPC's thread read it (re-raised by :meth:`close`)
+        self._source_error: BaseException | None = None
+
         def requests() -> Iterator[bytes]:
             yield header
             while True:
@@ -291,7 +299,18 @@ class SubmitStream:
                     return
                 yield item
 
-        self._future = client._submit_raw.future(requests(), timeout=timeout)
+        def from_source(items: Iterable[bytes]) -> Iterator[bytes]:
+            yield header
+            try:
+                for group in wire.packed(map(self._sendable, items), self.batch_bytes):
+                    yield self._encode_group(group)
+            except BaseException as exc:  # gRPC would only log it and cancel the call: keep it for close()
+                self._source_error = exc
+                raise
+
+        self._source = source is not None
+        self._future = client._submit_raw.future(requests() if source is None else from_source(source),
+                                                 timeout=timeout)
 
     def __enter__(self) -> "SubmitStream":
         return self
@@ -340,16 +359,22 @@ class SubmitStream:
             return b""  # a counted drop at the shuffler instead of an aborted stream
         return envelope
 
-    def _send_group(self, group: list[bytes]) -> None:
-        if len(group) == 1:  # == SubmitRequest(envelope=e).SerializeToString(): sliced without a copy on arrival
-            msg = wire.encode_bytes_field(2, group[0])
-        else:  # == SubmitRequest(batch=EnvelopeBatch(envelopes=group)).SerializeToString()
-            msg = wire.encode_batch_message(4, 1, group)
-        self._put(msg)
+    def _encode_group(self, group: list[bytes]) -> bytes:
+        """One Submit message of ``group`` (counted in :attr:`sent`)."""
         self.sent += len(group)
+        if len(group) == 1:  # == SubmitRequest(envelope=e).SerializeToString(): sliced without a copy on arrival
+            return wire.encode_bytes_field(2, group[0])
+        return wire.encode_batch_message(4, 1, group)  # == SubmitRequest(batch=EnvelopeBatch(envelopes=group))...
+
+    def _send_group(self, group: list[bytes]) -> None:
+        if self._source:
+            raise RuntimeError("this submit stream sends from its source; it takes no other envelopes")
+        self._put(self._encode_group(group))
 
     def keepalive(self) -> None:
         """Reset the shuffler's idle timer without sending an envelope."""
+        if self._source:
+            raise RuntimeError("this submit stream sends from its source; it takes no keepalives")
         self._put(_KEEPALIVE)
 
     def _finish_queue(self) -> None:
@@ -372,10 +397,24 @@ class SubmitStream:
 
     def close(self) -> Attestation:
         """End the stream; returns the attestation, verified and checked against what was sent."""
+        if self._source:  # gRPC's thread sends the source to its end: wait for the answer
+            if self._done:
+                raise RuntimeError("this submit stream is closed or cancelled")
+            self._done = True
+            try:
+                resp = self._result()
+            except ShufflerError:
+                if self._source_error is not None:
+                    raise self._source_error from None
+                raise
+            return self._checked(resp)
         self._raise_if_failed()
         self._put(_END)
         self._done = True
-        resp = self._result()
+        return self._checked(self._result())
+
+    def _checked(self, resp: Any) -> Attestation:
+        """The attestation of ``resp``, verified with the pinned key and checked against what was sent."""
         att = Attestation.verify(resp.statement, resp.signature, self._client._verify_key)
         if att.batch_id != bytes(resp.batch_id):
             raise AttestationError("attestation batch id differs from the response's batch id")

@@ -12,8 +12,10 @@ one report per enrolled client per round; replay cache on the outer HPKE ``enc``
 epoch, persisted in the journal; a binding (key epoch, round) is used once (an identical resubmission returns
 the same attestation); at least ``k`` distinct enrolled signers or nothing is released; with an announced
 ``envelope_length`` an envelope of another length is a counted drop (``wrong_length``), without one (legacy)
-accepted inner ciphertexts of different lengths refuse the batch; uniform permutation (Fisher-Yates with
-``secrets.randbelow`` over ``os.urandom``); the output carries inner ciphertexts only.
+accepted inner ciphertexts of different lengths refuse the batch; uniform permutation drawn from ``os.urandom``
+(:meth:`BatchBuilder.draw_permutation`); the output carries inner ciphertexts only. Sealing is
+:mod:`shuffledp.shuffler.seal`; the per-report state of a batch and the replay cache are compact arrays
+(:mod:`shuffledp.shuffler.tags`), never a Python object per report.
 
 Refusals raise :class:`Refused` with a ``code`` the gRPC layer maps to a status code.
 """
@@ -23,8 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
-import secrets
 import threading
 import time
 from collections import Counter
@@ -35,8 +35,8 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import x25519
 
 from shuffledp.shuffler import envelope as env
-from shuffledp.shuffler import wire
-from shuffledp.shuffler.attestation import DROP_REASONS, Attestation, OutputDigest, sign_statement
+from shuffledp.shuffler import seal, wire
+from shuffledp.shuffler.attestation import DROP_REASONS
 from shuffledp.shuffler.batch import (  # re-exported: the core's public vocabulary
     DEFAULT_STAGING_MEMORY_LIMIT,
     DISK_FULL_ERRNOS,
@@ -56,9 +56,10 @@ from shuffledp.shuffler.batch import (  # re-exported: the core's public vocabul
     envelope_fingerprint,
 )
 from shuffledp.shuffler.builder import BatchBuilder
-from shuffledp.shuffler.journal import Journal, JournalFailed, JournalWriteError, fsync_dir
+from shuffledp.shuffler.journal import Journal, JournalFailed, JournalWriteError
 from shuffledp.shuffler.output import messages_from_view, read_messages
-from shuffledp.shuffler.staging import pwrite_all, stages_in_memory, write_out
+from shuffledp.shuffler.staging import close_mapping, stages_in_memory
+from shuffledp.shuffler.tags import TagSet
 
 __all__ = [
     "CoreConfig", "Header", "Refused", "SealedBatch", "ShufflerCore", "BatchBuilder", "stages_in_memory",
@@ -75,7 +76,10 @@ class ShufflerCore:
 
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
-        self._by_key = {bytes(pk): cid for cid, pk in config.enrolment.items()}
+        #: the enrolled signers' public keys; a key's position is its index in a batch's signer bitmap
+        self.enrolled = TagSet(32, len(config.enrolment))
+        for pk in config.enrolment.values():
+            self.enrolled.add(bytes(pk))
         self._hpke_sk = x25519.X25519PrivateKey.from_private_bytes(config.hpke_private_key)
         #: counters, open builders, closing flags and the sealed-batch maps; held only briefly, never through
         #: file I/O, so stats(), begin() and refusals never wait for a commit's writes and fsyncs
@@ -97,8 +101,9 @@ class ShufflerCore:
         self.on_unhealthy: list[Any] = []
         self._sealed: dict[bytes, SealedBatch] = {}
         self._by_binding: dict[tuple[int, int], SealedBatch] = {}
-        self._seen_enc: dict[int, set[bytes]] = {}
-        self._seen_rid: dict[int, set[bytes]] = {}
+        #: the replay cache of each key epoch (only the served one is kept): outer HPKE encs and report ids
+        self._seen_enc: dict[int, TagSet] = {}
+        self._seen_rid: dict[int, TagSet] = {}
         self.counters: Counter[str] = Counter()
         #: batch id -> the release record of its first Fetch (see :meth:`read_batch`)
         self._released: dict[bytes, dict[str, Any]] = {}
@@ -136,24 +141,24 @@ class ShufflerCore:
         expected = sb.n * sb.inner_length
         if not sb.output.exists() or sb.output.stat().st_size != expected:  # outputs are fsynced before their record
             raise RuntimeError(f"sealed batch output {sb.output.name} is missing or not {expected} bytes")
-        self._register(
-            sb,
-            {bytes.fromhex(x) for x in rec["replay_enc"]},
-            {bytes.fromhex(x) for x in rec["replay_report_ids"]},
-            rec.get("dropped", {}),
-        )
+        encs, rids = seal.replay_tags_of_record(rec)
+        self._register(sb, encs, rids, rec.get("dropped", {}))
 
-    def _register(self, sb: SealedBatch, encs: set[bytes], rids: set[bytes], dropped: Mapping[str, int]) -> None:
-        """Make a sealed batch known (replay cache, binding, counters). Cheap: a commit calls it holding _lock."""
-        self._sealed[sb.batch_id] = sb
-        self._by_binding[(sb.key_epoch, sb.round_id)] = sb
+    def _register(self, sb: SealedBatch, encs: bytes, rids: bytes, dropped: Mapping[str, int]) -> None:
+        """Make a sealed batch known: its replay tags (``encs``, ``rids``: concatenated, 32 and 16 bytes each) join
+        the epoch's replay cache, then, under ``_lock``, the binding and the counters. Called at start and by a
+        commit (under the commit lock, so one writer at a time; a concurrent submit may read the cache meanwhile,
+        and sees each tag either absent or present, see :class:`~shuffledp.shuffler.tags.TagSet`)."""
         if sb.key_epoch == self.config.key_epoch:  # older epochs' caches are flushed by key rotation
-            self._seen_enc.setdefault(sb.key_epoch, set()).update(encs)
-            self._seen_rid.setdefault(sb.key_epoch, set()).update(rids)
-        self.counters["batches_sealed"] += 1
-        self.counters["reports_accepted"] += sb.n
-        for reason, count in dropped.items():
-            self.counters[f"dropped:{reason}"] += int(count)
+            self._seen_enc.setdefault(sb.key_epoch, TagSet(32)).update_packed(encs)
+            self._seen_rid.setdefault(sb.key_epoch, TagSet(16)).update_packed(rids)
+        with self._lock:
+            self._sealed[sb.batch_id] = sb
+            self._by_binding[(sb.key_epoch, sb.round_id)] = sb
+            self.counters["batches_sealed"] += 1
+            self.counters["reports_accepted"] += sb.n
+            for reason, count in dropped.items():
+                self.counters[f"dropped:{reason}"] += int(count)
 
     @property
     def healthy(self) -> bool:
@@ -242,149 +247,9 @@ class ShufflerCore:
             )
 
     def _commit(self, builder: "BatchBuilder") -> SealedBatch:
-        """Finalise the permuted output, sign, journal. Called with the staging complete and checks passed.
-
-        The staging buffer (memory path) or staging file (disk path) already holds the accepted inner
-        ciphertexts at their permuted slots (see :class:`BatchBuilder`); if some envelopes were dropped, the
-        holes are squeezed out here, keeping the slot order. On the memory path the output file is then written
-        once, in output order; on the disk path the staging file becomes the output. Either way the output is
-        fsynced and renamed into ``batches/`` before the commit record is appended.
-        """
-        if self.journal.failed:
-            # A batch that was open when the journal failed must not add a second output without a record
-            # (journal.Journal refuses to start beside more than one).
-            raise Refused("unavailable", "journal_failed", "the shuffler's journal failed; it accepts no batches")
-        header = builder.header
-        batch_id = secrets.token_bytes(16)
-        n = builder.n_accepted
-        inner_length = builder.inner_length
-        out_name = f"{batch_id.hex()}.out"
-        final = self.journal.batches_dir / out_name
-        digest = OutputDigest.for_protocol(header.protocol_version)
-        fd = builder.staging_fd
-        source = builder.staging_path
-        retained = None
-        if source is None or fd < 0:
-            raise RuntimeError("no staging file")
-        occupied = sorted(builder.used_slots())  # output order = slot order
-        # The output digest comes from the hash of each inner ciphertext (BLAKE3, or SHA-256 for a protocol-1
-        # batch), computed when its signature was checked and kept at its slot (shuffledp.shuffler.attestation, formats
-        # v3 and v2): no report byte is read again here.
-        hashes = builder.slot_hashes
-        for slot in occupied:
-            digest.update_hashed(inner_length, hashes[slot * 32 : (slot + 1) * 32])
-        builder.forget_permutation()
-        buf = builder.staging_buffer
-        if buf is not None:
-            # Memory path: squeeze the holes out in the buffer (the i-th occupied slot moves to position
-            # i <= slot, so a slot is read before anything is written over it), then write the output once, in
-            # offset order, into the file that was reserved (posix_fallocate) when the first report arrived.
-            with memoryview(buf) as mv:
-                for i, slot in enumerate(occupied):
-                    if slot != i:
-                        mv[i * inner_length : (i + 1) * inner_length] = mv[
-                            slot * inner_length : (slot + 1) * inner_length
-                        ]
-                del occupied
-                write_out(fd, source, mv, n * inner_length)
-            retained = builder.staging_buffer
-            builder.release_buffer(retain=True)  # the batch now exists in the output file (and, if retained,
-            # in the spare buffer until the next batch overwrites it; see take_buffer)
-        else:
-            # Disk path: squeeze out the holes in place in the staging file, same order argument as above (with
-            # no holes, nothing moves and nothing is read). No second copy of the batch is needed on disk.
-            for i, slot in enumerate(occupied):
-                if slot == i:
-                    continue
-                chunk = os.pread(fd, inner_length, slot * inner_length)
-                if len(chunk) != inner_length:
-                    raise RuntimeError("staging file is shorter than expected")
-                pwrite_all(fd, chunk, i * inner_length)
-            del occupied
-        os.ftruncate(fd, n * inner_length)
-        os.fchmod(fd, 0o400)  # a sealed batch never changes
-        os.fsync(fd)  # data, size and mode durable before the rename
-        os.replace(source, final)
-        builder.staging_path = None
-        try:  # until the record is durable the output is not a batch: a failure removes it
-            fsync_dir(self.journal.batches_dir)
-            fsync_dir(self.journal.staging_dir)
-            dropped = {r: builder.drops.get(r, 0) for r in DROP_REASONS}
-            statement = Attestation.build_statement(
-                batch_id=batch_id,
-                protocol_version=header.protocol_version,
-                key_epoch=header.key_epoch,
-                round_id=header.round_id,
-                model_digest=header.model_digest,
-                k=self.config.k,
-                n_received=builder.received,
-                n_accepted=n,
-                inner_length=inner_length,
-                output_digest=digest.digest(),
-                dropped=dropped,
-                envelope_length=header.envelope_length,
-            )
-            signature = sign_statement(statement, self.config.signing_private_key)
-            encs = sorted(e.hex() for e in builder.encs)
-            rids = sorted(r.hex() for r in builder.report_ids)
-            request_digest = builder.request_digest()
-            record = {
-                "type": "batch",
-                "batch_id": batch_id.hex(),
-                "key_epoch": header.key_epoch,
-                "round_id": header.round_id,
-                "request_digest": request_digest.hex(),
-                "statement": statement.decode(),
-                "signature": signature.hex(),
-                "output": out_name,
-                "n": n,
-                "inner_length": inner_length,
-                "replay_enc": encs,
-                "replay_report_ids": rids,
-                "dropped": dropped,
-            }
-            self.journal.append(record)  # the commit point: durable before anyone is told
-            if retained is not None:
-                self._spare_now_holds(retained, batch_id)
-        except JournalFailed:
-            # unknown state: keep the output (quarantined at the next start) and stop accepting batches
-            self._mark_unhealthy()
-            raise Refused(
-                "unavailable", "journal_failed", "the shuffler's journal failed; it accepts no batches"
-            ) from None
-        except BaseException as exc:
-            # Nothing was committed and nobody was told (a rolled-back append, or a failure before it): the output
-            # is not a batch and must not stay in batches/ without a record (a crash leaves at most one such).
-            final.unlink(missing_ok=True)
-            try:
-                fsync_dir(self.journal.batches_dir)
-            except OSError:
-                pass
-            if isinstance(exc, JournalWriteError):
-                log.error("batch not committed: the journal append failed and was rolled back (%s)", exc.strerror)
-            raise  # a JournalWriteError is an OSError; the service maps a full disk to RESOURCE_EXHAUSTED disk_full
-        sb = SealedBatch(
-            batch_id=batch_id,
-            statement=statement,
-            signature=signature,
-            key_epoch=header.key_epoch,
-            round_id=header.round_id,
-            request_digest=request_digest,
-            output=final,
-            n=n,
-            inner_length=inner_length,
-        )
-        with self._lock:
-            self._register(sb, builder.encs, builder.report_ids, dropped)
-        log.info(
-            "batch sealed: epoch=%d round=%d received=%d accepted=%d dropped=%s",
-            header.key_epoch,
-            header.round_id,
-            builder.received,
-            n,
-            {r: c for r, c in dropped.items() if c},
-        )
-        return sb
+        """Seal ``builder``'s batch (:func:`shuffledp.shuffler.seal.commit`): called by
+        :meth:`BatchBuilder.finish` under the commit lock, with the staging complete and the checks passed."""
+        return seal.commit(self, builder)
 
     # ------------------------------------------------------------------------------------------------ fetch
     def lookup(self, batch_id: bytes) -> SealedBatch:
@@ -519,7 +384,7 @@ class ShufflerCore:
             buf, self._spare_buffer = self._spare_buffer, None
             self._spare_holds = None
         if buf is not None and len(buf) < size:
-            buf.close()
+            close_mapping(buf)
             buf = None
         return buf
 
@@ -529,7 +394,7 @@ class ShufflerCore:
         if buf.closed:
             return
         if not self.config.retain_staging_buffer:
-            buf.close()
+            close_mapping(buf)
             return
         with self._spare_lock:
             spare = self._spare_buffer
@@ -537,7 +402,7 @@ class ShufflerCore:
                 self._spare_buffer, buf = buf, spare  # type: ignore[assignment] - spare may be None
                 self._spare_holds = None
         if buf is not None:
-            buf.close()
+            close_mapping(buf)
 
     def close(self, *, drain_timeout: float = 5.0) -> bool:
         """Refuse new batches, wait up to ``drain_timeout`` seconds for the open ones to finish or abort, then

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import secrets
 import struct
 from collections.abc import Iterable
@@ -70,6 +71,7 @@ import nacl.bindings
 import nacl.exceptions
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
 from shuffledp.shuffler.validation import is_int
@@ -119,6 +121,20 @@ def inner_length_for(envelope_length: int) -> int:
     return envelope_length - (ENVELOPE_OVERHEAD - INNER_OVERHEAD)
 
 _SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
+#: RFC 9180 suite ids of _SUITE: KEM 0x0020 (DHKEM(X25519, HKDF-SHA256)), KDF 0x0001, AEAD 0x0001 (AES-128-GCM)
+_KEM_SUITE_ID = b"KEM\x00\x20"
+_HPKE_SUITE_ID = b"HPKE\x00\x20\x00\x01\x00\x01"
+
+
+def _labeled_extract(suite_id: bytes, salt: bytes, label: bytes, ikm: bytes) -> bytes:
+    """RFC 9180 LabeledExtract with HKDF-SHA256: HMAC(salt or 32 zero bytes, "HPKE-v1" || suite || label || ikm)."""
+    return hmac.digest(salt or bytes(32), b"HPKE-v1" + suite_id + label + ikm, "sha256")
+
+
+def _labeled_expand(suite_id: bytes, prk: bytes, label: bytes, info: bytes, length: int) -> bytes:
+    """RFC 9180 LabeledExpand with HKDF-SHA256, for ``length`` <= 32 (one HMAC block)."""
+    return hmac.digest(prk, struct.pack(">H", length) + b"HPKE-v1" + suite_id + label + info + b"\x01",
+                       "sha256")[:length]
 _MAX_U32 = 2**32 - 1
 _MAX_U64 = 2**64 - 1
 _SIG_DOMAIN = b"shuffledp/report-signature/v1"
@@ -158,7 +174,15 @@ class DecryptedReport:
     """
 
     enc: bytes  # outer HPKE encapsulated key (32 bytes)
-    outer_plaintext: bytes  # version, report id, signer, signature, inner ciphertext
+    outer_plaintext: bytes  # version, report id, signer, signature, inner ciphertext (or without it, see inner)
+    #: the inner ciphertext where :meth:`OuterOpener.decrypt_into` wrote it (``outer_plaintext`` then holds only
+    #: what precedes it); None when it is the rest of ``outer_plaintext``
+    inner: memoryview | None = None
+
+    @property
+    def size(self) -> int:
+        """Bytes of outer plaintext (the inner ciphertext included)."""
+        return len(self.outer_plaintext) + (0 if self.inner is None else len(self.inner))
 
 
 def _check_uint(name: str, value: int, maximum: int) -> None:
@@ -332,6 +356,11 @@ class OuterOpener:
         self._version = _check_version(version)
         self._bind = binding(key_epoch, round_id, model_digest, version)
         self._info = _outer_info(self._bind)
+        self._pk = private_key.public_key().public_bytes_raw()
+        #: RFC 9180 key_schedule_context of base mode (no PSK) for this info: mode || psk_id_hash || info_hash
+        self._schedule = b"\x00" + _labeled_extract(_HPKE_SUITE_ID, b"", b"psk_id_hash", b"") + _labeled_extract(
+            _HPKE_SUITE_ID, b"", b"info_hash", self._info
+        )
 
     def open(self, envelope: bytes) -> OpenedReport:
         """Decrypt and verify one envelope (:meth:`decrypt` then :meth:`verify`)."""
@@ -360,6 +389,53 @@ class OuterOpener:
             raise EnvelopeError("malformed", "outer plaintext too short")
         return DecryptedReport(enc=bytes(body[:ENC_BYTES]), outer_plaintext=outer_pt)
 
+    def decrypt_into(self, envelope: bytes | memoryview, inner_out: memoryview) -> "DecryptedReport":
+        """:meth:`decrypt`, with the inner ciphertext written straight into ``inner_out`` (a writable buffer of
+        exactly the inner length, ``len(envelope) - 166``) instead of a new plaintext object: the same format
+        and the same checks, for a caller that keeps inner ciphertexts in its own buffer (the shuffler's staging
+        slots). ``inner_out`` then holds bytes only when this returns; on an :class:`EnvelopeError` its content is
+        unspecified (unauthenticated) and must not be used.
+
+        The outer layer is opened by hand, as RFC 9180 specifies base mode for DHKEM(X25519, HKDF-SHA256),
+        HKDF-SHA256 and AES-128-GCM (Sections 4.1, 5.1, 5.2 and 7.1; single shot, so the nonce is the base
+        nonce, and empty AAD, as ``cryptography``'s HPKE uses): the X25519 shared secret, the key schedule with
+        ``hmac``, then AES-GCM as a stream whose first 113 bytes go to a small buffer and the rest to
+        ``inner_out``, with the tag checked at the end. Tests check it against ``cryptography``'s HPKE.
+        """
+        if len(envelope) < ENVELOPE_OVERHEAD:
+            raise EnvelopeError(
+                "malformed", f"envelope is {len(envelope)} bytes; at least {ENVELOPE_OVERHEAD} are required"
+            )
+        version, epoch = peek_prefix(envelope)
+        if version != self._version:
+            raise EnvelopeError("wrong_version", f"envelope version {version}; this batch is version {self._version}")
+        if epoch != self._epoch:
+            raise EnvelopeError("wrong_epoch", f"envelope key epoch {epoch}; expected {self._epoch}")
+        view = memoryview(envelope)
+        inner_length = len(view) - (ENVELOPE_OVERHEAD - INNER_OVERHEAD)
+        if len(inner_out) != inner_length:
+            raise ValueError(f"inner_out must be {inner_length} bytes, got {len(inner_out)}")
+        enc = bytes(view[_PREFIX.size : _PREFIX.size + ENC_BYTES])
+        ct_start = _PREFIX.size + ENC_BYTES
+        try:
+            dh = self._sk.exchange(x25519.X25519PublicKey.from_public_bytes(enc))
+        except ValueError as exc:  # a low-order point: no shared secret (cryptography's HPKE refuses it too)
+            raise EnvelopeError("undecryptable", "outer layer failed HPKE authentication") from exc
+        eae_prk = _labeled_extract(_KEM_SUITE_ID, b"", b"eae_prk", dh)
+        shared = _labeled_expand(_KEM_SUITE_ID, eae_prk, b"shared_secret", enc + self._pk, 32)
+        secret = _labeled_extract(_HPKE_SUITE_ID, shared, b"secret", b"")
+        key = _labeled_expand(_HPKE_SUITE_ID, secret, b"key", self._schedule, 16)
+        nonce = _labeled_expand(_HPKE_SUITE_ID, secret, b"base_nonce", self._schedule, 12)
+        head = bytearray(_OUTER_HEAD.size)
+        decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce, bytes(view[-_TAG_BYTES:]))).decryptor()
+        decryptor.update_into(view[ct_start : ct_start + _OUTER_HEAD.size], head)
+        decryptor.update_into(view[ct_start + _OUTER_HEAD.size : -_TAG_BYTES], inner_out)
+        try:
+            decryptor.finalize()
+        except InvalidTag as exc:
+            raise EnvelopeError("undecryptable", "outer layer failed HPKE authentication") from exc
+        return DecryptedReport(enc=enc, outer_plaintext=bytes(head), inner=inner_out)
+
     def verify(self, decrypted: "DecryptedReport") -> OpenedReport:
         """The second half of :meth:`open`: the inner version and the Ed25519 signature over (binding, report
         id, length and ``H`` of the inner ciphertext). Its two costly steps, the hash and the signature check
@@ -369,7 +445,7 @@ class OuterOpener:
         inner_version, report_id, signer, signature = _OUTER_HEAD.unpack_from(outer_pt, 0)
         if inner_version != self._version:
             raise EnvelopeError("wrong_version", f"outer plaintext version {inner_version}")
-        inner = memoryview(outer_pt)[_OUTER_HEAD.size :]
+        inner = memoryview(outer_pt)[_OUTER_HEAD.size :] if decrypted.inner is None else decrypted.inner
         digest = inner_hash(inner, self._version)
         if len(signer) != _KEY_BYTES or len(signature) != _SIG_BYTES:  # fixed by _OUTER_HEAD; PyNaCl does
             # not check the key's length itself (libsodium would read 32 bytes whatever it is given)

@@ -310,15 +310,17 @@ class Journal:
         body = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
         if len(body) > _MAX_RECORD:
             raise ValueError(f"journal record of {len(body)} bytes exceeds {_MAX_RECORD}")
-        data = memoryview(_HEAD.pack(_MAGIC, len(body), hashlib.sha256(body).digest()) + body)
+        head = _HEAD.pack(_MAGIC, len(body), hashlib.sha256(body).digest())
         start = self._size
         try:
-            written = 0
-            while written < len(data):
-                n = os.write(self._fd, data[written:])
-                if n <= 0:
-                    raise OSError(errno.ENOSPC, "write made no progress")
-                written += n
+            for part in (head, body):  # two writes, not one joined copy of a record that may be tens of MB
+                data = memoryview(part)
+                written = 0
+                while written < len(data):
+                    n = os.write(self._fd, data[written:])
+                    if n <= 0:
+                        raise OSError(errno.ENOSPC, "write made no progress")
+                    written += n
             os.fsync(self._fd)
         except OSError as exc:
             try:
@@ -333,7 +335,7 @@ class Journal:
                 ) from exc
             log.error("journal: an append failed and was rolled back (%s)", exc.strerror)
             raise JournalWriteError(exc.errno, f"journal append failed and was rolled back: {exc.strerror}") from exc
-        self._size = start + len(data)  # the record is not kept in memory: ``records`` are the recovered ones
+        self._size = start + len(head) + len(body)  # not kept in memory: ``records`` are the recovered ones
 
     def close(self) -> None:
         """Close the journal's file descriptor (idempotent)."""

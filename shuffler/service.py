@@ -34,17 +34,14 @@ Per-envelope failures are not errors: they are counted drops, reported per reaso
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shuffledp.shuffler import keys as keyfiles
@@ -55,7 +52,16 @@ from shuffledp.shuffler.config import ServiceConfig, load_config
 from shuffledp.shuffler.core import DISK_FULL_ERRNOS, CoreConfig, Header, Refused, ShufflerCore
 from shuffledp.shuffler.heap import tune_heap
 from shuffledp.shuffler.journal import JournalWriteError, write_file_durably
+from shuffledp.shuffler.submit_decode import (  # noqa: F401 - re-exported for callers of the service module
+    CANONICAL_ABOVE,
+    _BatchMessage,
+    _EnvelopeMessage,
+    _item_kind,
+    _submit_request,
+    batch_envelopes,
+)
 from shuffledp.shuffler.validation import is_int
+from shuffledp.shuffler.watchdog import _IdleWatchdog, _watched
 
 __all__ = ["SERVICE_NAME", "STATUS_FOR", "ShufflerServicer", "build_server", "serve", "grpc_options"]
 
@@ -75,114 +81,6 @@ STATUS_FOR: dict[str, grpc.StatusCode] = {
 }
 #: Worker threads kept free for Stats and health: Submit and Fetch share the others (:func:`worker_split`).
 RESERVED_WORKERS = 2
-
-
-class _EnvelopeMessage:
-    """A ``SubmitRequest`` that holds one envelope, decoded without copying it (see :func:`_submit_request`)."""
-
-    __slots__ = ("envelope",)
-
-    def __init__(self, envelope: memoryview) -> None:
-        self.envelope = envelope
-
-    @staticmethod
-    def WhichOneof(name: str) -> str:  # noqa: N802 - mirrors the protobuf message API
-        return "envelope"
-
-
-class _BatchMessage:
-    """A ``SubmitRequest{batch}``, kept as a view of the received buffer: its envelopes are sliced out (without
-    copying) only when taken, and only as many as the batch has room for, so a message of many tiny items can
-    make the service neither walk nor build one Python object per item (see :func:`batch_envelopes`)."""
-
-    __slots__ = ("raw",)
-
-    def __init__(self, raw: memoryview) -> None:
-        self.raw = raw
-
-    @staticmethod
-    def WhichOneof(name: str) -> str:  # noqa: N802 - mirrors the protobuf message API
-        return "batch"
-
-
-class _NonCanonical:
-    """A Submit message above :data:`CANONICAL_ABOVE` bytes that is not one envelope or one batch in canonical
-    form. It is refused (``non_canonical``) instead of parsed: the generated parser builds one object per item,
-    about 1 GiB for a 64 MiB message of empty items."""
-
-    __slots__ = ()
-
-    @staticmethod
-    def WhichOneof(name: str) -> str:  # noqa: N802 - mirrors the protobuf message API
-        return "non_canonical"
-
-
-#: Submit messages (and batch payloads) above this many bytes must be in canonical form: one ``envelope`` field,
-#: or one ``batch`` of ``envelopes`` fields, as every protobuf serialiser writes them. Smaller ones may go through
-#: the generated parser. :class:`shuffledp.shuffler.client.ShufflerClient` always writes the canonical form (packed
-#: batches of up to ``wire.PACKED_MESSAGE_BYTES``); the bound stays at the legacy packing size, which keeps what the
-#: generated parser may be made to build small.
-CANONICAL_ABOVE = wire.LEGACY_PACKED_MESSAGE_BYTES + 1024
-
-
-def _submit_request(raw: bytes) -> "pb.SubmitRequest | _EnvelopeMessage | _BatchMessage | _NonCanonical":
-    """Request deserializer for Submit: envelopes are sliced out of the received buffer without a copy.
-
-    Exactly one ``envelope`` field, or one ``batch`` field, becomes a view of the buffer; the batch's items are
-    not even counted here (:func:`batch_envelopes` walks only as far as the batch has room for). Anything else
-    up to :data:`CANONICAL_ABOVE` bytes (the header, odd encodings, garbage) goes through the generated parser,
-    whose failure gRPC reports as INTERNAL, as for any undecodable request; anything else above it is refused.
-    """
-    view = memoryview(raw)
-    envelope = wire.decode_single_bytes_field(view, 2)
-    if envelope is not None:
-        return _EnvelopeMessage(envelope)  # type: ignore[arg-type] - a view, as raw is one
-    batch = wire.decode_single_bytes_field(view, 4)
-    if batch is not None:
-        return _BatchMessage(batch)  # type: ignore[arg-type] - a view, as raw is one
-    if len(raw) > CANONICAL_ABOVE:
-        return _NonCanonical()
-    return pb.SubmitRequest.FromString(raw)
-
-
-def _non_canonical() -> Refused:
-    return Refused(
-        "invalid_argument",
-        "non_canonical",
-        f"a Submit message above {CANONICAL_ABOVE} bytes must be one envelope or one batch of envelopes in "
-        "canonical protobuf encoding",
-    )
-
-
-def _item_kind(request: "pb.SubmitRequest | _EnvelopeMessage | _BatchMessage | _NonCanonical") -> str | None:
-    """Which item a Submit message holds; raises :class:`Refused` (``non_canonical``) for a refused encoding."""
-    kind = request.WhichOneof("item")
-    if kind == "non_canonical":
-        raise _non_canonical()
-    return kind
-
-
-def batch_envelopes(request: "pb.SubmitRequest | _BatchMessage", limit: int) -> list[bytes | memoryview]:
-    """The first ``limit`` envelopes of a Submit batch message (all of them if it holds fewer).
-
-    A view is walked only up to its ``limit``-th item. A part that is not an ``envelopes`` field before that
-    point (an unknown field, another wire type) sends a batch of at most :data:`CANONICAL_ABOVE` bytes through the
-    generated parser, which skips unknown fields; a larger one, or one the parser cannot read, is refused
-    (``non_canonical`` / ``malformed_batch``).
-    """
-    if not isinstance(request, _BatchMessage):
-        return list(itertools.islice(request.batch.envelopes, limit))
-    try:
-        return list(itertools.islice(wire.iter_repeated_bytes_field(request.raw, 1), limit))
-    except ValueError:
-        pass
-    if len(request.raw) > CANONICAL_ABOVE:
-        raise _non_canonical()
-    try:
-        parsed = pb.EnvelopeBatch.FromString(bytes(request.raw))
-    except DecodeError:
-        raise Refused("invalid_argument", "malformed_batch", "a batch message is not a valid EnvelopeBatch") from None
-    return list(itertools.islice(parsed.envelopes, limit))
 
 
 def message_limit(max_envelope_bytes: int) -> int:
@@ -220,90 +118,6 @@ def server_options(max_envelope_bytes: int) -> list[tuple[str, int]]:
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.max_connection_idle_ms", 300_000),
     ]
-
-
-class _IdleWatchdog:
-    """Cancels a call that waits on its peer for more than ``timeout`` seconds (status DEADLINE_EXCEEDED).
-
-    One thread per call polls how long the handler has been waiting *on the peer*: for a Submit, for the next
-    message to arrive whole (:func:`_watched`); for a Fetch, for gRPC to take the last message (its flow control
-    blocks the handler thread until the part of the message beyond the peer's window has been read, so a large
-    message on a slow link is allowed its transfer time at ``fetch_min_rate`` on top). A stalled peer would
-    otherwise hold a worker thread forever. Time the shuffler spends itself (staging, zero-fill, waiting for the
-    core's locks, sealing and committing after the last message, reading the output) never counts. A context
-    manager: leaving the ``with`` block stops the thread.
-    """
-
-    def __init__(self, context: grpc.ServicerContext, timeout: float, reason: str, what: str, *,
-                 max_duration: float | None = None) -> None:
-        self._context = context
-        self._timeout = timeout
-        self._reason, self._what = reason, what
-        self.since = time.monotonic()
-        #: ``max_duration``: the call is also cancelled once it has been open this long (checked only while it
-        #: waits on the peer, so the shuffler's own sealing and committing are never cut short)
-        self._deadline = None if max_duration is None else self.since + max_duration
-        self._max_duration = max_duration
-        self.fired_reason = ""
-        self.allowance = timeout
-        self.waiting = False
-        self.fired = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=reason, daemon=True)
-        self._thread.start()
-
-    def wait_begins(self, extra: float = 0.0) -> None:
-        """The handler starts waiting on the peer; ``extra`` seconds are allowed on top of the timeout for this
-        wait (a Fetch message's transfer time at the slowest rate accepted)."""
-        self.since = time.monotonic()
-        self.allowance = self._timeout + extra
-        self.waiting = True
-
-    def wait_ends(self) -> None:
-        self.waiting = False
-
-    def _run(self) -> None:
-        step = max(0.05, min(1.0, self._timeout / 4))
-        while not self._stop.wait(step):
-            now = time.monotonic()
-            overdue = self._deadline is not None and now > self._deadline
-            if self.waiting and (now - self.since > self.allowance or overdue):
-                self.fired = True
-                if overdue:
-                    self.fired_reason = "submit_duration"
-                    details = f"submit_duration: the stream stayed open for more than {self._max_duration:.3g} s"
-                else:
-                    self.fired_reason = self._reason
-                    details = f"{self._reason}: {self._what} for {self.allowance:.3g} s"
-                try:  # cancel with a specific status (grpc's server call object accepts one)
-                    self._context._rpc_event.call.cancel(  # type: ignore[attr-defined] - grpc private; fallback below
-                        grpc._cython.cygrpc.StatusCode.deadline_exceeded, details
-                    )
-                except (AttributeError, TypeError):
-                    self._context.cancel()
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def __enter__(self) -> "_IdleWatchdog":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _watched(iterator: Iterator[pb.SubmitRequest], dog: _IdleWatchdog) -> Iterator[pb.SubmitRequest]:
-    it = iter(iterator)
-    while True:
-        dog.wait_begins()
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        finally:
-            dog.wait_ends()
-        yield item
 
 
 class ShufflerServicer(pb_grpc.ShufflerServicer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 import shuffledp.shuffler.builder as buildermod
+import shuffledp.shuffler.seal as sealmod
 import shuffledp.shuffler.staging as stagingmod
 from shuffledp.shuffler.attestation import Attestation, OutputDigest
 from shuffledp.shuffler.core import Refused, ShufflerCore
@@ -344,10 +346,9 @@ def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(
     """Disk path: the staging file is zero-filled in offset order before any report is written to it, and not
     synced (the zeros only need to be dirty pages, so that writeback follows offset order); there is no sync while
     reports arrive; with dropped envelopes the holes are squeezed out in place."""
-    import shuffledp.shuffler.core as coremod
 
     events: list[tuple[str, int, int]] = []
-    real_pwrite, real_sync, real_fsync = coremod.os.pwrite, coremod.os.fdatasync, coremod.os.fsync
+    real_pwrite, real_sync, real_fsync = os.pwrite, os.fdatasync, os.fsync
 
     def pwrite(fd: int, data: bytes, offset: int) -> int:
         events.append(("zero" if not any(bytes(data)) else "data", offset, len(data)))
@@ -357,13 +358,13 @@ def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(
         events.append(("sync", 0, 0))
         real_sync(fd)
 
-    monkeypatch.setattr(coremod.os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pwrite", pwrite)
     def fsync(fd: int) -> None:
         events.append(("sync", 0, 0))
         real_fsync(fd)
 
-    monkeypatch.setattr(coremod.os, "fdatasync", fdatasync)
-    monkeypatch.setattr(coremod.os, "fsync", fsync)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(os, "fsync", fsync)
     envs = [kit.seal(i) for i in range(6)]
     mixed = envs[:3] + [b"junk", envs[3][:-1]] + envs[3:]
     b = disk_core.begin(kit.header(len(mixed)))
@@ -391,23 +392,22 @@ def test_holes_are_squeezed_in_place_and_staging_is_zero_filled_first(
 def test_staging_is_preallocated_and_a_full_disk_refuses_early(core: ShufflerCore, kit, monkeypatch) -> None:
     import errno
 
-    import shuffledp.shuffler.core as coremod
 
     calls: list[tuple[int, int]] = []
-    real = coremod.os.posix_fallocate
+    real = os.posix_fallocate
 
     def spy(fd: int, offset: int, length: int) -> None:
         calls.append((offset, length))
         real(fd, offset, length)
 
-    monkeypatch.setattr(coremod.os, "posix_fallocate", spy)
+    monkeypatch.setattr(os, "posix_fallocate", spy)
     sealed = _run(core, kit, [kit.seal(i) for i in range(4)])
     assert calls == [(0, 4 * sealed.inner_length)]  # the whole file, before the first write
 
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(coremod.os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "posix_fallocate", full)
     b = core.begin(kit.header(4, round_id=2))
     with pytest.raises(Refused) as info:
         b.add(kit.seal(0, round_id=2))
@@ -445,14 +445,14 @@ def test_free_space_is_checked_with_a_journal_reserve_before_allocating(core: Sh
     import shuffledp.shuffler.core as coremod
 
     calls: list[int] = []
-    monkeypatch.setattr(coremod.os, "posix_fallocate", lambda fd, o, n: calls.append(n))
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, o, n: calls.append(n))
     real = _os.statvfs(core.journal.staging_dir)
 
     class Small:  # room for the batch itself, but not for the journal reserve on top of it
         f_frsize = 4096
         f_bavail = (coremod.JOURNAL_HEADROOM_BYTES // 2) // 4096
 
-    monkeypatch.setattr(coremod.os, "statvfs", lambda path: Small)
+    monkeypatch.setattr(os, "statvfs", lambda path: Small)
     b = core.begin(kit.header(4))
     with pytest.raises(Refused) as info:
         b.add(kit.seal(0))
@@ -460,7 +460,7 @@ def test_free_space_is_checked_with_a_journal_reserve_before_allocating(core: Sh
     b.abort()
     assert (info.value.code, info.value.reason) == ("resource_exhausted", "disk_full")
     assert calls == [] and list(core.journal.staging_dir.iterdir()) == []
-    monkeypatch.setattr(coremod.os, "statvfs", lambda path: real)
+    monkeypatch.setattr(os, "statvfs", lambda path: real)
     monkeypatch.undo()
     assert _verify(kit, _run(core, kit, [kit.seal(i) for i in range(4)])).n_accepted == 4
 
@@ -604,12 +604,11 @@ def test_permutation_is_compact_lazy_and_capped(core: ShufflerCore, kit, tmp_pat
 
 
 def test_sealed_output_mode_is_synced_before_the_rename(core: ShufflerCore, kit, monkeypatch) -> None:
-    import shuffledp.shuffler.core as coremod
 
     events: list[str] = []
-    real = {n: getattr(coremod.os, n) for n in ("fchmod", "chmod", "fsync", "replace")}
+    real = {n: getattr(os, n) for n in ("fchmod", "chmod", "fsync", "replace")}
     for name in real:
-        monkeypatch.setattr(coremod.os, name, lambda *a, _n=name, **k: (events.append(_n), real[_n](*a, **k))[1])
+        monkeypatch.setattr(os, name, lambda *a, _n=name, **k: (events.append(_n), real[_n](*a, **k))[1])
     _run(core, kit, [kit.seal(i) for i in range(4)])
     assert "chmod" not in events
     i = events.index("replace")
@@ -619,16 +618,15 @@ def test_sealed_output_mode_is_synced_before_the_rename(core: ShufflerCore, kit,
 # ------------------------------------------------------------------------------------- memory staging path
 def _spy_disk_writes(monkeypatch) -> list[tuple[int, int]]:
     """Record (offset, length) of every pwrite the core issues."""
-    import shuffledp.shuffler.core as coremod
 
     writes: list[tuple[int, int]] = []
-    real = coremod.os.pwrite
+    real = os.pwrite
 
     def pwrite(fd: int, data, offset: int) -> int:
         writes.append((offset, len(data)))
         return real(fd, data, offset)
 
-    monkeypatch.setattr(coremod.os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pwrite", pwrite)
     return writes
 
 
@@ -640,12 +638,11 @@ def test_memory_path_writes_the_output_once_in_output_order(core: ShufflerCore, 
     import os
     import stat
 
-    import shuffledp.shuffler.core as coremod
 
     writes = _spy_disk_writes(monkeypatch)
     syncs: list[str] = []
-    real_fdatasync = coremod.os.fdatasync
-    monkeypatch.setattr(coremod.os, "fdatasync", lambda fd: (syncs.append("fdatasync"), real_fdatasync(fd))[1])
+    real_fdatasync = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (syncs.append("fdatasync"), real_fdatasync(fd))[1])
     envs = [kit.seal(i) for i in range(6)]
     mixed = envs[:3] + [b"junk", envs[3][:-1]] + envs[3:]  # two holes to squeeze out
     b = core.begin(kit.header(len(mixed)))
@@ -723,7 +720,6 @@ def test_the_announced_size_selects_the_staging_path(kit, tmp_path: Path) -> Non
 def test_refused_batches_release_their_staging_memory(core: ShufflerCore, kit, monkeypatch) -> None:
     import errno
 
-    import shuffledp.shuffler.core as coremod
 
     # refused at seal (below threshold): the buffer is unmapped, nothing is left on disk
     b = core.begin(kit.header(kit.k))
@@ -745,10 +741,10 @@ def test_refused_batches_release_their_staging_memory(core: ShufflerCore, kit, m
     with pytest.raises(Refused):
         b.add(kit.seal(kit.k, round_id=2))
     assert buf.closed
-    monkeypatch.setattr(coremod.os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    monkeypatch.setattr(os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     allocated: list = []
-    real_mmap = coremod.mmap.mmap
-    monkeypatch.setattr(coremod.mmap, "mmap", lambda *a, **k: (allocated.append(real_mmap(*a, **k)), allocated[-1])[1])
+    real_mmap = mmap.mmap
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: (allocated.append(real_mmap(*a, **k)), allocated[-1])[1])
     b = core.begin(kit.header(kit.k, round_id=3))
     with pytest.raises(Refused) as info:
         b.add(kit.seal(0, round_id=3))
@@ -757,12 +753,12 @@ def test_refused_batches_release_their_staging_memory(core: ShufflerCore, kit, m
     assert len(allocated) == 1 and allocated[0].closed
     # an allocation failure is a clear refusal, never a silent fall-back to the disk path
     calls: list = []
-    monkeypatch.setattr(coremod.os, "posix_fallocate", lambda *a: calls.append(a))
+    monkeypatch.setattr(os, "posix_fallocate", lambda *a: calls.append(a))
 
     def no_memory(*a, **k):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(coremod.mmap, "mmap", no_memory)
+    monkeypatch.setattr(mmap, "mmap", no_memory)
     before = core.stats()["batches_refused"]
     b = core.begin(kit.header(kit.k, round_id=4))
     with pytest.raises(Refused) as info:
@@ -784,13 +780,13 @@ def test_memory_path_output_order_is_uniform(kit, tmp_path: Path, monkeypatch) -
     ((n-1)/n X^2 ~ chi2((n-1)^2) for a sum of permutation matrices); alpha 1e-3 per table."""
     from scipy import stats
 
-    import shuffledp.shuffler.core as coremod
     import shuffledp.shuffler.journal as journalmod
+    import shuffledp.shuffler.seal as sealmod
     from shuffledp.shuffler.envelope import open_outer
 
-    for mod in (coremod, journalmod):  # durability is the crash tests' subject; keep this fast
+    for mod in (sealmod, journalmod):  # durability is the crash tests' subject; keep this fast
         monkeypatch.setattr(mod.os, "fsync", lambda fd: None)
-    monkeypatch.setattr(coremod, "fsync_dir", lambda p: None)
+    monkeypatch.setattr(sealmod, "fsync_dir", lambda p: None)
     n, n_cores, rounds = 4, 20, 20
     cores = [ShufflerCore(kit.core_config(tmp_path / f"u{i}")) for i in range(n_cores)]
     tables = {hole: [[0] * n for _ in range(n)] for hole in (False, True)}
@@ -831,16 +827,15 @@ def test_memory_path_output_without_o_direct(core: ShufflerCore, kit, monkeypatc
     """Where the filesystem refuses O_DIRECT writes (tmpfs: EINVAL), the same bytes go through the page cache."""
     import errno
 
-    import shuffledp.shuffler.core as coremod
 
-    real = coremod.os.pwrite
+    real = os.pwrite
     direct_fds: list[int] = []
     refused: list[int] = []
-    real_open = coremod.os.open
+    real_open = os.open
 
     def open_(path, flags, *a):
         fd = real_open(path, flags, *a)
-        if flags & getattr(coremod.os, "O_DIRECT", 0):
+        if flags & getattr(os, "O_DIRECT", 0):
             direct_fds.append(fd)
         return fd
 
@@ -851,8 +846,8 @@ def test_memory_path_output_without_o_direct(core: ShufflerCore, kit, monkeypatc
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(coremod.os, "open", open_)
-    monkeypatch.setattr(coremod.os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "pwrite", pwrite)
     envs = [kit.seal(i) for i in range(5)]
     sealed = _run(core, kit, envs[:2] + [b"junk"] + envs[2:])
     att = _verify(kit, sealed)
@@ -861,7 +856,7 @@ def test_memory_path_output_without_o_direct(core: ShufflerCore, kit, monkeypatc
         d.update(x)
     assert d.digest() == att.output_digest and sealed.output.stat().st_size == 5 * att.inner_length
     assert sorted(_payloads(core, kit, sealed)) == sorted(kit.payload(i) for i in range(5))
-    assert len(refused) == (1 if hasattr(coremod.os, "O_DIRECT") else 0)  # the direct write was tried once
+    assert len(refused) == (1 if hasattr(os, "O_DIRECT") else 0)  # the direct write was tried once
 
 
 
@@ -906,18 +901,17 @@ def test_a_sealed_batchs_staging_buffer_is_reused_and_leaks_nothing_into_the_nex
     faulting in fresh pages; its output holds only its own reports even where the old batch's bytes sit in its
     holes; a buffer too small for the next batch is unmapped and replaced; with the option off, or after a
     refusal, the buffer is unmapped."""
-    import shuffledp.shuffler.core as coremod
     import shuffledp.shuffler.output as outmod
 
     maps: list = []
-    real_mmap = coremod.mmap.mmap
+    real_mmap = mmap.mmap
     def counting_mmap(*a, **k):  # staging buffers only, not the fetch's read buffer
         m = real_mmap(*a, **k)
         if a[1] != outmod._READ_CHUNK:
             maps.append(m)
         return m
 
-    monkeypatch.setattr(coremod.mmap, "mmap", counting_mmap)
+    monkeypatch.setattr(mmap, "mmap", counting_mmap)
     c = ShufflerCore(kit.core_config(tmp_path / "j"))
     try:
         first = _run(c, kit, [kit.seal(i) for i in range(6)])
@@ -968,7 +962,6 @@ def test_output_is_read_back_exactly_across_direct_read_chunks(tmp_path: Path, m
     import os
     import secrets
 
-    import shuffledp.shuffler.core as coremod
     import shuffledp.shuffler.output as outmod
 
     monkeypatch.setattr(outmod, "_READ_CHUNK", 8192)
@@ -981,14 +974,14 @@ def test_output_is_read_back_exactly_across_direct_read_chunks(tmp_path: Path, m
     with pytest.raises(RuntimeError, match="is truncated"):
         list(outmod.read_output(path, n, inner_length))
     path.write_bytes(b"".join(items))
-    real_open = coremod.os.open
+    real_open = os.open
 
     def no_direct(p, flags, *a):
         if flags & getattr(os, "O_DIRECT", 0):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(p, flags, *a)
 
-    monkeypatch.setattr(coremod.os, "open", no_direct)
+    monkeypatch.setattr(os, "open", no_direct)
     assert list(outmod.read_output(path, n, inner_length)) == items
 
 
@@ -998,7 +991,6 @@ def test_direct_read_refused_at_the_first_read_falls_back_and_an_abandoned_fetch
     import secrets
     import threading
 
-    import shuffledp.shuffler.core as coremod
     import shuffledp.shuffler.output as outmod
 
     monkeypatch.setattr(outmod, "_READ_CHUNK", 8192)
@@ -1011,14 +1003,14 @@ def test_direct_read_refused_at_the_first_read_falls_back_and_an_abandoned_fetch
     gen.close()
     assert not [t for t in threading.enumerate() if t.name == "shuffler-fetch-read"]
     # O_DIRECT accepted at open but refused at the first read (EINVAL): the same bytes through the page cache
-    real_preadv = coremod.os.preadv
+    real_preadv = os.preadv
     calls: list[int] = []
 
     def refusing_preadv(fd, bufs, pos):
         calls.append(pos)
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(coremod.os, "preadv", refusing_preadv)
+    monkeypatch.setattr(os, "preadv", refusing_preadv)
     assert list(outmod.read_output(path, 9, 3000)) == items and calls == [0]
     # a later I/O error is raised, not papered over
     def failing_later(fd, bufs, pos):
@@ -1026,7 +1018,7 @@ def test_direct_read_refused_at_the_first_read_falls_back_and_an_abandoned_fetch
             raise OSError(errno.EIO, "Input/output error")
         return real_preadv(fd, bufs, pos)
 
-    monkeypatch.setattr(coremod.os, "preadv", failing_later)
+    monkeypatch.setattr(os, "preadv", failing_later)
     with pytest.raises(OSError, match="Input/output error"):
         list(outmod.read_output(path, 9, 3000))
 
@@ -1038,7 +1030,6 @@ def test_fetch_reader_failures_neither_leak_descriptors_nor_hang(tmp_path: Path,
     import secrets
     import threading
 
-    import shuffledp.shuffler.core as coremod
     import shuffledp.shuffler.output as outmod
 
     path = tmp_path / "out"
@@ -1058,7 +1049,7 @@ def test_fetch_reader_failures_neither_leak_descriptors_nor_hang(tmp_path: Path,
     def odd_failure(fd, bufs, pos):
         raise ValueError("not an OSError")
 
-    monkeypatch.setattr(coremod.os, "preadv", odd_failure)
+    monkeypatch.setattr(os, "preadv", odd_failure)
     outcome: list = []
     t = threading.Thread(
         target=lambda: outcome.append(pytest.raises(ValueError, list, outmod.read_output(path, 5, 3000)))
@@ -1256,7 +1247,7 @@ def test_abort_with_checks_in_flight_releases_everything(core: ShufflerCore, kit
     for i in range(4):
         b.add(kit.seal(i))
     assert len(b._pending) == 4 and b.n_accepted == 0
-    futures = [f for f, _, _ in b._pending]
+    futures = [f for f, *_ in b._pending]
     b.abort()
     gate.set()
     # the one check that was running (a single worker) finishes; the three queued behind it never start
@@ -1308,13 +1299,12 @@ def test_staging_starts_before_the_first_envelope_is_verified(core: ShufflerCore
     first *accepted* report, so a refusal (or the zero-fill's delay) answered "this envelope is valid"."""
     import errno
 
-    import shuffledp.shuffler.core as coremod
     import shuffledp.shuffler.envelope as envmod
 
     checked: list[int] = []
     real_verify = envmod.OuterOpener.verify
     monkeypatch.setattr(envmod.OuterOpener, "verify", lambda self, d: (checked.append(1), real_verify(self, d))[1])
-    monkeypatch.setattr(coremod.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOMEM, "no")))
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOMEM, "no")))
     tampered = bytearray(kit.seal(0))
     tampered[-1] ^= 1  # fails the outer open: never accepted
     for first in (kit.seal(0), bytes(tampered)):
@@ -1362,7 +1352,6 @@ def test_a_message_beyond_the_expected_count_is_refused_after_its_first_envelope
     staging refusal among them wins, as with one add() per envelope), then count_mismatch aborts the batch."""
     import errno
 
-    import shuffledp.shuffler.core as coremod
 
     envs = [kit.seal(i) for i in range(kit.k + 1)]
     b = core.begin(kit.header(kit.k))
@@ -1372,7 +1361,7 @@ def test_a_message_beyond_the_expected_count_is_refused_after_its_first_envelope
     assert b.received == kit.k + 1 and b.n_accepted == kit.k  # the first k were checked and staged
     assert b.staging_buffer is None and list(core.journal.staging_dir.iterdir()) == []
     with monkeypatch.context() as m:
-        m.setattr(coremod.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOMEM, "no")))
+        m.setattr(mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOMEM, "no")))
         b = core.begin(kit.header(kit.k))
         with pytest.raises(Refused) as info:
             b.add_many(envs)
@@ -1445,17 +1434,16 @@ def _hold_commit_in_fsync(monkeypatch):
     """Make a commit block in its first directory fsync: returns (entered, release) events."""
     import threading
 
-    import shuffledp.shuffler.core as coremod
 
     entered, release = threading.Event(), threading.Event()
-    real_fsync_dir = coremod.fsync_dir
+    real_fsync_dir = sealmod.fsync_dir
 
     def slow_fsync_dir(path):
         entered.set()
         release.wait(10)
         return real_fsync_dir(path)
 
-    monkeypatch.setattr(coremod, "fsync_dir", slow_fsync_dir)
+    monkeypatch.setattr(sealmod, "fsync_dir", slow_fsync_dir)
     return entered, release
 
 
@@ -1546,7 +1534,7 @@ def test_a_fresh_staging_buffer_is_faulted_in_before_any_report(
     # the staging path faults in each fresh buffer once, and not a retained one
     calls: list[int] = []
     real = stagingmod.prefault
-    monkeypatch.setattr(buildermod, "prefault", lambda b: (calls.append(len(b)), real(b)))
+    monkeypatch.setattr(stagingmod, "prefault", lambda b: (calls.append(len(b)), real(b)))
     for round_id in (1, 2):
         sealed = _run(core, kit, [kit.seal(i, size=64, round_id=round_id) for i in range(4)], round_id=round_id)
         assert sealed.n == 4
@@ -1559,17 +1547,16 @@ def test_failures_after_the_rename_leave_at_most_one_output_without_a_record(kit
     # keeps serving: two such outputs would make the next start refuse as "records were lost".
     import errno
 
-    import shuffledp.shuffler.core as cmod
 
     core = ShufflerCore(kit.core_config(tmp_path / "j"))
-    real = cmod.fsync_dir
+    real = sealmod.fsync_dir
 
     def flaky(path):
         if Path(path) == core.journal.staging_dir:
             raise OSError(errno.EIO, "Input/output error")
         return real(path)
 
-    monkeypatch.setattr(cmod, "fsync_dir", flaky)
+    monkeypatch.setattr(sealmod, "fsync_dir", flaky)
     for rnd in (1, 2):
         with pytest.raises(OSError):
             _run(core, kit, [kit.seal(i, round_id=rnd) for i in range(5)], round_id=rnd)
@@ -1614,7 +1601,7 @@ def test_a_prefault_that_finds_memory_short_refuses_the_batch(core: ShufflerCore
     def short(buf):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(buildermod, "prefault", short)
+    monkeypatch.setattr(stagingmod, "prefault", short)
     builder = core.begin(kit.header(4))
     with pytest.raises(Refused) as refused:
         builder.add(kit.seal(0))

@@ -165,9 +165,9 @@ def test_bindings_idempotency_and_replay_cache_survive_a_crash(kit, shuffler) ->
     cfg = load_config(shuffler.config_path)
     core = core_from_config(cfg)
     try:
-        seen = core._seen_enc.get(kit.key_epoch, set())
-        assert {envelope_enc(e) for e in envs} <= seen and envelope_enc(dropped) not in seen
-        assert len(core._seen_rid.get(kit.key_epoch, set())) == len(envs)
+        seen = core._seen_enc[kit.key_epoch]
+        assert all(envelope_enc(e) in seen for e in envs) and envelope_enc(dropped) not in seen
+        assert len(core._seen_rid[kit.key_epoch]) == len(envs)
         assert (kit.key_epoch, 3) in core._by_binding
     finally:
         core.close()
