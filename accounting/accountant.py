@@ -7,15 +7,15 @@ costs).
 
 Every round is kept, so rounds may differ in ``n`` and ``eps0``. For a clone family as the default (``clones``,
 ``clones-focs``: Feldman, McMillan, Talwar, SODA'23 clone reduction; Wang et al., NeurIPS'23) the composed privacy
-loss distribution is kept and each new round is composed into it (:class:`shuffledp.accounting.composed.
-ComposedClones`, via :func:`shuffledp.accounting.bounds.clones_in_order`), so a charge costs the same at round 1,000
+loss distribution is kept and each new round is composed into it (:class:`shuffledp.accounting.running.
+CloneRunner` over :class:`shuffledp.accounting.composed.ComposedClones`), so a charge costs the same at round 1,000
 as at round 1, and the value equals :func:`shuffledp.accounting.bounds.epsilon_for_rounds` (same composition, same
-``no-shuffle`` cap); a history of one repeated round uses the homogeneous bound (exact for one round). The other
-families are recomputed from the whole history with :func:`~shuffledp.accounting.bounds.epsilon_for_rounds`, which
-composes privacy loss distributions pessimistically for the exact families, sums Renyi divergences for the RDP
-families, and adds ``mu^2`` for the GDP families. A checkpoint (:meth:`ShuffleAccountant.state_dict`) stores the
-round list; restoring it replays the composition in the same order, which rebuilds the composed distribution bit
-for bit.
+query, same ``no-shuffle`` cap); a history of one repeated round uses the homogeneous bound (exact for one round).
+The other families are recomputed from the whole history with :func:`~shuffledp.accounting.bounds.
+epsilon_for_rounds`, which composes privacy loss distributions pessimistically for the exact families, sums Renyi
+divergences for the RDP families, and adds ``mu^2`` for the GDP families. A checkpoint
+(:meth:`ShuffleAccountant.state_dict`) stores the round list; restoring it replays the composition in the same
+order, which rebuilds the composed distribution bit for bit.
 
 The default family must be one that yields a guarantee (an *upper bound* on the privacy loss). Comparison
 families may be approximations (CLT-based, e.g. Chen-Cao-Ge ICASSP'24 Thm 2) or lower bounds, and are reported
@@ -32,7 +32,9 @@ from typing import Any
 
 from shuffledp.accounting import FAMILIES, FAMILY_KINDS, Bound, RefusedError, bounds
 from shuffledp.accounting import families as fam
+from shuffledp.accounting.core import EPS0_MAX, N_MAX
 from shuffledp.accounting.events import ShuffleRound
+from shuffledp.accounting.running import CloneRunner
 from shuffledp.accounting.validation import check_delta, check_real, check_rounds
 
 __all__ = ["ShuffleAccountant", "Refusal", "GUARANTEE_FAMILIES", "STATE_FORMAT", "STATE_VERSION"]
@@ -71,9 +73,33 @@ def _revalidated(event: ShuffleRound) -> ShuffleRound:
     """Re-run the :class:`ShuffleRound` checks (n in [1, N_MAX], eps0 in (0, EPS0_MAX]) on ``event``.
 
     The constructor already checks them; this guards against a frozen instance altered behind its back, so
-    that nothing the bounds would reject ever enters the history (every later query would fail on it).
+    that nothing the bounds would reject ever enters the history (every later query would fail on it). Values
+    of exactly the types the constructor produces and inside its ranges are taken as they are (the constructor
+    would return them unchanged); anything else goes through the constructor, which normalises or refuses it.
     """
-    return ShuffleRound(n=event.n, eps0=event.eps0)
+    n, eps0 = event.n, event.eps0
+    if type(n) is int and type(eps0) is float and 1 <= n <= N_MAX and 0.0 < eps0 <= EPS0_MAX:
+        return event
+    return ShuffleRound(n=n, eps0=eps0)
+
+
+class _Prospect(Sequence):
+    """A history followed by ``count`` rounds ``event``, as a read-only sequence that does not copy the history
+    (the default clone family extends its running state instead of reading it)."""
+
+    def __init__(self, history: list[ShuffleRound], event: ShuffleRound, count: int) -> None:
+        self.history, self.event, self.count = history, event, count
+
+    def __len__(self) -> int:
+        return len(self.history) + self.count
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        i = index + len(self) if index < 0 else index
+        if not 0 <= i < len(self):
+            raise IndexError("round index out of range")
+        return self.history[i] if i < len(self.history) else self.event
 
 
 def _check_family(name: str, value: Any) -> str:
@@ -140,9 +166,8 @@ class ShuffleAccountant:
         self._history = 0
         self._next_id = 1
         self._children: dict[tuple[int, ShuffleRound, int], int] = {}
-        # ((n, eps0) of the rounds composed, composed clone PLD), most recent last: the default clone family's
-        # running state (see bounds.clones_in_order)
-        self._states: list[tuple[tuple, Any]] = []
+        # the default clone family's running bound (composed distribution and round counts of the history)
+        self._runner = CloneRunner(self._family) if self._family in fam.CLONE_VARIANTS else None
 
     # -- properties --------------------------------------------------------------------------------------------
     @property
@@ -190,6 +215,8 @@ class ShuffleAccountant:
         event = _revalidated(event)  # before any state changes: a rejected round leaves the history intact
         self._history = self._child(event, count)
         self._rounds.extend([event] * count)
+        if self._runner is not None:
+            self._runner.commit((event.n, event.eps0), count)
 
     def _child(self, event: ShuffleRound, count: int) -> int:
         """The id of this history followed by ``count`` rounds ``event``."""
@@ -206,20 +233,25 @@ class ShuffleAccountant:
         return self._target_delta if delta is None else check_delta(delta)
 
     def _compute(self, family: str, rounds: Sequence[ShuffleRound], delta: float) -> Bound:
+        """The family's bound for ``rounds``: this history, or this history followed by prospective rounds
+        (:class:`_Prospect`)."""
+        if family == self._family and self._runner is not None:
+            if rounds is self._rounds:
+                if not rounds:
+                    return Bound(value=0.0, kind=FAMILY_KINDS[family], family=family, details={"rounds": 0})
+                return self._runner.bound(delta, None, self._allow_approximate)
+            if isinstance(rounds, _Prospect) and rounds.history is self._rounds:
+                extra = ((rounds.event.n, rounds.event.eps0), rounds.count)
+                return self._runner.bound(delta, extra, self._allow_approximate)
         if not rounds:
             # No release yet: nothing has been learnt, for every family.
             return Bound(value=0.0, kind=FAMILY_KINDS[family], family=family, details={"rounds": 0})
-        if family == self._family and family in fam.CLONE_VARIANTS:
-            pairs = [(r.n, r.eps0) for r in rounds]  # validated when composed
-            if len(set(pairs)) > 1:
-                # the running composed PLD, extended by the new rounds (what epsilon_for_rounds computes from scratch)
-                return bounds.clones_in_order(family, pairs, delta, self._states)
         return bounds.epsilon_for_rounds(family, rounds, delta, allow_approximate=self._allow_approximate)
 
     def _cached(
-        self, family: str, delta: float, rounds: tuple[ShuffleRound, ...] | None = None, history_id: int | None = None
+        self, family: str, delta: float, rounds: Sequence[ShuffleRound] | None = None, history_id: int | None = None
     ) -> Bound | Refusal:
-        history = tuple(self._rounds) if rounds is None else rounds
+        history = self._rounds if rounds is None else rounds
         key = (family, delta, self._history if history_id is None else history_id)
         if key not in self._cache:
             try:
@@ -274,7 +306,7 @@ class ShuffleAccountant:
             raise ValueError(f"budget_epsilon must be a real number > 0 (or inf), got {budget!r}")
         count = check_rounds(count, "count")
         event = _revalidated(event)
-        prospective = (*self._rounds, *([event] * count))
+        prospective = _Prospect(self._rounds, event, count)
         result = self._cached(self._family, self._target_delta, prospective, self._child(event, count))
         if isinstance(result, Refusal):
             raise RefusedError(result.reason)
@@ -334,6 +366,8 @@ class ShuffleAccountant:
             accountant._rounds = [ShuffleRound.from_dict(r) for r in rounds]
             if accountant._rounds:
                 accountant._history, accountant._next_id = 1, 2
+            if accountant._runner is not None:  # composed at the first query, in the order of the rounds
+                accountant._runner.reset([(r.n, r.eps0) for r in accountant._rounds])
         except TypeError as exc:
             raise ValueError(f"accountant state has a field of the wrong type: {exc}") from None
         return accountant
@@ -342,10 +376,14 @@ class ShuffleAccountant:
         """Replace this accountant's state with ``state`` (Flower's protocol name); validated before anything
         changes, so an invalid state leaves the accountant as it was."""
         other = ShuffleAccountant.from_state_dict(state)
-        # kept composed states are looked up by the rounds they compose, so they stay valid for any history of the
-        # same clone pair (a rollback after a failed ledger write reuses the one before the round)
-        if other._family != self._family:
-            self._states = []
+        # a prefix of this history within the runner's undo log (the server's rollback after a failed ledger write)
+        # keeps the composed state it had; any other history is composed afresh at its first query
+        keep = (
+            other._family == self._family and self._runner is not None and len(other._rounds) <= len(self._rounds)
+            and self._rounds[: len(other._rounds)] == other._rounds and self._runner.rollback(len(other._rounds))
+        )
+        if not keep:
+            self._runner = other._runner
         self._target_delta = other._target_delta
         self._family = other._family
         self._comparison = other._comparison

@@ -426,36 +426,43 @@ def compose(
 
 
 def _eps_one(losses: np.ndarray, probs: np.ndarray, inf_mass: float, delta: float) -> float:
-    """Smallest eps >= 0 with delta(eps) <= delta for one direction.
+    """Smallest eps >= 0 with delta(eps) <= delta for one direction; ``losses`` ascending (as from :func:`dense_parts`).
 
-    For eps in [l_{k-1}, l_k): delta(eps) = U_k - e^eps W_k with U_k = inf + sum_{j>=k} p_j and
-    W_k = sum_{j>=k} p_j e^{-l_j}; each such line is a lower bound on delta(eps) everywhere, and the
-    line of the interval that holds eps* is tight, so eps* = max(0, max_k log((U_k - delta) / W_k)).
-    Only k with l_k > 0 can hold a positive eps*. ``log W_k`` is accumulated in log space (losses of
-    composed PLDs reach hundreds, where e^{-l} underflows).
+    For eps in [l_{k-1}, l_k): delta(eps) = U_k - e^eps W_k with U_k = inf + sum_{j>=k} p_j and W_k = sum_{j>=k}
+    p_j e^{-l_j}; each such line is a lower bound on delta(eps) everywhere, and the line of the interval that holds
+    eps* is tight, so eps* = max(0, max_k log((U_k - delta) / W_k)) (Koskela, Jalko, Honkela, AISTATS 2020). Only
+    k with l_k > 0, U_k > delta and W_k > 0 count: both sums shrink with k, so those k are a prefix. ``log W_k`` is
+    accumulated in log space where e^{-l} would underflow (losses of composed PLDs reach hundreds).
     """
     if inf_mass > delta:
         return math.inf
-    keep = losses > 0
-    lk, pk = losses[keep], np.maximum(probs[keep], 0.0)
+    start = int(np.searchsorted(losses, 0.0, side="right"))
+    lk, pk = losses[start:], np.maximum(probs[start:], 0.0)
     if lk.size == 0:
         return 0.0
     u = inf_mass + np.cumsum(pk[::-1])[::-1]
-    l_min, l_max = float(lk.min()), float(lk.max())
+    l_min, l_max = float(lk[0]), float(lk[-1])
     terms = pk * np.exp(l_min - lk) if l_max - l_min < 600.0 else None
     if terms is not None and not np.any((terms == 0.0) & (pk > 0.0)):
         # W_k = e^{-l_min} sum_{j>=k} p_j e^{-(l_j - l_min)}: no overflow, and no term underflowed
-        with np.errstate(divide="ignore"):
-            log_w = np.log(np.cumsum(terms[::-1])[::-1]) - l_min
+        w = np.cumsum(terms[::-1])[::-1]
+        kept = min(int(np.count_nonzero(u > delta)), int(np.count_nonzero(w > 0.0)))
+        log_w = np.log(w[:kept]) - l_min
     else:
         with np.errstate(divide="ignore"):
-            log_terms = np.log(pk) - lk
-        log_w = np.logaddexp.accumulate(log_terms[::-1])[::-1]
-    ok = (u > delta) & np.isfinite(log_w)
-    if not np.any(ok):
+            log_w = np.logaddexp.accumulate((np.log(pk) - lk)[::-1])[::-1]
+        kept = min(int(np.count_nonzero(u > delta)), int(np.count_nonzero(np.isfinite(log_w))))
+        log_w = log_w[:kept]
+    if kept == 0:
         return 0.0
-    cand = np.log(u[ok] - delta) - log_w[ok]
-    return max(0.0, float(cand.max()))
+    return max(0.0, float((np.log(u[:kept] - delta) - log_w).max()))
+
+
+def _delta_one(losses: np.ndarray, probs: np.ndarray, inf_mass: float, epsilon: float) -> float:
+    """``inf + sum_{l > eps} p (1 - e^{eps - l})``, one direction, ``losses`` ascending, not clipped (a fresh copy of
+    the masses is summed, so the result does not depend on where they sit in memory)."""
+    start = int(np.searchsorted(losses, epsilon, side="right"))
+    return inf_mass + float(np.dot(-np.expm1(epsilon - losses[start:]), probs[start:].copy()))
 
 
 def epsilon_for_delta(pld: PrivacyLossDistribution, delta: float) -> float:
@@ -489,10 +496,5 @@ def delta_for_epsilon(pld: PrivacyLossDistribution, epsilon: float) -> float:
     e = check_epsilon(epsilon, allow_inf=True)
     best = 0.0
     for losses, probs, inf in dense_parts(pld):
-        if math.isinf(e):
-            val = inf
-        else:
-            m = losses > e
-            val = inf + float(np.dot(-np.expm1(e - losses[m]), probs[m]))
-        best = max(best, val)
+        best = max(best, inf if math.isinf(e) else _delta_one(losses, probs, inf, e))
     return min(1.0, max(0.0, best))

@@ -11,7 +11,17 @@ import numpy as np
 import pytest
 from scipy import fft as sfft
 
-from shuffledp.accounting import RefusedError, bounds, clone_blocks, clone_spread, clones, heterogeneous
+from shuffledp.accounting import (
+    RefusedError,
+    bounds,
+    clone_blocks,
+    clone_spread,
+    clones,
+    composed,
+    heterogeneous,
+    running,
+    spectral,
+)
 from shuffledp.accounting import literature as lit
 from shuffledp.accounting import pld as P
 from shuffledp.accounting import pld_spread as ps
@@ -24,6 +34,8 @@ from shuffledp.accounting.events import ShuffleRound
 FFT_RTOL = 1e-9  # FFT round-off on a composed epsilon (relative), far below any discretisation effect
 INCREMENTAL_RTOL = 3e-3  # clone blocks at their lowest c (+0.05%) and the first round's grid: the accountant vs exact
 TIGHT_RTOL = 5e-3  # the acceptance: within 0.5% of an independent composition
+QUERY_RTOL = 2e-4  # the query grid's spread (about 48 points per composed standard deviation: +1e-4 in variance)
+SPREAD_ATOL = 1e-15  # the query on the transform against the same spread done on the inverse transform
 BRACKET_RTOL = 0.10  # the acceptance: a bracket narrower than 10%
 # n = 1e4, eps0 = 1, delta = 1e-6, T = 1e5: an independent PLD composition (dp_accounting, fine grid) brackets
 # the clone pair's epsilon in [26.08, 26.38]
@@ -136,6 +148,175 @@ def test_checkpoint_replay_rebuilds_the_composed_distribution_bit_for_bit() -> N
     assert restored.epsilon().value > value
     restored.load_state_dict(before)
     assert restored.epsilon().value == value
+
+
+def _many_uneven_rounds(count: int, distinct: int, seed: int) -> list[ShuffleRound]:
+    rng = random.Random(seed)
+    ns = [rng.randint(20_000, 200_000) for _ in range(distinct)]
+    return [ShuffleRound(rng.choice(ns), 1.0) for _ in range(count)]
+
+
+def _independent_composition(rounds: list[tuple[int, float]], h: float) -> float:
+    """Epsilon at 1e-6 of the same one-round PMFs composed by one linear FFT convolution (a transform long enough
+    for the whole support: no circle, no band, no Chernoff window, no coarser query grid)."""
+    items = [clone_blocks.round_pld(e, n, "stronger", h) for n, e in rounds]
+    size = sum(d[1].size for d in items)
+    n_fft = sfft.next_fast_len(size, real=True)
+    spectrum = np.ones(n_fft // 2 + 1, dtype=np.complex128)
+    lower, keep = 0, 0.0
+    for lo, probs, inf in items:
+        spectrum *= sfft.rfft(probs, n_fft)
+        lower, keep = lower + lo, keep + math.log1p(-inf)
+    dense = np.maximum(sfft.irfft(spectrum, n_fft)[:size], 0.0)
+    return pld_epsilon(ps.to_pld((lower, dense, -math.expm1(keep)), h, pessimistic=True), 1e-6)
+
+
+def test_the_composition_kept_as_a_transform_is_above_an_independent_composition_of_the_same_rounds() -> None:
+    """The circle, the band with its bound, the Chernoff windows and the coarser query grid together can only
+    raise the value, and by no more than the query grid's spread."""
+    rng = random.Random(5)
+    ns = [rng.randint(20_000, 80_000) for _ in range(8)]
+    rounds = [(rng.choice(ns), 1.0) for _ in range(60)]
+    state = composed.fold(rounds, "stronger")
+    assert state.current.band < state.current.n_fft // 2  # the band is in use
+    fast = state.epsilon(1e-6)
+    independent = _independent_composition(rounds, state.h)
+    assert independent * (1 - FFT_RTOL) <= fast <= independent * (1 + QUERY_RTOL)
+    assert fast == pld_epsilon(state.delta_pld(), 1e-6)  # the accountant's query is pld_epsilon, bit for bit
+
+
+def test_the_query_on_the_transform_is_the_spread_of_the_composition() -> None:
+    """Spreading onto the query grid and decimating, done on the band of the transform, equals the same spread
+    (:func:`pld_spread.coarsen`) of the inverse transform; and it only raises every delta."""
+    rng = random.Random(6)
+    rounds = [(rng.randint(30_000, 60_000), 1.0) for _ in range(40)]
+    state = composed.fold(rounds, "stronger")
+    (lower, probs, inf), interval = state.query_dense()
+    factor = int(round(interval / state.h))
+    assert factor > 1
+    fine = state.current.dense()
+    c_lower, c_probs, _ = ps.coarsen(fine, state.h, factor)
+    assert lower == c_lower and probs.size == c_probs.size
+    assert np.max(np.abs(probs - c_probs)) <= SPREAD_ATOL
+    coarse_pld = ps.to_pld((lower, probs, inf), interval, pessimistic=True)
+    fine_pld = ps.to_pld((fine[0], fine[1], inf), state.h, pessimistic=True)
+    for eps in np.linspace(0.0, 0.15, 16):
+        assert P.delta_for_epsilon(coarse_pld, float(eps)) >= P.delta_for_epsilon(fine_pld, float(eps)) - 1e-15
+
+
+def test_the_band_bound_covers_every_dropped_coefficient() -> None:
+    state = composed.fold([(40_000, 1.0), (45_000, 1.0)] * 30, "stronger")
+    comp = state.current
+    narrower = comp.band // 4
+    kept, log_tail = comp.moved(comp.n_fft, narrower)
+    assert kept.size == narrower + 1 and np.array_equal(kept, comp.spectrum[: narrower + 1])
+    assert log_tail >= math.log(float(np.abs(comp.spectrum[narrower + 1 :]).max()))
+    assert log_tail >= comp.log_tail
+
+
+def test_the_band_narrows_only_where_the_dropped_coefficients_cannot_matter() -> None:
+    """Rounds whose own transforms stay large up to the Nyquist frequency (a few wide rounds next to narrow ones)
+    keep the whole transform; a long run narrows the band. Either way the band moves at most BAND_TAIL_MASS and
+    the query's infinite loss is the tails' 1e-15s, not the band."""
+    few = composed.fold([(10_000, 1.0), (5_000, 2.0), (10_000, 1.0), (5_000, 2.0), (10_000, 1.0)], "stronger")
+    rng = random.Random(10)
+    many = composed.fold([(rng.randint(40_000, 60_000), 1.0) for _ in range(200)], "stronger")
+    assert many.current.band < many.current.n_fft // 2
+    for state in (few, many):
+        comp = state.current
+        assert 2 * comp.n_fft * math.exp(comp.log_tail) <= spectral.BAND_TAIL_MASS
+        assert state.query_dense()[0][2] <= 1e-13
+    assert few.epsilon(1e-6) == bounds.epsilon_for_rounds(
+        "clones", [ShuffleRound(n, e) for n, e in ((10_000, 1.0), (5_000, 2.0), (10_000, 1.0), (5_000, 2.0),
+                                                   (10_000, 1.0))], 1e-6).value
+
+
+def test_a_long_uneven_run_replays_bit_for_bit_across_circle_growth_and_band_narrowing() -> None:
+    """400 charges (would_exceed, compose, epsilon) over 40 distinct n: the circle grows and the band narrows on
+    the way; a checkpoint replay, runs composed with count=, and epsilon_for_rounds all give the same value."""
+    history = _many_uneven_rounds(400, 40, seed=7)
+    live = ShuffleAccountant(1e-6)
+    circles, bands = set(), set()
+    for event in history:
+        live.would_exceed(event, 1e9)
+        live.compose(event)
+        live.epsilon()
+        state = live._runner._frame.state  # pylint: disable=protected-access
+        if state is not None:
+            circles.add(state.current.n_fft)
+            bands.add(state.current.n_fft // (2 * state.current.band))
+    assert len(circles) >= 4 and max(bands) >= 4  # the circle grew and the query grid coarsened
+    value = live.epsilon().value
+    grouped = ShuffleAccountant(1e-6)
+    i = 0
+    while i < len(history):
+        j = i
+        while j < len(history) and history[j] == history[i]:
+            j += 1
+        grouped.compose(history[i], count=j - i)
+        i = j
+    clones.clear_caches()
+    clone_blocks.clear_block_cache()
+    spectral.clear_caches()
+    restored = ShuffleAccountant.from_state_dict(json.loads(json.dumps(live.state_dict())))
+    assert restored.epsilon().value == value
+    assert grouped.epsilon().value == value
+    assert bounds.epsilon_for_rounds("clones", history, 1e-6).value == value
+    assert restored.epsilon(1e-9).value == live.epsilon(1e-9).value
+
+
+def test_a_charge_never_recomposes_the_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the history is composed once, each charge extends it by one round: one extension, no fold."""
+    history = _many_uneven_rounds(60, 30, seed=8)
+    acct = ShuffleAccountant(1e-6)
+    for event in history[:20]:
+        acct.would_exceed(event, 1e9)
+        acct.compose(event)
+    folds, extensions = [], []
+    real_fold, real_extended = running.fold, composed.ComposedClones.extended
+    monkeypatch.setattr(running, "fold", lambda *a, **k: folds.append(1) or real_fold(*a, **k))
+    monkeypatch.setattr(composed.ComposedClones, "extended",
+                        lambda self, *a, **k: extensions.append(1) or real_extended(self, *a, **k))
+    for event in history[20:]:
+        acct.would_exceed(event, 1e9)
+        acct.compose(event)
+        acct.epsilon()
+    assert not folds and len(extensions) == len(history) - 20
+
+
+def test_the_no_shuffle_cap_shortcut_gives_what_epsilon_for_rounds_gives() -> None:
+    """Where no-shuffle binds (a handful of reports) the cap is computed as epsilon_for_rounds computes it; where it
+    cannot bind the shortcut's answer is the same too, with one eps0 or several."""
+    tiny = [ShuffleRound(n, 2.0) for n in (2, 3, 2, 4, 5, 6, 2, 3, 7, 2)]
+    acct = ShuffleAccountant(1e-6)
+    for event in tiny:
+        acct.compose(event)
+        assert acct.epsilon().value == bounds.epsilon_for_rounds("clones", acct.rounds, 1e-6).value
+    assert acct.epsilon().details.get("capped_by_no_shuffle")
+    mixed = [ShuffleRound(n, e) for n, e in ((50_000, 1.0), (60_000, 0.5), (70_000, 1.0), (80_000, 0.5),
+                                              (90_000, 1.0), (55_000, 0.5), (65_000, 1.0))]
+    acct = ShuffleAccountant(1e-6)
+    for event in mixed:
+        acct.would_exceed(event, 1e9)
+        acct.compose(event)
+        assert acct.epsilon().value == bounds.epsilon_for_rounds("clones", acct.rounds, 1e-6).value
+
+
+def test_a_rollback_within_the_undo_log_keeps_the_state_and_a_deeper_one_recomposes() -> None:
+    history = _many_uneven_rounds(40, 12, seed=9)
+    acct = ShuffleAccountant(1e-6)
+    checkpoints = []
+    for event in history:
+        checkpoints.append((acct.state_dict(), acct.epsilon().value))
+        acct.would_exceed(event, 1e9)
+        acct.compose(event)
+    for back in (1, 3, running.UNDO_DEPTH + 5):
+        state, value = checkpoints[-back]
+        other = ShuffleAccountant.from_state_dict(acct.state_dict())
+        other.epsilon()
+        other.load_state_dict(state)
+        assert other.epsilon().value == value
+        assert other.epsilon().value == bounds.epsilon_for_rounds("clones", other.rounds, 1e-6).value
 
 
 def _independent_bracket(eps0: float, n: int, delta: float, rounds: int, h: float) -> tuple[float, float]:

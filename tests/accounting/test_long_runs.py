@@ -57,3 +57,27 @@ def test_rr_lower_refuses_unresolved_heterogeneous_rounds_too() -> None:
     many = [ShuffleRound(10_000, 1.0)] * 1_500_000 + [ShuffleRound(12_000, 1.0)] * 1_500_000
     with pytest.raises(RefusedError, match="rr-lower cannot resolve 3000000 rounds"):
         epsilon_for_rounds("rr-lower", many, 1e-6)
+
+
+def test_a_long_uneven_run_checks_the_no_shuffle_cap_rarely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cap's check costs O(T) (no-shuffle's binomial sums over T rounds); it was done at every charge. Since
+    no-shuffle's epsilon never decreases with more rounds, a check at twice the value covers the charges until the
+    value doubles: over 200 uneven rounds a handful of checks, and the same values as epsilon_for_rounds."""
+    import random
+
+    from shuffledp.accounting import bounds, running
+    from shuffledp.accounting.accountant import ShuffleAccountant
+    from shuffledp.accounting.events import ShuffleRound
+
+    calls = []
+    real = running.lit.no_shuffle_delta
+    monkeypatch.setattr(running.lit, "no_shuffle_delta", lambda *a: calls.append(a) or real(*a))
+    rng = random.Random(3)
+    acct = ShuffleAccountant(1e-6)
+    for t in range(200):
+        event = ShuffleRound(rng.randint(50_000, 200_000), 1.0)
+        acct.would_exceed(event, 1e9)
+        acct.compose(event)
+        if t in (10, 199):
+            assert acct.epsilon().value == bounds.epsilon_for_rounds("clones", acct.rounds, 1e-6).value
+    assert len(calls) <= 20
