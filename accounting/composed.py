@@ -291,7 +291,7 @@ def dense_epsilon(lower: int, probs: np.ndarray, inf: float, interval: float, de
     Returns:
         The smallest checked epsilon (``math.inf`` when ``inf > delta``).
     """
-    from shuffledp.accounting.composition import PLD_STEP_UP_MAX_STEPS, PLD_STEP_UP_RTOL
+    from shuffledp.accounting.composition import step_up_until_checked
 
     losses = (np.arange(probs.size) + lower) * interval
     value = float(_pld._eps_one(losses, probs, inf, delta))  # pylint: disable=protected-access
@@ -300,22 +300,7 @@ def dense_epsilon(lower: int, probs: np.ndarray, inf: float, interval: float, de
             return math.inf
         raise ArithmeticError(f"PLD epsilon query returned {value} at delta={delta} with only {inf!r} of the mass "
                               "at infinite loss: numerical failure of the PLD query; refusing to report it")
-    first = value
-    check = _dense_delta(losses, probs, inf, value)
-    limit = first + PLD_STEP_UP_RTOL * max(abs(first), 1.0)
-    step = math.ulp(max(value, 1.0))
-    for _ in range(PLD_STEP_UP_MAX_STEPS):
-        if check <= delta:
-            return value
-        if value + step > limit:
-            break
-        value = value + step
-        step *= 2.0
-        check = _dense_delta(losses, probs, inf, value)
-    if check <= delta:
-        return value
-    raise ArithmeticError(f"PLD epsilon query returned eps={first!r} with delta(eps) > delta={delta!r} even after "
-                          f"stepping eps up by {PLD_STEP_UP_RTOL:g} relative: refusing to report it")
+    return step_up_until_checked(value, delta, lambda eps: _dense_delta(losses, probs, inf, eps))
 
 
 def fold(rounds: list[tuple[int, float]], variant: str, start: ComposedClones | None = None) -> ComposedClones:

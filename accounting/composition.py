@@ -11,6 +11,7 @@ privacy", ICML 2015; ``no-shuffle`` and ``fmt``), and the choice of grid interva
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -82,8 +83,27 @@ def pld_epsilon(composed: Any, delta: float, *, lower: bool = False) -> float:
         )
     if lower:
         return value
+    return step_up_until_checked(value, delta, lambda eps: float(pld.delta_for_epsilon(composed, eps)))
+
+
+def step_up_until_checked(value: float, delta: float, delta_at: Callable[[float], float]) -> float:
+    """The smallest of ``value``, ``value + ulp``, ``value + 3 ulp``, ... (doubling steps, at most
+    :data:`PLD_STEP_UP_RTOL` relative above ``value``) whose ``delta_at`` is at most ``delta``: the re-check that
+    makes a PLD epsilon an upper bound when the closed-form answer misses by rounding.
+
+    Args:
+        value: the epsilon the PLD query returned (finite).
+        delta: the target delta.
+        delta_at: the same PLD's delta at a given epsilon.
+
+    Returns:
+        The checked epsilon.
+
+    Raises:
+        ArithmeticError: no epsilon within the step-up limit passes the check (numerical failure: refused).
+    """
     first = value
-    check = float(pld.delta_for_epsilon(composed, value))
+    check = delta_at(value)
     limit = first + PLD_STEP_UP_RTOL * max(abs(first), 1.0)
     step = math.ulp(max(value, 1.0))
     for _ in range(PLD_STEP_UP_MAX_STEPS):
@@ -93,13 +113,13 @@ def pld_epsilon(composed: Any, delta: float, *, lower: bool = False) -> float:
             break
         value = value + step
         step *= 2.0
-        check = float(pld.delta_for_epsilon(composed, value))
+        check = delta_at(value)
     if check <= delta:
         return value
     raise ArithmeticError(
-        f"PLD epsilon query returned eps={first!r} with delta(eps)={float(pld.delta_for_epsilon(composed, first))!r}"
-        f" > delta={delta!r}, and stepping eps up by up to {PLD_STEP_UP_RTOL:g} relative (to {value!r}) still "
-        f"gives delta={check!r}: numerical failure of the PLD query; refusing to report it"
+        f"PLD epsilon query returned eps={first!r} with delta(eps)={delta_at(first)!r} > delta={delta!r}, and "
+        f"stepping eps up by up to {PLD_STEP_UP_RTOL:g} relative (to {value!r}) still gives delta={check!r}: "
+        "numerical failure of the PLD query; refusing to report it"
     )
 
 

@@ -371,6 +371,19 @@ class OuterOpener:
         unverified: nothing in it may be used before :meth:`verify` returns. Raises :class:`EnvelopeError`."""
         if not isinstance(envelope, (bytes, bytearray, memoryview)):
             raise TypeError(f"envelope must be bytes, got {type(envelope).__name__}")
+        self._check_prefix(envelope)
+        body = memoryview(envelope)[_PREFIX.size :]
+        try:
+            outer_pt = _SUITE.decrypt(body, self._sk, info=self._info)
+        except (InvalidTag, ValueError) as exc:
+            raise EnvelopeError("undecryptable", "outer layer failed HPKE authentication") from exc
+        if len(outer_pt) < _OUTER_HEAD.size + INNER_OVERHEAD:
+            raise EnvelopeError("malformed", "outer plaintext too short")
+        return DecryptedReport(enc=bytes(body[:ENC_BYTES]), outer_plaintext=outer_pt)
+
+    def _check_prefix(self, envelope: bytes | bytearray | memoryview) -> None:
+        """The public checks before any decryption: the length, then this batch's version and key epoch.
+        Raises :class:`EnvelopeError`."""
         if len(envelope) < ENVELOPE_OVERHEAD:
             raise EnvelopeError(
                 "malformed", f"envelope is {len(envelope)} bytes; at least {ENVELOPE_OVERHEAD} are required"
@@ -380,14 +393,6 @@ class OuterOpener:
             raise EnvelopeError("wrong_version", f"envelope version {version}; this batch is version {self._version}")
         if epoch != self._epoch:
             raise EnvelopeError("wrong_epoch", f"envelope key epoch {epoch}; expected {self._epoch}")
-        body = memoryview(envelope)[_PREFIX.size :]
-        try:
-            outer_pt = _SUITE.decrypt(body, self._sk, info=self._info)
-        except (InvalidTag, ValueError) as exc:
-            raise EnvelopeError("undecryptable", "outer layer failed HPKE authentication") from exc
-        if len(outer_pt) < _OUTER_HEAD.size + INNER_OVERHEAD:
-            raise EnvelopeError("malformed", "outer plaintext too short")
-        return DecryptedReport(enc=bytes(body[:ENC_BYTES]), outer_plaintext=outer_pt)
 
     def decrypt_into(self, envelope: bytes | memoryview, inner_out: memoryview) -> "DecryptedReport":
         """:meth:`decrypt`, with the inner ciphertext written straight into ``inner_out`` (a writable buffer of
@@ -402,15 +407,7 @@ class OuterOpener:
         ``hmac``, then AES-GCM as a stream whose first 113 bytes go to a small buffer and the rest to
         ``inner_out``, with the tag checked at the end. Tests check it against ``cryptography``'s HPKE.
         """
-        if len(envelope) < ENVELOPE_OVERHEAD:
-            raise EnvelopeError(
-                "malformed", f"envelope is {len(envelope)} bytes; at least {ENVELOPE_OVERHEAD} are required"
-            )
-        version, epoch = peek_prefix(envelope)
-        if version != self._version:
-            raise EnvelopeError("wrong_version", f"envelope version {version}; this batch is version {self._version}")
-        if epoch != self._epoch:
-            raise EnvelopeError("wrong_epoch", f"envelope key epoch {epoch}; expected {self._epoch}")
+        self._check_prefix(envelope)
         view = memoryview(envelope)
         inner_length = len(view) - (ENVELOPE_OVERHEAD - INNER_OVERHEAD)
         if len(inner_out) != inner_length:
