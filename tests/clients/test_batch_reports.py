@@ -194,7 +194,7 @@ def test_batch_coins_are_the_exact_coin() -> None:
         for i in range(p.size):
             k = (float(p[i]).as_integer_ratio()[1]).bit_length() - 1
             if 0 < k and -(-k // 64) == width:
-                assert got[i] == bernoulli(float(p[i]), _Replay(words[i])), (width, i, p[i])  # type: ignore[arg-type]
+                assert got[i] == bernoulli(float(p[i]), _Replay(words[i])), (width, i, p[i])  # type: ignore[arg-type] - a replayed word source
         assert 0 < got.sum() < p.size
     assert coin_words(rr_interval(2.0)[0]) == 1 and coin_words(rr_interval(64.0)[0]) == 3
     with pytest.raises(ValueError, match="more than 1 words"):

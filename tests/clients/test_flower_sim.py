@@ -8,23 +8,20 @@ import threading
 import time
 
 import pytest
+from flwr.app import Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+from flwr.server.superlink.fleet.vce import vce_api
+from flwr.server.superlink.linkstate import LinkStateFactory
+from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState, RunRecord
+from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.superlink.federation import NoOpFederationManager
+from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
-flwr = pytest.importorskip("flwr")
-
-from flwr.app import Message, RecordDict  # noqa: E402
-from flwr.common.constant import SUPERLINK_NODE_ID  # noqa: E402
-from flwr.proto.task_pb2 import Task  # noqa: E402  # pylint: disable=E0611
-from flwr.server.superlink.fleet.vce import vce_api  # noqa: E402
-from flwr.server.superlink.linkstate import LinkStateFactory  # noqa: E402
-from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState, RunRecord  # noqa: E402
-from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID  # noqa: E402
-from flwr.supercore.object_store import ObjectStoreFactory  # noqa: E402
-from flwr.supercore.run import Run  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
-from flwr.superlink.federation import NoOpFederationManager  # noqa: E402
-from flwr.superlink.grid.inmemory_grid import InMemoryGrid  # noqa: E402
-
-from shuffledp.clients import flower_sim  # noqa: E402
+from shuffledp.clients import flower_sim
 
 RUN_ID = 4242
 
@@ -97,7 +94,7 @@ def test_a_sweep_checks_each_message_once_not_once_per_node() -> None:
         checks += len(message_ids)
         original(message_ids, run_id)
 
-    state._check_stored_messages = counting  # type: ignore[method-assign]
+    state._check_stored_messages = counting  # type: ignore[method-assign] - a counting wrapper on this instance
     out: queue.Queue[Message] = queue.Queue()
     stop = threading.Event()
     sweeper = threading.Thread(target=vce_api.add_messages_to_queue, args=(state, out, nodes, stop))

@@ -101,7 +101,7 @@ def test_the_federation_config_sets_the_actors_through_rays_cpu_count(monkeypatc
     assert runner.default_actors() == 2  # at least two: one waits for its Ray round trip while the other works
     for bad in (0, -1, True, 2.5):
         with pytest.raises(runner.RunnerError, match="actors must be an int >= 1"):
-            runner.federation_config(5, bad)  # type: ignore[arg-type]
+            runner.federation_config(5, bad)  # type: ignore[arg-type] - a wrong type on purpose
 
 
 def test_actors_flag_is_checked_and_recorded_for_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str],
