@@ -29,16 +29,17 @@ import itertools
 import time
 from pathlib import Path
 
-from shuffledp.deploy.inprocess_study import Choice, Outcome, Trial, choose, run_trials, spread
+from shuffledp.deploy.inprocess_study import Choice, Outcome, Trial, choose, grid_trials, run_trials, spread
 
 MECHANISMS = ("laplace", "duchi", "privunit2")
 
 
 def arm(*, rounds: tuple, server_lr: tuple, clip: tuple = (1.0,), optimizer: tuple = ("sgd",),
         pca: tuple = (None,)) -> dict:
-    """One block of the grid: the cross product of its values (``pca`` None: the dataset's default, ``PCA``)."""
+    """One block of the grid: the cross product of its values (``pca`` None: the dataset's default, ``PCA``), keyed
+    by the names of :func:`shuffledp.deploy.inprocess.simulate`'s arguments."""
     return {"rounds": rounds, "server_lr": server_lr, "clip": clip, "server_optimizer": optimizer,
-            "pca": pca}
+            "pca_components": pca}
 
 
 #: The searched grid per mechanism, as blocks (a learning rate only makes sense with its optimizer): rounds T,
@@ -73,30 +74,18 @@ MAIN_JOB_GRID = {
 PCA = {"digits": 10, "mnist5k": 20}
 
 
-def family_for(family: str, mechanism: str) -> str:
-    """The accounting family of a mechanism's runs: ``family``, or for ``auto`` the budget family the apps pick
-    for that mechanism (:func:`shuffledp.accounting.families.resolve_family`)."""
-    from shuffledp.accounting.families import resolve_family
-
-    return resolve_family(family, mechanism)
-
-
 def trials(dataset: str, mechanisms: list[str], epsilons: list[float], seeds: int, grid: dict,
            delta: float, family: str = "auto") -> list[Trial]:
+    """The frontier's trials, built by the sweep's :func:`shuffledp.deploy.inprocess_study.grid_trials`: one group
+    per (mechanism, target epsilon), each block of ``grid[mechanism]`` searched within it. ``family`` ``auto`` is
+    resolved per mechanism by ``simulate``, as the apps do."""
+    fixed = {"dataset": dataset, "delta": delta, "family": family}
     out = []
     for mech, eps in itertools.product(mechanisms, epsilons):
-        fam = family_for(family, mech)
         for block in grid[mech]:
-            for rounds, opt, lr, clip, pca in itertools.product(block["rounds"], block["server_optimizer"],
-                                                                block["server_lr"], block["clip"], block["pca"]):
-                pca = PCA[dataset] if pca is None else pca
-                setting = (("clip", clip), ("pca", pca), ("rounds", rounds), ("server_lr", lr),
-                           ("server_optimizer", opt))
-                for seed in range(seeds):
-                    kwargs = (("dataset", dataset), ("pca_components", pca), ("mechanism", mech),
-                              ("target_epsilon", eps), ("rounds", rounds), ("clip", clip), ("server_lr", lr),
-                              ("server_optimizer", opt), ("delta", delta), ("family", fam))
-                    out.append(Trial((mech, eps), setting, seed, kwargs))
+            searched = {**block, "pca_components": tuple(PCA[dataset] if p is None else p
+                                                         for p in block["pca_components"])}
+            out += grid_trials({"mechanism": [mech], "target_epsilon": [eps]}, searched, range(seeds), fixed)
     return out
 
 
@@ -111,8 +100,8 @@ def table(choices: list[Choice], dataset: str, seeds: int, delta: float) -> str:
         mech, eps = c.group
         s = c.setting
         lines.append(f"| {mech} | {eps:g} | {spread(c.test)} | {c.public_mean:.3f} | {s['rounds']} | "
-                     f"{s['server_optimizer']} {s['server_lr']:g} | {s['clip']:g} | {s['pca']} | {c.eps0:.3f} | "
-                     f"{c.epsilon:.3f} ({c.kind}, {c.family}) |")
+                     f"{s['server_optimizer']} {s['server_lr']:g} | {s['clip']:g} | {s['pca_components']} | "
+                     f"{c.eps0:.3f} | {c.epsilon:.3f} ({c.kind}, {c.family}) |")
     return "\n".join(lines)
 
 
