@@ -31,18 +31,18 @@ import time
 from pathlib import Path
 
 from shuffledp.accounting import RefusedError
+from shuffledp.accounting.families import FAMILY_MECHANISMS
 from shuffledp.deploy.inprocess import plan_eps0
 from shuffledp.deploy.inprocess_study import Choice, Outcome, Trial, choose, run_trials, spread
 
 FAMILIES = ("clones", "clones-focs", "girgis", "blanket-laplace", "ccg-rdp", "no-shuffle", "blanket-duchi")
-#: Families whose bound holds only for one mechanism's reports (run for that mechanism only).
-ONLY_FOR = {"blanket-laplace": "laplace", "blanket-duchi": "duchi"}
 LRS = {"laplace": 5.0, "duchi": 5.0, "privunit2": 5.0}
 
 
 def families_for(mechanism: str) -> list[str]:
-    """The families that may account for ``mechanism``'s reports."""
-    return [f for f in FAMILIES if ONLY_FOR.get(f, mechanism) == mechanism]
+    """The families that may account for ``mechanism``'s reports (a mechanism-aware family only for its own,
+    :data:`shuffledp.accounting.families.FAMILY_MECHANISMS`)."""
+    return [f for f in FAMILIES if FAMILY_MECHANISMS.get(f, mechanism) == mechanism]
 
 
 def table(choices: list[Choice], refused: dict[tuple[str, float], str], dataset: str, n: int, rounds: int,
