@@ -304,6 +304,8 @@ class SubmitStream:
             try:
                 for group in wire.packed(map(self._sendable, items), self.batch_bytes):
                     yield self._encode_group(group)
+            except GeneratorExit:  # gRPC closed this iterator because the call ended: its status is the answer
+                raise
             except BaseException as exc:  # gRPC would only log it and cancel the call: keep it for close()
                 self._source_error = exc
                 raise

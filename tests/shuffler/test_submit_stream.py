@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
 
-from shuffledp.shuffler.client import ShufflerError
+from shuffledp.shuffler.client import ShufflerError, SubmitStream
 from shuffledp.shuffler.envelope import open_inner
 
 from .test_service import _service  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
@@ -104,3 +106,25 @@ def test_close_checks_the_count_sent(kit, running) -> None:
             with pytest.raises(ShufflerError) as info:  # the shuffler refuses: received 4 of 5
                 s.close()
         assert info.value.reason == "count_mismatch"
+
+
+def test_a_refused_source_stream_raises_the_refusal_not_the_closed_iterator(kit, running) -> None:
+    # gRPC closes the request iterator when the shuffler ends the call early; the GeneratorExit that this raises
+    # inside the stream's source reader is gRPC's doing, and the refusal must stay what close() raises
+    closed = threading.Event()
+    envelope = kit.seal(0)
+
+    def endless() -> Iterator[bytes]:
+        try:
+            while True:
+                yield envelope
+        finally:
+            closed.set()
+
+    with kit.client(running.address) as c:
+        stream = SubmitStream(c, round_id=1, key_epoch=1, model_digest=kit.digest, count=10**6,
+                              envelope_length=None, timeout=30.0, source=endless())
+        closed.wait(10.0)  # set once gRPC has closed the stream's source reader (and with it, ``endless``)
+        with pytest.raises(ShufflerError) as info:
+            stream.close()
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
