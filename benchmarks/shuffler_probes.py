@@ -1,0 +1,144 @@
+"""Optional probes of ``bench_shuffler.py``: ``strace -c`` and ``perf record`` of the shuffler during one run, the
+in-process core's add/finish split, and the journal filesystem's write + fdatasync rate."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from shuffler_runs import MB, EnvelopeFile, Keys, one_run
+
+from shuffledp.shuffler.envelope import ENVELOPE_VERSION
+from shuffledp.shuffler.process import ShufflerProcess
+
+
+@contextlib.contextmanager
+def _attached(argv: list[str], *, wait: float) -> Iterator[None]:
+    """A profiler attached to the shuffler (``argv`` names its pid) for the duration of the block; it gets a
+    second to attach first and SIGINT (write its output) at the end."""
+    tracer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    try:
+        yield
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(wait)
+
+
+def strace_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: int, digest: bytes, max_msg: int,
+               out: Path) -> str:
+    if shutil.which("strace") is None:
+        return "strace not installed"
+    with _attached(["strace", "-c", "-f", "-o", str(out), "-p", str(proc.pid)], wait=30):
+        one_run(keys, proc, envs, round_id, digest, max_msg)
+    return out.read_text() if out.exists() else "(no strace output)"
+
+
+def perf_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: int, digest: bytes, max_msg: int,
+             out: Path) -> str:
+    """``perf record`` the shuffler during one submit+fetch; returns the top DSOs and symbols by self time."""
+    if shutil.which("perf") is None:
+        return "perf not installed"
+    data = out.with_suffix(".data")
+    with _attached(["perf", "record", "-F", "499", "-g", "-o", str(data), "-p", str(proc.pid)], wait=60):
+        one_run(keys, proc, envs, round_id, digest, max_msg)
+    parts = []
+    for sort in ("dso", "dso,symbol"):
+        r = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", sort, "--stdio",
+                            "-g", "none"],
+                           capture_output=True, text=True, timeout=120)
+        lines = [ln.rstrip() for ln in r.stdout.splitlines() if "%" in ln and not ln.lstrip().startswith("#")]
+        parts.append(f"perf self time by {sort}:\n" + "\n".join(lines[:15]))
+    return "\n".join(parts)
+
+
+def core_breakdown(keys: Keys, cfg: Path, envs: EnvelopeFile, round_id: int, digest: bytes) -> str:
+    """The same batch through the transport-free core in this process: time of add() (open, verify, stage)
+    versus finish() (output digest over the whole batch, fsync, rename, sign, journal append)."""
+    from shuffledp.shuffler.config import load_config
+    from shuffledp.shuffler.core import Header
+    from shuffledp.shuffler.service import core_from_config
+
+    core = core_from_config(load_config(cfg))
+    try:
+        b = core.begin(Header(protocol_version=ENVELOPE_VERSION, key_epoch=0, round_id=round_id, model_digest=digest,
+                              expected_count=envs.count))
+        read = 0.0
+        t_add = 0.0
+        c0 = time.process_time()
+        it = iter(envs)
+        for _ in range(envs.count):
+            t = time.perf_counter()
+            e = next(it)
+            t2 = time.perf_counter()
+            b.add(e)
+            t_add += time.perf_counter() - t2
+            read += t2 - t
+        c1 = time.process_time()
+        t = time.perf_counter()
+        sealed = b.finish()
+        t_fin = time.perf_counter() - t
+        c2 = time.process_time()
+    finally:
+        core.close()
+    total = envs.count * envs.length / MB
+    return (f"core only (no gRPC), {envs.count} x {envs.length} B: add() {t_add:.2f}s wall / {c1 - c0:.2f} CPU-s "
+            f"({total / t_add:,.0f} MB/s), finish() {t_fin:.2f}s wall / {c2 - c1:.2f} CPU-s; "
+            f"batch {sealed.batch_id.hex()[:8]} sealed")
+
+
+def disk_write_probe(directory: Path, total: int, block: int = 2**20) -> dict[str, float]:
+    """MB/s of making ``total`` fresh bytes durable in a new file in ``directory``, two ways:
+
+    * ``buffered``: ``write`` into the page cache, then ``fdatasync`` (like ``dd conv=fdatasync``), also split
+      into its two parts (``page-cache`` and ``fdatasync``): the first part is mostly the cost of faulting in
+      fresh pages, which on a VM whose host reclaims idle guest memory can dominate;
+    * ``direct``: ``O_DIRECT`` writes from one reused aligned buffer, then ``fdatasync`` (no page cache; what
+      the shuffler's memory path does at seal), or absent where the filesystem refuses O_DIRECT.
+    """
+    import mmap
+
+    out: dict[str, float] = {}
+    buf = os.urandom(block)
+    path = directory / "disk-probe.bin"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(total // block):
+            os.write(fd, buf)
+        t1 = time.perf_counter()
+        os.fdatasync(fd)
+        t2 = time.perf_counter()
+    finally:
+        os.close(fd)
+        path.unlink()
+    out["buffered"] = total / MB / (t2 - t0)
+    out["page-cache"] = total / MB / (t1 - t0)
+    out["fdatasync"] = total / MB / (t2 - t1)
+    if hasattr(os, "O_DIRECT"):
+        aligned = mmap.mmap(-1, block)
+        aligned[:] = buf
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o600)
+            try:
+                t0 = time.perf_counter()
+                for i in range(total // block):
+                    os.pwrite(fd, aligned, i * block)
+                os.fdatasync(fd)
+                out["direct"] = total / MB / (time.perf_counter() - t0)
+            finally:
+                os.close(fd)
+                path.unlink()
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # only "O_DIRECT refused" means no figure; anything else is an error
+                raise
+        finally:
+            aligned.close()
+    return out
