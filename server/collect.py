@@ -1,22 +1,27 @@
-"""Collecting one round's replies: waiting for nodes, sampling them, taking each reply's envelope and streaming it
-to the shuffler as it arrives (:func:`collect_into_stream`), the reply and its metadata dropped at once."""
+"""Sending one round's messages and collecting the replies: the ``train.shuffled`` messages
+(:func:`build_messages`, with the app's own train config and array names checked once, :func:`check_train_config`,
+:func:`check_array_names`), waiting for nodes, sampling them, taking each reply's envelope and streaming it to the
+shuffler as it arrives (:func:`collect_into_stream`), the reply and its metadata dropped at once."""
 
 from __future__ import annotations
 
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import blake3
+import numpy as np
 
 from shuffledp.clients import flower_sim
 from shuffledp.clients import messages as M
-from shuffledp.server.config import ServerConfig
+from shuffledp.clients.mechanism import L2_MECHANISMS
+from shuffledp.server.config import ConfigError, ServerConfig
 from shuffledp.server.outcome import GridLike, RoundOutcome, ShufflerLike
 
-__all__ = ["wait_for_nodes", "sample_nodes", "envelope_of", "collect_into_stream", "poll_pause",
+__all__ = ["train_config", "check_array_names", "check_train_config", "build_messages", "wait_for_nodes",
+           "sample_nodes", "envelope_of", "collect_into_stream", "poll_pause",
            "PULL_INTERVAL_SECONDS", "POLL_COST_RATIO", "MAX_POLL_PAUSE_SECONDS", "FULL_POLL_SECONDS",
            "FLUSH_SECONDS", "KEEPALIVE_SECONDS", "SUBMIT_MARGIN_SECONDS"]
 
@@ -40,6 +45,90 @@ FLUSH_SECONDS = 1.0
 KEEPALIVE_SECONDS = 5.0
 #: The Submit stream's deadline is reply-timeout plus this margin (time for the shuffler to seal the batch).
 SUBMIT_MARGIN_SECONDS = 600.0
+
+
+def train_config(cfg: ServerConfig, round_id: int) -> M.TrainConfig:
+    """The protocol's train config of round ``round_id``, from the run config (a client checks it against its pinned
+    settings).
+
+    Returns:
+        :class:`shuffledp.clients.messages.TrainConfig`.
+    """
+    return M.TrainConfig(
+        round=round_id,
+        key_epoch=cfg.key_epoch,
+        eps0=cfg.eps0,
+        clip_l1=cfg.clip_l1,
+        mechanism=cfg.mechanism,
+        clip_l2=cfg.clip_l2 if cfg.mechanism in L2_MECHANISMS else None,
+        report=cfg.report,
+        local_epochs=cfg.local_epochs,
+        local_lr=cfg.local_lr,
+        batch_size=cfg.batch_size,
+    )
+
+
+def check_array_names(names: Sequence[str] | None, n_arrays: int) -> list[str]:
+    """The names of the model's arrays in the train messages.
+
+    Returns:
+        ``names`` as a list, or "0", "1", ... (Flower's names for an ArrayRecord built from a list) when None.
+
+    Raises:
+        ConfigError: not one distinct non-empty string per array.
+    """
+    if names is None:
+        return [str(i) for i in range(n_arrays)]
+    names = list(names)
+    if len(names) != n_arrays or len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"array_names must be {n_arrays} distinct non-empty strings, one per array of the model; "
+                          f"got {names!r}")
+    return names
+
+
+def check_train_config(extra: Mapping[str, Any] | None, cfg: ServerConfig) -> dict[str, Any]:
+    """The app's own entries for the clients' train config, next to the protocol's (:func:`train_config`).
+
+    Returns:
+        ``extra`` as a dict (empty for None).
+
+    Raises:
+        ConfigError: a key of the protocol's own train config (those come from the run config, where the clients'
+            pinned values are checked against them), or a value a Flower ConfigRecord cannot hold.
+    """
+    from flwr.app import ConfigRecord
+
+    extra = dict(extra or {})
+    protocol = set(train_config(cfg, 1).to_dict())
+    for key in extra:
+        if key in protocol:
+            raise ConfigError(f"train_config key {key!r} is part of the protocol's train config "
+                              f"({sorted(protocol)}): set it in the run config instead")
+    try:
+        ConfigRecord(extra)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"train_config is not a valid Flower ConfigRecord: {exc}") from None
+    return extra
+
+
+def build_messages(nodes: Sequence[int], round_id: int, arrays: Sequence[np.ndarray], names: Sequence[str],
+                   cfg: ServerConfig, extra: Mapping[str, Any]) -> list[Any]:
+    """The ``train.shuffled`` message of round ``round_id`` for each node: the model (``arrays`` under ``names``)
+    and the train config (the app's ``extra`` entries and the protocol's), one message group per round.
+
+    Returns:
+        One ``flwr.app.Message`` per node, in the order of ``nodes``.
+    """
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+
+    config_record = ConfigRecord({**extra, **train_config(cfg, round_id).to_dict()})
+    arrays_record = ArrayRecord({name: Array.from_numpy_ndarray(np.ascontiguousarray(a))
+                                 for name, a in zip(names, arrays)})
+    msgs = []
+    for node in nodes:
+        content = RecordDict({M.ARRAYS_KEY: arrays_record, M.CONFIG_KEY: config_record})
+        msgs.append(Message(content, dst_node_id=int(node), message_type=M.MESSAGE_TYPE, group_id=str(round_id)))
+    return msgs
 
 
 def wait_for_nodes(grid: GridLike, min_nodes: int, *, node_wait: float, settle: float) -> list[int]:

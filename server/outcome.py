@@ -1,5 +1,6 @@
 """What the round engine works against and what it produces: the Grid and shuffler protocols (so that tests can drive
-it with fakes), the evaluator and opener signatures, its errors, and :class:`RoundOutcome`, one round's record."""
+it with fakes), the evaluator and opener signatures, its errors (and :func:`is_refusal`, which tells a refusal of
+the batch from a failure), :class:`RoundOutcome`, one round's record, and :func:`report_rows`, report.json's rows."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["GridLike", "ShufflerLike", "Evaluator", "InnerOpener", "ResumeError", "ShufflerRefusal", "RoundOutcome"]
+__all__ = ["GridLike", "ShufflerLike", "Evaluator", "InnerOpener", "ResumeError", "ShufflerRefusal", "is_refusal",
+           "RoundOutcome", "report_rows"]
 
 
 class GridLike(Protocol):
@@ -54,6 +56,34 @@ class ResumeError(RuntimeError):
 
 class ShufflerRefusal(RuntimeError):
     """The shuffler refused the batch (e.g. fewer than its threshold of valid, distinct enrolled signers)."""
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` is the shuffler refusing the batch (the round is skipped) rather than a failure (fatal:
+    transport failures and bad attestations).
+
+    ``shuffledp.shuffler.client.ShufflerError`` carries the gRPC status code: FAILED_PRECONDITION (e.g. fewer than the
+    shuffler's threshold of valid distinct signers), INVALID_ARGUMENT, ALREADY_EXISTS (binding already used) and
+    RESOURCE_EXHAUSTED are refusals of this batch; UNAVAILABLE, DEADLINE_EXCEEDED, ... are not.
+
+    Returns:
+        True for a :class:`ShufflerRefusal` or an error with one of the four refusal codes.
+    """
+    if isinstance(exc, ShufflerRefusal):
+        return True
+    try:
+        import grpc
+    except ImportError:  # pragma: no cover
+        return False
+    code = getattr(exc, "code", None)
+    if callable(code):
+        code = code()
+    return code in (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
 
 
 @dataclass
@@ -104,3 +134,29 @@ class RoundOutcome:
     def from_dict(cls, data: Mapping[str, Any]) -> RoundOutcome:
         """Rebuild an outcome from :meth:`as_dict` output."""
         return cls(**dict(data))
+
+
+def report_rows(history: Iterable[RoundOutcome]) -> list[dict[str, Any]]:
+    """The per-round rows of report.json (:mod:`shuffledp.server.report`).
+
+    Returns:
+        One row per charged round of ``history`` (applied or lost), in order.
+    """
+    return [
+        {
+            "round": o.round,
+            "n_reports": o.n_reports,
+            "accuracy": o.accuracy,
+            "loss": o.loss,
+            "eps0": o.eps0,
+            "epsilon": o.epsilon,
+            "family": o.epsilon_family,
+            "kind": o.epsilon_kind,
+            "delta": o.delta,
+            "n_applied": o.n_applied,
+            "n_bad_reports": o.n_bad_reports,
+            "epsilon_if_bad_gave_no_cover": o.epsilon_if_bad_gave_no_cover,
+        }
+        for o in history
+        if o.status in ("applied", "lost")
+    ]

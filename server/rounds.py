@@ -21,10 +21,16 @@ One round ``r`` (:meth:`RoundEngine.run_round`):
    the server), skip or stop;
 8. charge the accountant with the attested count and append the ledger row (with the batch's key epoch and id)
    — BEFORE fetching, so a crash while the server holds opened reports can never leave a release unrecorded;
-9. stream the permuted inner ciphertexts, open and decode each one and add it to a running sum (O(model)
-   memory, never the batch); a report that fails to open or decode is counted and skipped;
+9. stream the permuted inner ciphertexts, open each one, decode the opened reports a chunk at a time and add them
+   to a running sum (O(chunk * model) memory, never the batch; :func:`shuffledp.server.release.open_release`); a
+   report that fails to open or decode is counted and skipped;
 10. one server-optimizer step with the mean; central evaluation on the held-out test set;
 11. atomic checkpoint (model, optimizer, accountant, round, history).
+
+Its parts live next to it: :mod:`shuffledp.server.collect` (steps 1 and 4-5: the messages, the collection),
+:mod:`shuffledp.server.release` (steps 6 and 9: the attestation's cross-check; opening, decoding and summing the
+released reports; the figure without the bad reports as cover), :mod:`shuffledp.server.resume` (the resume) and
+:mod:`shuffledp.server.outcome` (the protocols it works against and :class:`RoundOutcome`).
 
 Crash consistency (:meth:`RoundEngine.restore`): the ledger is written before the checkpoint, so after a crash
 the ledger is at most one round ahead of the checkpoint. That round's release is re-charged from the ledger row
@@ -47,10 +53,18 @@ from shuffledp.accounting.accountant import ShuffleAccountant
 from shuffledp.accounting.events import ShuffleRound
 from shuffledp.accounting.ledger import Ledger
 from shuffledp.clients import messages as M
-from shuffledp.clients.mechanism import L2_MECHANISMS, Mechanism, make_mechanism
-from shuffledp.server.collect import collect_into_stream, envelope_of, sample_nodes, wait_for_nodes
+from shuffledp.clients.mechanism import Mechanism, make_mechanism
+from shuffledp.server.collect import (
+    build_messages,
+    check_array_names,
+    check_train_config,
+    collect_into_stream,
+    envelope_of,
+    sample_nodes,
+    wait_for_nodes,
+)
 from shuffledp.server.config import ConfigError, ServerConfig
-from shuffledp.server.optim import ReportAccumulator, ServerOptimizer, num_parameters
+from shuffledp.server.optim import ServerOptimizer, num_parameters
 from shuffledp.server.outcome import (
     Evaluator,
     GridLike,
@@ -58,8 +72,10 @@ from shuffledp.server.outcome import (
     ResumeError,
     RoundOutcome,
     ShufflerLike,
-    ShufflerRefusal,
+    is_refusal,
+    report_rows,
 )
+from shuffledp.server.release import check_attestation, no_cover_accountant, note_bad_reports, open_release
 from shuffledp.server.report import epsilon_label
 from shuffledp.server.resume import RESUME_KEYS, restore
 from shuffledp.server.state import Checkpoint, CheckpointStore
@@ -150,8 +166,8 @@ class RoundEngine:
         if not self.arrays:
             raise ValueError("the initial model has no arrays")
         self.on_round_started = on_round_started
-        self.array_names = self._check_names(array_names)
-        self.extra_train_config = self._check_extra_config(train_config)
+        self.array_names = check_array_names(array_names, len(self.arrays))
+        self.extra_train_config = check_train_config(train_config, config)
         self.shapes = [tuple(a.shape) for a in self.arrays]
         self.dim = num_parameters(self.shapes)
         self.mechanism = _mechanism_label(config, self.dim)
@@ -166,9 +182,6 @@ class RoundEngine:
                 f"run config 'max-message-bytes' ({config.max_message_bytes}) is below this model's envelope length "
                 f"({self.envelope_length} bytes for {self.dim} parameters): every reply would be dropped as malformed"
             )
-        # Honest laplace clients randomize on the default grid for the pinned (eps0, C); the decoder rejects a report
-        # on any other grid (a rescaled report would be an outsized contribution).
-        self.expected_log2_grid = getattr(self.decoder, "expected_log2_grid", None)
         self.optimizer = ServerOptimizer(config.server_optimizer, config.server_lr, momentum=config.server_momentum)
         self.accountant = ShuffleAccountant(
             target_delta=config.target_delta,
@@ -181,36 +194,6 @@ class RoundEngine:
         self.budget_changes: list[dict[str, Any]] = []
         self.last_round = 0
         self.stopped: RoundOutcome | None = None
-
-    def _check_names(self, names: Sequence[str] | None) -> list[str]:
-        """The names of the model's arrays in the train messages: ``names``, or "0", "1", ... (Flower's names for
-        an ArrayRecord built from a list). Raises ConfigError unless one distinct string per array."""
-        if names is None:
-            return [str(i) for i in range(len(self.arrays))]
-        names = list(names)
-        if len(names) != len(self.arrays) or len(set(names)) != len(names) or not all(
-                isinstance(n, str) and n for n in names):
-            raise ConfigError(f"array_names must be {len(self.arrays)} distinct non-empty strings, one per array of "
-                              f"the model; got {names!r}")
-        return names
-
-    def _check_extra_config(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The app's own entries for the clients' train config. Raises ConfigError for a key of the protocol's own
-        train config (those come from the run config, where the clients' pinned values are checked against
-        them) and for a value a Flower ConfigRecord cannot hold."""
-        from flwr.app import ConfigRecord
-
-        extra = dict(extra or {})
-        protocol = set(self._train_config(1).to_dict())
-        for key in extra:
-            if key in protocol:
-                raise ConfigError(f"train_config key {key!r} is part of the protocol's train config "
-                                  f"({sorted(protocol)}): set it in the run config instead")
-        try:
-            ConfigRecord(extra)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"train_config is not a valid Flower ConfigRecord: {exc}") from None
-        return extra
 
     # -- checkpoint / resume -----------------------------------------------------------------------------------
     def _checkpoint(self) -> Checkpoint:
@@ -240,32 +223,9 @@ class RoundEngine:
         return restore(self)
 
     # -- one round ---------------------------------------------------------------------------------------------
-    def _train_config(self, round_id: int) -> M.TrainConfig:
-        c = self.cfg
-        return M.TrainConfig(
-            round=round_id,
-            key_epoch=c.key_epoch,
-            eps0=c.eps0,
-            clip_l1=c.clip_l1,
-            mechanism=c.mechanism,
-            clip_l2=c.clip_l2 if c.mechanism in L2_MECHANISMS else None,
-            report=c.report,
-            local_epochs=c.local_epochs,
-            local_lr=c.local_lr,
-            batch_size=c.batch_size,
-        )
-
     def _build_messages(self, nodes: Sequence[int], round_id: int) -> list[Any]:
-        from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
-
-        config_record = ConfigRecord({**self.extra_train_config, **self._train_config(round_id).to_dict()})
-        arrays_record = ArrayRecord({name: Array.from_numpy_ndarray(np.ascontiguousarray(a))
-                                     for name, a in zip(self.array_names, self.arrays)})
-        msgs = []
-        for node in nodes:
-            content = RecordDict({M.ARRAYS_KEY: arrays_record, M.CONFIG_KEY: config_record})
-            msgs.append(Message(content, dst_node_id=int(node), message_type=M.MESSAGE_TYPE, group_id=str(round_id)))
-        return msgs
+        """The round's ``train.shuffled`` messages (:func:`shuffledp.server.collect.build_messages`)."""
+        return build_messages(nodes, round_id, self.arrays, self.array_names, self.cfg, self.extra_train_config)
 
     def _connected_nodes(self) -> list[int]:
         """The connected nodes; waits up to ``node_wait`` s for at least ``min-reports`` of them.
@@ -305,7 +265,8 @@ class RoundEngine:
                 return f"it would exceed {budget}"
         except RefusedError as exc:
             return f"the accounting family {family!r} cannot bound this round: {exc}"
-        no_cover = self._no_cover_accountant()  # pessimistic: reports that failed to open are not counted as cover
+        # pessimistic: the reports that failed to open or decode are not counted as cover
+        no_cover = no_cover_accountant(self.history, target_delta=self.cfg.target_delta, family=family)
         try:
             if no_cover is not None and no_cover.would_exceed(event, self.cfg.budget_epsilon):
                 return f"it would exceed {budget} once the reports of earlier rounds that failed to open or decode " \
@@ -314,20 +275,6 @@ class RoundEngine:
             return (f"the accounting family {family!r} cannot bound the rounds once the reports that failed to open "
                     f"or decode are left out of n: {exc}")
         return None
-
-    def _no_cover_accountant(self, extra: RoundOutcome | None = None) -> ShuffleAccountant | None:
-        """The run's charged rounds (and ``extra``) composed with the reports that failed to open or decode taken
-        out of each round's n (they gave no cover; a round left with none is composed at n = 1, no amplification).
-        None if no such round had a bad report. A round lost in a crash (rebuilt from its ledger row) has the bad
-        count recorded when it was opened (:meth:`CheckpointStore.record_bad_reports`). Same family and delta as
-        the run's accountant, no comparison families."""
-        charged = [h for h in self.history if h.status in ("applied", "lost")] + ([extra] if extra else [])
-        if not any(h.n_bad_reports for h in charged):
-            return None
-        acct = ShuffleAccountant(target_delta=self.cfg.target_delta, family=self.cfg.accounting_family)
-        for h in charged:
-            acct.compose(ShuffleRound(n=max(1, h.n_reports - h.n_bad_reports), eps0=h.eps0))
-        return acct
 
     def _spent(self) -> str:
         """The budget spent so far, labelled: ``epsilon=... (family, upper bound)``."""
@@ -385,7 +332,7 @@ class RoundEngine:
             stream = collect_into_stream(self.grid, self.shuffler, self.cfg, self.envelope_length, messages,
                                          round_id, digest, out)
         except Exception as exc:  # noqa: BLE001 - classified below
-            if not _is_refusal(exc):
+            if not is_refusal(exc):
                 raise
             out.reason = f"the shuffler refused the batch while it was being collected: {exc}"
             return self._finish(out)
@@ -402,7 +349,7 @@ class RoundEngine:
         try:
             attestation = stream.close()
         except Exception as exc:  # noqa: BLE001 - classified below
-            if not _is_refusal(exc):
+            if not is_refusal(exc):
                 raise
             out.reason = f"the shuffler refused the batch: {exc}"
             return self._finish(out)
@@ -411,7 +358,7 @@ class RoundEngine:
         t2 = time.perf_counter()
         out.seconds["shuffle"] = t2 - t1
         try:
-            _check_attestation(attestation, round_id=round_id, key_epoch=cfg.key_epoch, digest=digest,
+            check_attestation(attestation, round_id=round_id, key_epoch=cfg.key_epoch, digest=digest,
                                submitted=out.n_envelopes)
         except RuntimeError:
             # a signed, sealed batch that disagrees with what was submitted: never fetched, never charged, but on
@@ -452,42 +399,28 @@ class RoundEngine:
         except BaseException:
             self.accountant.load_state_dict(before)
             raise
+        return self._charged(out, attestation, t2)
 
+    def _charged(self, out: RoundOutcome, attestation: Any, t_sealed: float) -> RoundOutcome:
+        """The rest of a round once it is charged (steps 9-11 of the module docstring): fetch, open, decode and sum
+        the released reports, one optimizer step with the mean, the evaluation and the checkpoint. Whatever fails
+        here, the round stays on record as charged (applied or lost) before the error is raised."""
+        cfg, round_id, n_attested = self.cfg, out.round, out.n_reports
         applied = False
-        try:  # from here the round is charged: whatever fails, it is recorded as such (below)
+        try:
             spent = self.accountant.epsilon()
             out.epsilon, out.epsilon_family, out.epsilon_kind = float(spent.value), spent.family, spent.kind
             self._record_attestation(round_id, attestation, charged=True)
             t3 = time.perf_counter()
-            out.seconds["account"] = t3 - t2
-            acc = ReportAccumulator(self.dim)
-            bad = 0
-            for inner in self.shuffler.fetch(attestation):
-                try:
-                    payload = self.open_inner(bytes(inner), round_id)
-                    acc.add(self.decoder.decode(payload, self.dim))  # the run's mechanism: unbiased estimate
-                except Exception:  # noqa: BLE001 - one bad report is counted and skipped, never fatal
-                    bad += 1
+            out.seconds["account"] = t3 - t_sealed
+            # one at a time to open, a chunk at a time to decode; O(chunk * d) memory, never the batch
+            opened = open_release(self.shuffler.fetch(attestation), self.open_inner, round_id, self.decoder, self.dim)
+            acc, bad = opened.sum, opened.bad
             out.n_bad_reports = bad
             out.n_applied = acc.count
-            if acc.count + bad != n_attested:  # ShufflerClient.fetch checks this too; never apply more than charged
-                raise RuntimeError(f"the shuffler released {acc.count + bad} reports for an attested {n_attested}")
-            if bad:  # kept even if the round is lost before its checkpoint (the no-cover figure needs it)
-                self.store.record_bad_reports(round_id, bad)
-            no_cover = self._no_cover_accountant(out)
-            if no_cover is not None:
-                try:
-                    out.epsilon_if_bad_gave_no_cover = float(no_cover.epsilon().value)
-                except RefusedError as exc:  # e.g. fmt below its n: the budget check stops the run before the next
-                    log.warning("round %d: the family %r cannot bound the rounds with the reports that failed to "
-                                "open left out of n (%s); the run stops before the next round", round_id,
-                                cfg.accounting_family, exc)
-                if bad:
-                    log.warning(
-                        "round %d: %d of %d released reports failed to open or decode (an honest client's always "
-                        "opens); epsilon is %s counting them as cover, %s if they gave none (report.json: "
-                        "epsilon_if_bad_gave_no_cover; the budget uses the larger)", round_id, bad, n_attested,
-                        out.epsilon, out.epsilon_if_bad_gave_no_cover)
+            if opened.total != n_attested:  # ShufflerClient.fetch checks this too; never apply more than charged
+                raise RuntimeError(f"the shuffler released {opened.total} reports for an attested {n_attested}")
+            note_bad_reports(out, self.history, cfg, self.store)
             t4 = time.perf_counter()
             out.seconds["open_apply"] = t4 - t3
             if acc.count:
@@ -533,57 +466,6 @@ class RoundEngine:
         return self.history
 
     def report_rows(self) -> list[dict[str, Any]]:
-        """The per-round rows of report.json: charged rounds only (applied or lost)."""
-        return [
-            {
-                "round": o.round,
-                "n_reports": o.n_reports,
-                "accuracy": o.accuracy,
-                "loss": o.loss,
-                "eps0": o.eps0,
-                "epsilon": o.epsilon,
-                "family": o.epsilon_family,
-                "kind": o.epsilon_kind,
-                "delta": o.delta,
-                "n_applied": o.n_applied,
-                "n_bad_reports": o.n_bad_reports,
-                "epsilon_if_bad_gave_no_cover": o.epsilon_if_bad_gave_no_cover,
-            }
-            for o in self.history
-            if o.status in ("applied", "lost")
-        ]
+        """The per-round rows of report.json: charged rounds only (applied or lost; :func:`report_rows`)."""
+        return report_rows(self.history)
 
-
-def _is_refusal(exc: BaseException) -> bool:
-    """A shuffler refusal of the batch skips the round; transport failures and bad attestations are fatal.
-
-    ``shuffledp.shuffler.client.ShufflerError`` carries the gRPC status code: FAILED_PRECONDITION (e.g. fewer than the
-    shuffler's threshold of valid distinct signers), INVALID_ARGUMENT, ALREADY_EXISTS (binding already used) and
-    RESOURCE_EXHAUSTED are refusals of this batch; UNAVAILABLE, DEADLINE_EXCEEDED, ... are not.
-    """
-    if isinstance(exc, ShufflerRefusal):
-        return True
-    try:
-        import grpc
-    except ImportError:  # pragma: no cover
-        return False
-    code = getattr(exc, "code", None)
-    if callable(code):
-        code = code()
-    return code in (
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.ALREADY_EXISTS,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    )
-
-
-def _check_attestation(att: Any, *, round_id: int, key_epoch: int, digest: bytes, submitted: int) -> None:
-    """Cross-check the (already signature-verified) attestation against what was submitted."""
-    n = int(att.n_accepted)
-    if not 0 <= n <= submitted:
-        raise RuntimeError(f"the shuffler attested {n} reports for a batch of {submitted} envelopes")
-    for attr, expected in (("round_id", round_id), ("key_epoch", key_epoch), ("model_digest", digest)):
-        value = getattr(att, attr, None)  # a missing field is a mismatch, not a pass
-        if value != expected:
-            raise RuntimeError(f"the attestation's {attr} {value!r} does not match the submitted {expected!r}")

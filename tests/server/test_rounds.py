@@ -22,6 +22,7 @@ from shuffledp.clients import messages as M
 from shuffledp.clients.report import decode_report
 from shuffledp.server.job import format_progress
 from shuffledp.server.optim import flatten
+from shuffledp.server.release import no_cover_accountant
 from shuffledp.server.resume import refuse_a_spent_key_epoch
 from shuffledp.server.rounds import ResumeError, RoundOutcome, envelope_of, sample_nodes
 
@@ -208,7 +209,7 @@ def test_a_family_that_cannot_bound_the_no_cover_figure_stops_the_run_without_lo
     the no-cover figure can be refused after the charge. That must not raise (the charged round would be
     recorded as lost): the round is applied and the budget check stops the run before the next one, saying
     why. A stand-in with fmt's kind of refusal (below n = 11) keeps the test at 12 clients."""
-    import shuffledp.server.rounds as rounds_module
+    import shuffledp.server.release as release_module
     from shuffledp.accounting import RefusedError
 
     fmt = ShuffleAccountant(target_delta=1e-5, family="fmt")
@@ -224,7 +225,7 @@ def test_a_family_that_cannot_bound_the_no_cover_figure_stops_the_run_without_lo
 
     engine = h.engine(h.config(**{"eps0": 1.0}), h.grid([h.honest()] * (h.N - 2) + [h.inner_garbage()] * 2))
     engine.restore()
-    monkeypatch.setattr(rounds_module, "ShuffleAccountant", RefusesBelow11)  # only the no-cover accountant is new
+    monkeypatch.setattr(release_module, "ShuffleAccountant", RefusesBelow11)  # the no-cover accountant's module
     out = engine.run_round(1)
     assert (out.status, out.n_bad_reports, out.epsilon_if_bad_gave_no_cover) == ("applied", 2, None)
     nxt = engine.run_round(2)
@@ -252,7 +253,7 @@ def test_the_bad_count_of_a_round_lost_after_opening_survives_the_resume(h: Any)
     resumed = h.engine(cfg, grid)
     assert resumed.restore() == 2
     assert [(o.round, o.status, o.n_bad_reports) for o in resumed.history] == [(1, "lost", 2)]
-    no_cover = resumed._no_cover_accountant()
+    no_cover = no_cover_accountant(resumed.history, target_delta=cfg.target_delta, family=cfg.accounting_family)
     assert no_cover is not None and [r.n for r in no_cover.rounds] == [h.N - 2]
     assert resumed.run_round(2).epsilon_if_bad_gave_no_cover is not None  # the figure goes on
 
@@ -439,7 +440,7 @@ def test_a_sealed_batch_that_fails_the_cross_check_is_on_record_and_never_fetche
     def mismatch(att: Any, **kwargs: Any) -> None:
         raise RuntimeError("the attestation's model_digest b'..' does not match the submitted b'..'")
 
-    monkeypatch.setattr(rounds_module, "_check_attestation", mismatch)
+    monkeypatch.setattr(rounds_module, "check_attestation", mismatch)
     fetched: list[Any] = []
     engine.shuffler.fetch = lambda att: fetched.append(att) or iter(())
     with pytest.raises(RuntimeError, match="does not match the submitted"):
