@@ -30,7 +30,7 @@ import threading
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from threadpoolctl import threadpool_limits
 
@@ -44,6 +44,9 @@ from shuffledp.clients.messages import (
     ERR_PINNED_MISMATCH,
     RequestError,
     TrainConfig,
+    array_record,
+    read_model,
+    record_of,
 )
 from shuffledp.clients.mod import STATE_ENVELOPE, STATE_REQUEST, make_shuffle_mod
 from shuffledp.clients.settings import (
@@ -136,14 +139,13 @@ _CHECKED_MAX = 8
 _checked_lock = threading.Lock()
 
 
-def _check_model_fits_data(arrays: list[np.ndarray], x: np.ndarray) -> None:
-    """:func:`check_model_fits_data`, remembered per (model digest, width) once passed. Raises RequestError."""
-    from shuffledp.clients.messages import arrays_digest
-
+def _check_model_fits_data(arrays: list[np.ndarray], x: np.ndarray, digest: bytes) -> None:
+    """:func:`check_model_fits_data`, remembered per (model digest, width) once passed; ``digest`` is
+    ``arrays_digest(arrays)``. Raises RequestError."""
     if np.ndim(x) != 2:
         check_model_fits_data(arrays, x)  # raises the check's own error
         return
-    key = (arrays_digest(arrays), int(np.shape(x)[1]))
+    key = (digest, int(np.shape(x)[1]))
     if key in _checked:
         return
     check_model_fits_data(arrays, x)
@@ -166,10 +168,13 @@ def train_model(msg: Message, context: Context) -> Message:
         error reply for a request this device cannot serve (module docstring).
     """
     _one_torch_thread()
-    cfg = TrainConfig.from_mapping(dict(msg.content.config_records[CONFIG_KEY]))
-    record = msg.content.array_records[ARRAYS_KEY]
-    names = list(record.keys())
-    arrays = [np.asarray(a) for a in record.to_numpy_ndarrays()]
+    config_record = record_of(msg.content, CONFIG_KEY, ConfigRecord)
+    arrays_record = record_of(msg.content, ARRAYS_KEY, ArrayRecord)
+    if config_record is None or arrays_record is None:  # the mod refuses such a request before this runs
+        raise KeyError(f"the request has no content[{CONFIG_KEY!r}] or content[{ARRAYS_KEY!r}]")
+    cfg = TrainConfig.from_mapping(dict(config_record))
+    received = read_model(arrays_record)  # the mod has read it: the same object
+    names, arrays = received.names, list(received.arrays)
     try:
         # in a deployment, the device's own (node config); the run's dataset and PCA must be the device's
         settings = data_settings_from_configs(context.node_config, context.run_config)
@@ -188,7 +193,8 @@ def train_model(msg: Message, context: Context) -> Message:
         return _refuse(msg, ERR_CLIENT_SETUP, "client data: the local dataset could not be loaded (see the client's "
                                               "log)")
     try:
-        _check_model_fits_data(arrays, x)  # the model, and the data's feature count (a property of the dataset)
+        # the model, and the data's feature count (a property of the dataset)
+        _check_model_fits_data(arrays, x, received.digest)
     except RequestError as exc:
         return _refuse(msg, ERR_BAD_REQUEST, f"cannot compute a report for this request: {exc}")
     try:
@@ -197,7 +203,7 @@ def train_model(msg: Message, context: Context) -> Message:
         _log.warning("the local update failed (%s); reporting the zero update, randomized as usual",
                      type(exc).__name__)
         new = arrays
-    updated = ArrayRecord({n: Array.from_numpy_ndarray(np.ascontiguousarray(a)) for n, a in zip(names, new)})
+    updated = array_record({n: np.ascontiguousarray(a) for n, a in zip(names, new)})
     _freeze_after_first_reply()
     return Message(RecordDict({ARRAYS_KEY: updated}), reply_to=msg)
 

@@ -6,12 +6,19 @@ Request: message type ``train.shuffled`` (:data:`MESSAGE_TYPE`), ``group_id = st
 
 Reply: ``content["envelope"]``, an ArrayRecord holding one uint8 array ``"ct"``: the sealed envelope, nothing
 else. A refusal is an error reply ``Message(Error(code, reason), reply_to=msg)`` with one of the ``ERR_*`` codes.
+
+Flower's ``Array`` holds an ``.npy`` file in bytes. :func:`array_to_numpy` and :func:`array_from_numpy` read and
+write it as ``Array.numpy()`` and ``Array.from_numpy_ndarray`` do, with numpy's own header parser and writer run
+once per distinct header instead of once per array; :func:`read_model` reads a request's model once per distinct
+content (every client of a round receives the same model).
 """
 
 from __future__ import annotations
 
+import io
 import math
 import struct
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +49,12 @@ __all__ = [
     "TrainConfig",
     "arrays_digest",
     "array_chunks",
+    "array_to_numpy",
+    "array_from_numpy",
+    "array_record",
+    "ReceivedModel",
+    "read_model",
+    "record_of",
     "envelope_record",
     "envelope_from_record",
 ]
@@ -232,18 +245,29 @@ def arrays_digest(arrays: Sequence[np.ndarray] | Any) -> bytes:
     from shuffledp.shuffler.envelope import model_digest
 
     if hasattr(arrays, "to_numpy_ndarrays"):
-        arrays = arrays.to_numpy_ndarrays()
-    return model_digest(array_chunks(list(arrays)))
+        arrays = [array_to_numpy(a) for a in arrays.values()]
+    arrays = list(arrays)
+    known = _received_digest(arrays)
+    return known if known is not None else model_digest(array_chunks(arrays))
+
+
+def record_of(content: Any, key: str, kind: type) -> Any:
+    """``content[key]`` if it is a record of type ``kind`` (``flwr.app.ArrayRecord``, ``ConfigRecord``, ...), else
+    None: what ``content.array_records.get(key)`` answers for ArrayRecord, without building Flower's filtered copy
+    of the whole RecordDict on every access.
+
+    Returns:
+        The record, or None.
+    """
+    record = content.get(key)
+    return record if isinstance(record, kind) else None
 
 
 def envelope_record(envelope: bytes) -> Any:
     """The reply's ``content["envelope"]``: an ArrayRecord with one uint8 array ``"ct"``."""
-    from flwr.app import Array, ArrayRecord
-
     if not isinstance(envelope, (bytes, bytearray)) or len(envelope) == 0:
         raise ValueError("envelope must be non-empty bytes")
-    ct = np.frombuffer(bytes(envelope), dtype=np.uint8).copy()
-    return ArrayRecord({ENVELOPE_ARRAY: Array.from_numpy_ndarray(ct)})
+    return array_record({ENVELOPE_ARRAY: np.frombuffer(bytes(envelope), dtype=np.uint8)})
 
 
 def envelope_from_record(record: Any) -> bytes:
@@ -251,7 +275,155 @@ def envelope_from_record(record: Any) -> bytes:
     keys = list(record.keys())
     if keys != [ENVELOPE_ARRAY]:
         raise ValueError(f"envelope record must hold exactly one array {ENVELOPE_ARRAY!r}, got {keys}")
-    arr = record[ENVELOPE_ARRAY].numpy()
+    arr = array_to_numpy(record[ENVELOPE_ARRAY])
     if arr.dtype != np.uint8 or arr.ndim != 1 or arr.size == 0:
         raise ValueError(f"envelope array must be non-empty 1-D uint8, got {arr.dtype} shape {arr.shape}")
     return arr.tobytes()
+
+
+# -- Flower Arrays as numpy ----------------------------------------------------------------------------------------
+
+_NPY_V1 = b"\x93NUMPY\x01\x00"  # the magic and version 1.0 of the .npy format (what np.save writes)
+#: .npy header (magic to newline) -> (dtype, shape, data bytes) of a C-order array without objects, or None for
+#: any other header (np.load decides those). At most _HEADERS_MAX entries.
+_read_headers: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], int] | None] = {}
+#: (dtype.str, shape) -> the header np.save writes for a C-contiguous array of that dtype and shape, and the
+#: Array's dtype and stype fields
+_write_headers: dict[tuple[str, tuple[int, ...]], tuple[bytes, str, str]] = {}
+_HEADERS_MAX = 64
+_lock = threading.Lock()
+
+
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    with _lock:
+        if len(cache) >= _HEADERS_MAX:
+            cache.clear()
+        cache[key] = value
+
+
+def _npy_layout(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...], int] | None:
+    """The array a version-1.0 ``.npy`` header describes, parsed by numpy's own reader (as ``np.load``), once per
+    distinct header; None unless it is a C-order array without objects and with at least one byte of data."""
+    known = _read_headers.get(header, _read_headers)  # the dict itself: not seen
+    if known is not _read_headers:
+        return known  # type: ignore[return-value] - a layout or None, stored below
+    try:
+        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(io.BytesIO(header[len(_NPY_V1):]))
+    except (ValueError, TypeError, SyntaxError):
+        layout = None  # np.load names the problem
+    else:
+        nbytes = math.prod(shape) * dtype.itemsize
+        layout = None if fortran_order or dtype.hasobject or nbytes == 0 else (dtype, tuple(shape), nbytes)
+    _remember(_read_headers, header, layout)
+    return layout
+
+
+def array_to_numpy(array: Any) -> np.ndarray:
+    """A Flower ``Array`` as numpy: what ``array.numpy()`` returns (``np.load(allow_pickle=False)`` of its ``.npy``
+    bytes: same dtype, shape and values, same errors), read-only, without copying its data. The header is parsed by
+    numpy's reader once per distinct header; other layouts (Fortran order, format 2.0 / 3.0, an empty array,
+    trailing or missing bytes, another serialization) go through ``array.numpy()`` itself.
+
+    Returns:
+        The array, not writeable (a view of the Array's bytes).
+    """
+    from flwr.common.constant import SType
+
+    data = array.data
+    if array.stype == SType.NUMPY and isinstance(data, bytes) and data[:len(_NPY_V1)] == _NPY_V1 and len(data) > 10:
+        end = 10 + int.from_bytes(data[8:10], "little")
+        layout = _npy_layout(data[:end])
+        if layout is not None and len(data) - end == layout[2]:
+            return np.frombuffer(data, dtype=layout[0], offset=end).reshape(layout[1])
+    return array.numpy()  # type: ignore[no-any-return] - Flower's Array.numpy returns an ndarray
+
+
+def array_from_numpy(a: np.ndarray) -> Any:
+    """``flwr.app.Array.from_numpy_ndarray(a)``: the same fields and ``.npy`` bytes, with the header written by
+    numpy once per (dtype, shape) for a C-contiguous array of numbers.
+
+    Returns:
+        A ``flwr.app.Array``.
+    """
+    from flwr.app import Array
+
+    if not (type(a) is np.ndarray and a.flags.c_contiguous and a.dtype.kind in "biufc" and a.dtype.names is None
+            and a.dtype.metadata is None and a.nbytes > 0):
+        return Array.from_numpy_ndarray(a)
+    key = (a.dtype.str, a.shape)
+    known = _write_headers.get(key)
+    if known is None:
+        full = Array.from_numpy_ndarray(a)
+        known = (full.data[:len(full.data) - a.nbytes], full.dtype, full.stype)
+        _remember(_write_headers, key, known)
+    return Array(dtype=known[1], shape=a.shape, stype=known[2], data=known[0] + a.tobytes())
+
+
+def array_record(arrays: Mapping[str, np.ndarray]) -> Any:
+    """``flwr.app.ArrayRecord({name: Array.from_numpy_ndarray(a)})``, each Array built once (:func:`array_from_numpy`;
+    the dict constructor of ArrayRecord builds every Array a second time, as a copy).
+
+    Returns:
+        A ``flwr.app.ArrayRecord``, in the mapping's order.
+    """
+    from flwr.app import ArrayRecord
+
+    record = ArrayRecord()
+    for name, a in arrays.items():
+        record[name] = array_from_numpy(a)
+    return record
+
+
+@dataclass(frozen=True)
+class ReceivedModel:
+    """A request's model (its ``content["arrays"]``), read once per distinct content."""
+
+    #: the array names, in the record's order
+    names: tuple[str, ...]
+    #: the arrays, in the same order, read-only (:func:`array_to_numpy`)
+    arrays: tuple[np.ndarray, ...]
+    #: :func:`arrays_digest` of the arrays
+    digest: bytes
+
+
+#: The latest models read (most recent first), each with the record content it was read from. Every client of a
+#: round receives the same model, and an actor of a simulation serves thousands of clients per round. Entries hold
+#: their read-only arrays, so the identity of an array in one of them is that entry's for as long as it is kept.
+_models: list[tuple[tuple[Any, ...], ReceivedModel]] = []
+_MODELS_MAX = 4
+
+
+def _record_key(record: Any) -> tuple[Any, ...]:
+    return tuple((name, a.stype, a.dtype, tuple(a.shape), a.data) for name, a in record.items())
+
+
+def read_model(record: Any) -> ReceivedModel:
+    """A request's model from its ArrayRecord: names, arrays (as ``record.to_numpy_ndarrays()``, read-only) and
+    digest, read once for every record of the same content (names, serialization, dtypes, shapes and bytes).
+
+    Returns:
+        The model; the same object for records of equal content while it is among the latest 4 read.
+
+    Raises:
+        ValueError, TypeError: an array that ``Array.numpy()`` cannot read (the same errors).
+    """
+    key = _record_key(record)
+    for seen, model in list(_models):
+        if seen == key:
+            return model
+    arrays = tuple(array_to_numpy(a) for a in record.values())
+    model = ReceivedModel(tuple(record.keys()), arrays, arrays_digest(arrays))
+    with _lock:
+        _models.insert(0, (key, model))
+        del _models[_MODELS_MAX:]
+    return model
+
+
+def _received_digest(arrays: Sequence[Any]) -> bytes | None:
+    """The digest of a model :func:`read_model` returned, if ``arrays`` are its very arrays (read-only: their
+    content is the content digested), else None."""
+    for _, model in list(_models):
+        got = model.arrays
+        if len(got) == len(arrays) and got and all(a is b for a, b in zip(got, arrays)):
+            return model.digest
+    return None

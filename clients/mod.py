@@ -62,16 +62,17 @@ from shuffledp.clients.core import make_envelope
 from shuffledp.clients.messages import (
     ARRAYS_KEY,
     CONFIG_KEY,
-    ENVELOPE_ARRAY,
     ENVELOPE_KEY,
     ERR_BAD_REQUEST,
     ERR_CLIENT_SETUP,
     ERR_PINNED_MISMATCH,
     RequestError,
     TrainConfig,
-    arrays_digest,
+    array_to_numpy,
     envelope_from_record,
     envelope_record,
+    read_model,
+    record_of,
 )
 from shuffledp.clients.randomizer import flatten_arrays
 from shuffledp.clients.settings import (
@@ -165,20 +166,20 @@ def _handle(msg: Message, context: Context, call_next: ClientAppCallable, seal: 
     that point, malformed requests and setup errors, do not depend on the client's data)."""
     # 1. the request (the server is the adversary: validate everything)
     try:
-        if ARRAYS_KEY not in msg.content.array_records or CONFIG_KEY not in msg.content.config_records:
+        arrays_record = record_of(msg.content, ARRAYS_KEY, ArrayRecord)
+        config_record = record_of(msg.content, CONFIG_KEY, ConfigRecord)
+        if arrays_record is None or config_record is None:
             raise RequestError(f"request must carry content[{ARRAYS_KEY!r}] and content[{CONFIG_KEY!r}]")
-        cfg = TrainConfig.from_mapping(dict(msg.content.config_records[CONFIG_KEY]))
+        cfg = TrainConfig.from_mapping(dict(config_record))
         group = msg.metadata.group_id
         if group != str(cfg.round):
             raise RequestError(f"group_id {group!r} != str(round) {str(cfg.round)!r}")
-        record = msg.content.array_records[ARRAYS_KEY]
-        names = list(record.keys())
-        arrays = [np.asarray(a) for a in record.to_numpy_ndarrays()]
+        received = read_model(arrays_record)  # once per model in this process
+        names, arrays, digest = list(received.names), list(received.arrays), received.digest
         if not arrays:
             raise RequestError("the request carries no model arrays")
         if any(a.dtype.kind != "f" for a in arrays):
             raise RequestError(f"model arrays must be floating-point (float32), got {[str(a.dtype) for a in arrays]}")
-        digest = arrays_digest(arrays)
     except (RequestError, TypeError, ValueError) as exc:
         return Error(code=ERR_BAD_REQUEST, reason=f"bad request: {exc}"), 0.0
 
@@ -208,10 +209,12 @@ def _answer(
     except PinnedMismatchError as exc:
         raise _Refusal(ERR_PINNED_MISMATCH, f"refused: {exc}") from None
     key = _request_key(cfg, digest)
-    if STATE_REQUEST in context.state.config_records and STATE_ENVELOPE in context.state.array_records:
-        last = dict(context.state.config_records[STATE_REQUEST])
+    last_request = record_of(context.state, STATE_REQUEST, ConfigRecord)
+    last_envelope = record_of(context.state, STATE_ENVELOPE, ArrayRecord)
+    if last_request is not None and last_envelope is not None:
+        last = dict(last_request)
         if last == key:
-            return _reply(envelope_from_record(context.state.array_records[STATE_ENVELOPE]))
+            return _reply(envelope_from_record(last_envelope))
         if int(last["round"]) == cfg.round:
             raise _Refusal(ERR_BAD_REQUEST, f"round {cfg.round} was already answered for another request")
         if int(last["round"]) > cfg.round:
@@ -232,7 +235,7 @@ def _answer(
         raise _Refusal(ERR_BAD_REQUEST, "cannot compute a report for this request (see the client's log)") from None
 
     # the envelope first: a failure between the two leaves the old key, which no new request matches
-    context.state[STATE_ENVELOPE] = ArrayRecord({ENVELOPE_ARRAY: envelope_record(envelope)[ENVELOPE_ARRAY]})
+    context.state[STATE_ENVELOPE] = envelope_record(envelope)  # {ENVELOPE_ARRAY: the envelope}
     context.state[STATE_REQUEST] = ConfigRecord(key)
     return _reply(envelope)
 
@@ -248,7 +251,7 @@ def _run_wrapped(msg: Message, context: Context, call_next: ClientAppCallable, r
         return None
     if out.has_error():
         raise _Refusal(int(out.error.code), str(out.error.reason))
-    records = list(out.content.array_records.values())
+    records = [r for r in out.content.values() if isinstance(r, ArrayRecord)]
     if len(records) != 1:
         raise _Refusal(ERR_CLIENT_SETUP, "the ClientApp's train reply must hold exactly one ArrayRecord (the updated "
                                          f"model), got {len(records)}")
@@ -266,7 +269,7 @@ def _update(cfg: TrainConfig, names: list[str], arrays: list[np.ndarray], record
     if got != names:
         raise _Refusal(ERR_CLIENT_SETUP, f"the ClientApp's updated model does not match the received model: arrays "
                                          f"{got}, received {names}")
-    new = [np.asarray(a) for a in record.to_numpy_ndarrays()]
+    new = [array_to_numpy(a) for a in record.values()]
     for name, a, b in zip(names, arrays, new):
         if a.shape != b.shape or a.dtype != b.dtype:
             raise _Refusal(ERR_CLIENT_SETUP, f"the ClientApp's updated model does not match the received model: "

@@ -81,13 +81,21 @@ def set_arrays(model: nn.Module, arrays: Sequence[np.ndarray]) -> None:
             a = np.asarray(a)
             if tuple(p.shape) != a.shape:
                 raise ValueError(f"parameter {i}: shape {tuple(p.shape)} expected, got {a.shape}")
-            if a.dtype.kind != "f":  # complex, integer, bool, datetime, text or structured: not a model's weights
-                raise ValueError(f"parameter {i} has dtype {a.dtype}; a floating-point type (float32) is expected")
-            with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf: refused just below
-                a32 = np.ascontiguousarray(a, dtype=np.float32)
-            if not np.all(np.isfinite(a32)):
-                raise ValueError(f"parameter {i} has non-finite values (as float32)")
-            p.copy_(torch.from_numpy(a32))
+            a32 = _float32(i, a)
+            # a received model's arrays are read-only; torch takes writeable memory (copy_ copies anyway)
+            p.copy_(torch.from_numpy(a32 if a32.flags.writeable else a32.copy()))
+
+
+def _float32(i: int, a: np.ndarray, *, copy: bool = False) -> np.ndarray:
+    """Parameter ``i`` as a C-contiguous float32 array (a new one with ``copy``); ValueError unless it is
+    floating-point and finite as float32."""
+    if a.dtype.kind != "f":  # complex, integer, bool, datetime, text or structured: not a model's weights
+        raise ValueError(f"parameter {i} has dtype {a.dtype}; a floating-point type (float32) is expected")
+    with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf: refused just below
+        a32 = np.array(a, dtype=np.float32, order="C") if copy else np.ascontiguousarray(a, dtype=np.float32)
+    if not np.isfinite(a32).all():
+        raise ValueError(f"parameter {i} has non-finite values (as float32)")
+    return a32
 
 
 def _uninitialised_linear(n_in: int, n_out: int) -> nn.Linear:
@@ -97,13 +105,12 @@ def _uninitialised_linear(n_in: int, n_out: int) -> nn.Linear:
     return nn.Linear(n_in, n_out, dtype=torch.float32)
 
 
-def model_from_arrays(arrays: Sequence[np.ndarray]) -> nn.Module:
-    """Rebuild the model whose parameters these are (logreg: 2 arrays, mlp: 4 arrays) and load them."""
+def _architecture(arrays: Sequence[np.ndarray]) -> str:
+    """``"logreg"`` or ``"mlp"``, from the arrays' shapes. Raises ValueError."""
     shapes = [np.asarray(a).shape for a in arrays]
     if len(shapes) == 2 and len(shapes[0]) == 2 and shapes[1] == (shapes[0][0],):
-        n_classes, n_features = shapes[0]
-        model: nn.Module = nn.Sequential(_uninitialised_linear(n_features, n_classes))
-    elif (
+        return "logreg"
+    if (
         len(shapes) == 4
         and len(shapes[0]) == 2
         and shapes[1] == (shapes[0][0],)
@@ -111,13 +118,42 @@ def model_from_arrays(arrays: Sequence[np.ndarray]) -> nn.Module:
         and shapes[2][1] == shapes[0][0]
         and shapes[3] == (shapes[2][0],)
     ):
+        return "mlp"
+    raise ValueError(f"arrays with shapes {shapes} are neither a logreg [W, b] nor an mlp [W1, b1, W2, b2]")
+
+
+def model_from_arrays(arrays: Sequence[np.ndarray]) -> nn.Module:
+    """Rebuild the model whose parameters these are (logreg: 2 arrays, mlp: 4 arrays) and load them."""
+    shapes = [np.asarray(a).shape for a in arrays]
+    if _architecture(arrays) == "logreg":
+        n_classes, n_features = shapes[0]
+        model: nn.Module = nn.Sequential(_uninitialised_linear(n_features, n_classes))
+    else:
         hidden, n_features = shapes[0]
         model = nn.Sequential(_uninitialised_linear(n_features, hidden), nn.ReLU(),
                               _uninitialised_linear(hidden, shapes[2][0]))
-    else:
-        raise ValueError(f"arrays with shapes {shapes} are neither a logreg [W, b] nor an mlp [W1, b1, W2, b2]")
     set_arrays(model, arrays)
     return model
+
+
+def _parameters(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    """The parameters of :func:`model_from_arrays`'s model, without the model: float32 leaf tensors that require
+    grad, new memory (the arrays are never written), after the same checks (architecture, floating-point,
+    finite as float32). For the local computations, which run :func:`_forward` on them: every client of a
+    simulation's process would otherwise build a torch module (with its initialisation) only to overwrite its
+    weights. Raises ValueError."""
+    _architecture(arrays)
+    # copies: torch shares their memory, and SGD writes it
+    return [torch.from_numpy(_float32(i, np.asarray(a), copy=True)).requires_grad_() for i, a in enumerate(arrays)]
+
+
+def _forward(params: Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The logits of :func:`model_from_arrays`'s model with these parameters: the same operations as its
+    ``nn.Sequential`` (``nn.Linear`` is ``F.linear``, ``nn.ReLU`` is ``F.relu``)."""
+    if len(params) == 2:
+        return nn.functional.linear(x, params[0], params[1])
+    return nn.functional.linear(nn.functional.relu(nn.functional.linear(x, params[0], params[1])), params[2],
+                                params[3])
 
 
 def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,11 +173,10 @@ def local_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 def average_gradient(arrays: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
     """Gradient of the mean local loss at ``arrays`` (float64 arrays, parameter order)."""
-    model = model_from_arrays(arrays)
+    params = _parameters(arrays)
     xt, yt = _tensors(x, y)
-    model.zero_grad()
-    local_loss(model, xt, yt).backward()
-    return [p.grad.detach().numpy().astype(np.float64) for p in model.parameters()]  # type: ignore[union-attr] - backward() set every grad
+    grads = torch.autograd.grad(local_loss(lambda inp: _forward(params, inp), xt, yt), params)  # type: ignore[arg-type] - the forward stands in for the module
+    return [g.numpy().astype(np.float64) for g in grads]
 
 
 def local_delta(
@@ -154,19 +189,19 @@ def local_delta(
     """
     if epochs < 1 or batch_size < 1 or not lr > 0:
         raise ValueError(f"need epochs >= 1, batch_size >= 1, lr > 0; got {epochs}, {batch_size}, {lr}")
-    model = model_from_arrays(arrays)
+    params = _parameters(arrays)
     xt, yt = _tensors(x, y)
     gen = torch.Generator().manual_seed(secrets.randbits(63))
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(params, lr=lr)
     n = len(yt)
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen)
         for start in range(0, n, batch_size):
             idx = order[start : start + batch_size]
             opt.zero_grad()
-            local_loss(model, xt[idx], yt[idx]).backward()
+            local_loss(lambda inp: _forward(params, inp), xt[idx], yt[idx]).backward()  # type: ignore[arg-type] - as above
             opt.step()
-    new = [p.detach().numpy().astype(np.float64) for p in model.parameters()]
+    new = [p.detach().numpy().astype(np.float64) for p in params]
     return [n_ - np.asarray(o, dtype=np.float64) for n_, o in zip(new, arrays)]
 
 

@@ -125,6 +125,29 @@ def test_refuses_a_request_for_other_privacy_parameters(keys, model, field: str,
     assert STATE_ENVELOPE not in ctx.state.array_records  # nothing computed, nothing cached
 
 
+def test_what_is_read_once_per_model_never_skips_a_requests_checks(keys, model) -> None:
+    """The model is read once per content in a process (every client of a round receives the same one), the
+    pinned settings and keys per node: a request for other privacy parameters is refused on every reply, also
+    right after the same model was answered, and each node signs with its own key."""
+    assert not train_shuffled(_msg(model, _cfg(1)), _ctx(keys)).has_error()
+    for cfg in (_cfg(1, eps0=EPS0 * 2), _cfg(1, clip_l1=CLIP / 2), _cfg(1, mechanism="duchi", clip_l2=1.0)):
+        ctx = _ctx(keys)
+        r = train_shuffled(_msg(model, cfg), ctx)
+        assert r.has_error() and r.error.code == ERR_PINNED_MISMATCH, r
+        assert STATE_ENVELOPE not in ctx.state
+    r = train_shuffled(_msg(model, _cfg(1)), _ctx(keys, eps0=EPS0 / 2))  # the node pins another eps0
+    assert r.has_error() and r.error.code == ERR_PINNED_MISMATCH
+    load = shuffler_keys.load_private_key
+    enrol = shuffler_keys.load_enrolment(keys.enrolment)
+    for pid in (0, 2, 0):
+        ctx = _ctx(keys)
+        ctx.node_config["partition-id"] = pid
+        env = envelope_from_record(train_shuffled(_msg(model, _cfg(1)), ctx).content["envelope"])
+        opened = envelope.open_outer(env, shuffler_private_key=load(keys.shuffler_hpke_key), key_epoch=0,
+                                     round_id=1, model_digest=arrays_digest(model))
+        assert opened.signer_public_key == enrol[shuffler_keys.client_id(pid)]
+
+
 def test_work_beyond_the_pinned_limits_is_refused_on_the_request_alone(keys, model, monkeypatch) -> None:
     """The server cannot push the local work past what the client pinned (so past a reply-floor chosen to cover
     it): more local epochs, or smaller batches, than the pinned limits are refused before any data is loaded."""

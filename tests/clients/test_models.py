@@ -105,3 +105,58 @@ def test_central_evaluation_on_digits() -> None:
                   zip(arrays, local_delta(arrays, ds.x_train, ds.y_train, epochs=1, lr=0.5, batch_size=2000))]
     loss1, acc1 = evaluate(arrays, ds.x_test, ds.y_test)
     assert loss1 < loss0 and acc1 > 0.85
+
+
+def _module_reference(arrays: list[np.ndarray], x: np.ndarray, y: np.ndarray, *, epochs: int = 0, lr: float = 0.0,
+                      batch_size: int = 0, seed: int = 0) -> list[np.ndarray]:
+    """The local computations on a torch module (model_from_arrays, backward into .grad): the average gradient,
+    or with ``epochs`` the delta of SGD with the minibatch order drawn from ``seed``."""
+    import torch
+
+    from shuffledp.clients.models import local_loss
+
+    model = model_from_arrays(arrays)
+    xt, yt = torch.from_numpy(np.ascontiguousarray(x, np.float32)), torch.from_numpy(y.astype(np.int64))
+    if not epochs:
+        local_loss(model, xt, yt).backward()
+        return [p.grad.numpy().astype(np.float64) for p in model.parameters()]
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(epochs):
+        order = torch.randperm(len(yt), generator=gen)
+        for start in range(0, len(yt), batch_size):
+            idx = order[start:start + batch_size]
+            opt.zero_grad()
+            local_loss(model, xt[idx], yt[idx]).backward()
+            opt.step()
+    return [p.detach().numpy().astype(np.float64) - np.asarray(a, np.float64)
+            for p, a in zip(model.parameters(), arrays)]
+
+
+@pytest.mark.parametrize("kind", ["logreg", "mlp"])
+def test_local_computations_equal_those_of_a_torch_module_bit_for_bit(kind: str, monkeypatch) -> None:
+    """The local computations run on the parameters alone (no module per reply): the same operations, the same
+    bits as the module they replace, and the received arrays are never written (read-only ones included)."""
+    import secrets
+
+    x, y = _toy(n=37, f=5, c=3)
+    for seed in range(3):
+        arrays = initial_arrays(kind, 5, 3, hidden=6, seed=seed)
+        arrays = [a + np.float32(0.1) * np.sign(a) for a in arrays]  # away from the initialisation
+        frozen = [np.frombuffer(a.tobytes(), dtype=a.dtype).reshape(a.shape) for a in arrays]  # read-only
+        for given in (arrays, frozen, [a.astype(np.float64) for a in arrays]):
+            before = [a.copy() for a in given]
+            got = average_gradient(given, x, y)
+            assert all(np.array_equal(g, r) for g, r in zip(got, _module_reference(given, x, y)))
+            monkeypatch.setattr(secrets, "randbits", lambda k, s=seed: 1234 + s)  # the same order in both
+            got = local_delta(given, x, y, epochs=2, lr=0.3, batch_size=8)
+            want = _module_reference(given, x, y, epochs=2, lr=0.3, batch_size=8, seed=1234 + seed)
+            assert all(np.array_equal(g, r) for g, r in zip(got, want))
+            assert all(np.array_equal(a, b) for a, b in zip(given, before))
+    for bad, match in (([np.zeros((3, 2)), np.zeros(2)], "neither"),
+                       ([np.full((3, 5), np.nan, np.float32), np.zeros(3, np.float32)], "non-finite"),
+                       ([np.zeros((3, 5), np.int64), np.zeros(3, np.float32)], "floating-point")):
+        with pytest.raises(ValueError, match=match):
+            average_gradient(bad, x, y)
+        with pytest.raises(ValueError, match=match):
+            local_delta(bad, x, y, epochs=1, lr=0.1, batch_size=4)
