@@ -308,6 +308,19 @@ def clone_epsilon(eps0: float, n: int, delta: float, variant: Variant = "stronge
     return _epsilon_exact(eps0, n, delta, variant)
 
 
+def _gaussian_start(eps0: float, n: int, delta: float, variant: str) -> float:
+    """A starting point only: the epsilon of a Gaussian privacy loss with the pair's loss deviation (mean s^2/2)."""
+    _, log_q, _ = _params(eps0, variant)
+    s = min(eps0, 2.0 * math.tanh(eps0 / 2.0) / math.sqrt((n - 1) * math.exp(log_q) + 1.0))
+    lo, hi = 0.0, eps0
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        d = 0.5 * math.erfc((mid / s - s / 2) / math.sqrt(2.0)) - math.exp(mid) * 0.5 * math.erfc(
+            (mid / s + s / 2) / math.sqrt(2.0))
+        lo, hi = (mid, hi) if d > delta else (lo, mid)
+    return hi
+
+
 @functools.lru_cache(maxsize=256)
 def _epsilon_exact(eps0: float, n: int, delta: float, variant: str) -> float:
     """Safeguarded Newton iteration on ``log delta(eps) - log delta`` inside a shrinking bracket.
@@ -322,7 +335,7 @@ def _epsilon_exact(eps0: float, n: int, delta: float, variant: str) -> float:
     if d0 <= delta:
         return 0.0
     lo, hi = 0.0, eps0  # delta(lo) > target >= delta(hi) = 0
-    x = eps0 * 1e-3
+    x = min(max(_gaussian_start(eps0, n, delta, variant), eps0 * 1e-6), eps0 * (1.0 - 1e-9))
     for _ in range(200):
         val, slope = _delta_exact(eps0, n, x, variant, cdist, with_slope=True)
         if val > delta:

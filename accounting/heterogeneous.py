@@ -23,8 +23,8 @@ __all__ = [
 #: Up to this many distinct (n, eps0) groups are composed as they are; beyond it the PLD families round each
 #: round to a dominating grid point (see :func:`dominating_round`) so that rounds merge.
 HETEROGENEOUS_EXACT_GROUPS = 4
-#: Ratio of the geometric grid of n in :func:`dominating_round` (n moves by < 0.5%; n < 200 stays exact).
-HETEROGENEOUS_N_GRID_RATIO = 1.005
+#: Ratio of the geometric grid of n in :func:`dominating_round` (n moves down by < 1%; n < 100 stays exact).
+HETEROGENEOUS_N_GRID_RATIO = 1.01
 #: Ratio of the geometric grid of eps0 in :func:`dominating_round` (eps0 moves by < 0.1%). Finer than n's
 #: grid because epsilon reacts to eps0 more strongly (about eps0/2 times the relative change) than to n
 #: (about half the relative change); eps0 rarely varies between rounds, so it costs few extra groups.
@@ -58,7 +58,7 @@ def dominating_round(n: int, eps0: float, *, lower: bool) -> tuple[int, float]:
     pair with more clones is a post-processing of the one with fewer: add independent clones split by a fair
     coin), and an eps0-LDP randomizer is also eps0'-LDP for eps0' >= eps0; so the bound of the rounded round
     covers the real one. n goes to the smallest integer of its cell ``[r^k, r^(k+1))``, ``ceil(r^k)``, so an n
-    that is the only integer of its cell (every n below ``1 / (r - 1)`` = 200) stays exact. Lower family
+    that is the only integer of its cell (every n below ``1 / (r - 1)`` = 100) stays exact. Lower family
     (rr-lower): n UP to the largest integer of its cell, ``floor(r^(k+1))``, and eps0 DOWN, so the value stays
     a lower bound. A coordinate whose rounded value would leave the accepted range (eps0 above
     :data:`EPS0_MAX`, n above :data:`N_MAX`) is kept exact instead (the exact value is its own dominating point).

@@ -443,7 +443,7 @@ def _eps_one(losses: np.ndarray, probs: np.ndarray, inf_mass: float, delta: floa
     u = inf_mass + np.cumsum(pk[::-1])[::-1]
     l_min, l_max = float(lk[0]), float(lk[-1])
     terms = pk * np.exp(l_min - lk) if l_max - l_min < 600.0 else None
-    if terms is not None and not np.any((terms == 0.0) & (pk > 0.0)):
+    if terms is not None and np.count_nonzero(terms) == np.count_nonzero(pk):  # no positive term underflowed
         # W_k = e^{-l_min} sum_{j>=k} p_j e^{-(l_j - l_min)}: no overflow, and no term underflowed
         w = np.cumsum(terms[::-1])[::-1]
         kept = min(int(np.count_nonzero(u > delta)), int(np.count_nonzero(w > 0.0)))
@@ -462,7 +462,7 @@ def _delta_one(losses: np.ndarray, probs: np.ndarray, inf_mass: float, epsilon: 
     """``inf + sum_{l > eps} p (1 - e^{eps - l})``, one direction, ``losses`` ascending, not clipped (a fresh copy of
     the masses is summed, so the result does not depend on where they sit in memory)."""
     start = int(np.searchsorted(losses, epsilon, side="right"))
-    return inf_mass + float(np.dot(-np.expm1(epsilon - losses[start:]), probs[start:].copy()))
+    return inf_mass - float(np.dot(np.expm1(epsilon - losses[start:]), probs[start:].copy()))  # -(sum p expm1)
 
 
 def epsilon_for_delta(pld: PrivacyLossDistribution, delta: float) -> float:

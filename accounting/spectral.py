@@ -73,8 +73,8 @@ _LAM_SCALE = 2**40
 _VAR_SCALE = 2**20
 #: Relative and absolute margin added to a log-MGF before it is rounded up (float round-off of the logsumexp).
 _LAM_MARGIN = 1e-12
-#: Exponents whose log-MGFs are computed together (an aligned group; a growing composition needs the neighbours).
-_LAM_BATCH = 4
+#: Largest ``|s (i - c)|`` for which a log-MGF is summed directly (no overflow of ``e^{+-s (i - c)}``).
+_LAM_DIRECT = 600.0
 _LOG_TAIL = math.log(1.0 / COMPOSED_TAIL_MASS)
 #: Bytes of round transforms kept.
 _SPECTRA_BYTES = 128 * 2**20
@@ -84,12 +84,13 @@ def _log(x: float) -> float:
     return math.log(x) if x > 0.0 else -math.inf
 
 
-def _arc(ring: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """``ring[lo..hi]`` read around the circle (``hi - lo < ring.size``), as a new array."""
+def _arc(ring: np.ndarray, lo: int, hi: int, *, fresh: bool = False) -> np.ndarray:
+    """``ring[lo..hi]`` read around the circle (``hi - lo < ring.size``), as a new array (a view of ``ring`` when
+    ``fresh``: the ring is a temporary the caller may change)."""
     n = ring.size
     start, stop = lo % n, hi % n
     if start <= stop:
-        return ring[start : stop + 1].copy()
+        return ring[start : stop + 1] if fresh else ring[start : stop + 1].copy()
     return np.concatenate((ring[start:], ring[: stop + 1]))
 
 
@@ -107,7 +108,7 @@ def _circle(dense: ps.Dense, n_fft: int) -> np.ndarray:
     return sfft.rfft(ring)
 
 
-_spectra: OrderedDict[tuple, tuple[np.ndarray, dict[int, float]]] = OrderedDict()
+_spectra: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 _spectra_bytes = 0
 
 
@@ -124,7 +125,7 @@ class Item:
     dense: ps.Dense
     _lam: dict[int, tuple[int, int]] = field(default_factory=dict)
     _stats: tuple[int, int, int, float] | None = None
-    _support: tuple[np.ndarray, np.ndarray] | None = None
+    _support: tuple[np.ndarray, np.ndarray, int] | None = None
     _own: dict = field(default_factory=dict)
 
     def stats(self) -> tuple[int, int, int, float]:
@@ -147,33 +148,42 @@ class Item:
         """``ceil(2^40 log M(+-2^k))`` (``M`` the moment generating function of the finite part's loss index):
         upper bounds, so Chernoff bounds built from them stay bounds.
 
+        ``M(s) = e^{s c} sum_i p_i e^{s (i - c)}`` about the support's middle ``c``: where every ``|s (i - c)|`` is
+        at most ``_LAM_DIRECT`` the sum is taken as it is (a pairwise sum of positive terms: relative error a few
+        times ``1e-15``, far inside ``_LAM_MARGIN``), else as a log-sum-exp.
+
         Args:
             k: the exponent of ``s = 2^k``.
 
         Returns:
             The two rounded log-MGFs, at ``+s`` and at ``-s``.
         """
-        if k not in self._lam:
+        found = self._lam.get(k)
+        if found is None:
             if self._support is None:
                 lower, probs, _ = self.dense
                 nz = np.flatnonzero(probs > 0.0)
-                self._support = ((lower + nz).astype(np.float64), np.log(probs[nz]))
-            idx, logp = self._support
-            first = k - k % _LAM_BATCH  # a fixed group of exponents: each value is computed the same way every time
-            ks = list(range(first, first + _LAM_BATCH))
-            if idx.size == 0:
-                for j in ks:
-                    self._lam[j] = (-(2**62), -(2**62))
-            else:  # the neighbouring exponents too: a growing composition moves k* by one at a time
-                s_values = np.array([sign * 2.0**j for j in ks for sign in (1.0, -1.0)])
-                x = np.outer(s_values, idx)
-                x += logp
-                top = x.max(axis=1)
-                values = (top + np.log(np.exp(x - top[:, None]).sum(axis=1))).tolist()
-                rounded = [int(math.ceil((v + _LAM_MARGIN * (1.0 + abs(v))) * _LAM_SCALE)) for v in values]
-                for i, j in enumerate(ks):
-                    self._lam[j] = (rounded[2 * i], rounded[2 * i + 1])
-        return self._lam[k]
+                middle = int(nz[0] + nz[-1]) // 2 if nz.size else 0
+                self._support = ((nz - middle).astype(np.float64), probs[nz], lower + middle)
+            offsets, p, middle = self._support
+            if offsets.size == 0:
+                found = (-(2**62), -(2**62))
+            else:
+                s = 2.0**k
+                if s * max(-float(offsets[0]), float(offsets[-1])) <= _LAM_DIRECT:
+                    z = np.exp(s * offsets)
+                    sums = (float((p * z).sum()), float((p / z).sum()))
+                    values = (math.log(sums[0]) + s * middle, math.log(sums[1]) - s * middle)
+                else:
+                    x = np.outer(np.array([s, -s]), offsets)
+                    x += np.log(p)
+                    top = x.max(axis=1)
+                    shifted = (top + np.log(np.exp(x - top[:, None]).sum(axis=1))).tolist()
+                    values = (shifted[0] + s * middle, shifted[1] - s * middle)
+                up, dn = (int(math.ceil((v + _LAM_MARGIN * (1.0 + abs(v))) * _LAM_SCALE)) for v in values)
+                found = (up, dn)
+            self._lam[k] = found
+        return found
 
     def spectrum(self, n_fft: int) -> np.ndarray:
         """The real FFT of the finite part on the circle of ``n_fft`` points (read-only; cached by key).
@@ -198,34 +208,37 @@ class Item:
         """
         if band >= n_fft // 2:
             return -math.inf
-        spectrum, tails = self._transform(n_fft)
-        if band not in tails:
-            tails[band] = _log(float(np.abs(spectrum[band + 1 :]).max()))
-        return tails[band]
+        return _log(float(self._transform(n_fft)[1][band + 1]))
 
-    def _transform(self, n_fft: int) -> tuple[np.ndarray, dict[int, float]]:
-        """``(transform, {band: log tail bound})`` on the circle of ``n_fft`` points: in the module's cache (least
-        recently used out past ``_SPECTRA_BYTES``) for a keyed item, on the item itself otherwise."""
+    def _transform(self, n_fft: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(transform, suffix maxima of its magnitudes)`` on the circle of ``n_fft`` points (``[j]`` = ``max_{i >= j}
+        |R_i|``, so that every band's tail is one lookup): in the module's cache (least recently used out past
+        ``_SPECTRA_BYTES``) for a keyed item, on the item itself otherwise."""
         global _spectra_bytes  # pylint: disable=global-statement
         if self.key is None:
             if n_fft not in self._own:
-                out = _circle(self.dense, n_fft)
-                out.setflags(write=False)
-                self._own[n_fft] = (out, {})
+                self._own[n_fft] = _with_suffix_max(_circle(self.dense, n_fft))
             return self._own[n_fft]
         key = (*self.key, n_fft)
         found = _spectra.get(key)
         if found is not None:
             _spectra.move_to_end(key)
             return found
-        out = _circle(self.dense, n_fft)
-        out.setflags(write=False)
-        found = _spectra[key] = (out, {})
-        _spectra_bytes += out.nbytes
+        found = _spectra[key] = _with_suffix_max(_circle(self.dense, n_fft))
+        _spectra_bytes += found[0].nbytes + found[1].nbytes
         while _spectra_bytes > _SPECTRA_BYTES and len(_spectra) > 1:
-            _, (old, _) = _spectra.popitem(last=False)
-            _spectra_bytes -= old.nbytes
+            _, (old, old_max) = _spectra.popitem(last=False)
+            _spectra_bytes -= old.nbytes + old_max.nbytes
         return found
+
+
+def _with_suffix_max(spectrum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``spectrum`` (made read-only) and the suffix maxima of its magnitudes (read-only): ``[j] = max_{i >= j}
+    |R_i|`` for ``j`` up to the last frequency. Returns both."""
+    spectrum.setflags(write=False)
+    suffix = np.maximum.accumulate(np.abs(spectrum)[::-1])[::-1].copy()
+    suffix.setflags(write=False)
+    return spectrum, suffix
 
 
 _items: OrderedDict[tuple, Item] = OrderedDict()
@@ -441,7 +454,7 @@ class Composition:
         coarse = self.spectrum * _spread_kernel(n, f, self.h)
         coarse[-1] = 2.0 * coarse[-1].real  # the coarse Nyquist term gathers both +-band (conjugates)
         k_lo = lo // f
-        out = _arc(sfft.irfft(coarse, m), k_lo, hi // f + 1)
+        out = _arc(sfft.irfft(coarse, m, overwrite_x=True), k_lo, hi // f + 1, fresh=True)
         if self.log_tail > -math.inf:
             out += f * math.exp(self.log_tail)
         return (k_lo, np.maximum(out, 0.0, out=out), self.infinity()), f * self.h

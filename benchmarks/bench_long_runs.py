@@ -9,10 +9,10 @@ same run, at the middle of the run's n range (n = 125,000) and, for scale, at n 
 start of the run (block tables, one-round PLDs and their transforms, the exact single-round values). With
 ``--repeat K`` the run (caches cleared each time) and the reference are each timed K times and the fastest of each
 is used, for a loaded machine; CPU times (``time.process_time``) are printed next to the wall times for the same
-reason. Then checks that a checkpoint restores the same answer (``from_state_dict`` replays
-the rounds, caches cleared) and how long that replay takes, and prints the run's epsilon next to the exact
-from-scratch composition of the same rounds (no blocks, no grouping: ``clone_spread.heterogeneous_clone_pld``;
-slow, ``--no-exact`` skips it).
+reason, and the load average (1, 5, 15 minutes) before and after the timings. Then checks that a checkpoint
+restores the same answer (``from_state_dict`` replays the rounds, caches cleared) and how long that replay takes,
+and prints the run's epsilon next to the exact from-scratch composition of the same rounds (no blocks, no
+grouping: ``clone_spread.heterogeneous_clone_pld``; slow, ``--no-exact`` skips it).
 
 Run: ``python benchmarks/bench_long_runs.py [--rounds 1000] [--seed 0] [--repeat 1] [--no-exact]``.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import statistics
 import time
@@ -64,6 +65,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     ns = [rng.randint(50_000, 200_000) for _ in range(args.rounds)]
 
+    load_before = os.getloadavg()
     best = None
     for _ in range(max(1, args.repeat)):
         result = _run(ns, args.eps0, delta)
@@ -80,8 +82,11 @@ def main() -> None:
             refs[n_ref] = min(refs.get(n_ref, math.inf), time.perf_counter() - t0)
             refs_cpu[n_ref] = min(refs_cpu.get(n_ref, math.inf), time.process_time() - c0)
 
+    load_after = os.getloadavg()
     print(f"{args.rounds} rounds, n uniform in [5e4, 2e5] (seed {args.seed}), eps0={args.eps0:g}, delta={delta:g}, "
           f"family clones{f', fastest of {args.repeat}' if args.repeat > 1 else ''}")
+    print(f"  load average before the timings {', '.join(f'{x:.2f}' for x in load_before)}; after "
+          f"{', '.join(f'{x:.2f}' for x in load_after)}")
     for r in (1, 100, args.rounds):
         if r <= args.rounds:
             print(f"  charge at round {r:>5}: {1e3 * times[r - 1]:8.2f} ms")

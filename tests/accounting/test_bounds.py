@@ -579,18 +579,20 @@ def test_rr_lower_at_large_n_composes() -> None:
 # ------------------------------------------------------------------ bucketing keeps small n exact, eps0 finely
 
 
-def test_bucketing_keeps_every_n_below_200_exact() -> None:
-    # Each n below 1 / (ratio - 1) = 200 is the only integer of its grid cell: rounding it to the cell's
-    # floor (n - 1 before) made a 5-group history 1.6% looser than composing the groups as they are.
-    for n in list(range(1, 200)) + [12_345, 10**6]:
+def test_bucketing_keeps_every_small_n_exact() -> None:
+    # Each n below 1 / (ratio - 1) is the only integer of its grid cell: rounding it to the cell's floor (n - 1)
+    # made a 5-group history 1.6% looser than composing the groups as they are.
+    ratio = heterogeneous.HETEROGENEOUS_N_GRID_RATIO
+    limit = math.floor(1.0 / (ratio - 1.0) + 1e-9)
+    assert limit >= 50
+    for n in list(range(1, limit)) + [12_345, 10**6]:
         n_up, _ = heterogeneous.dominating_round(n, 1.0, lower=False)
         n_lo, _ = heterogeneous.dominating_round(n, 1.0, lower=True)
-        if n < 200:
+        if n < limit:
             assert n_up == n and n_lo == n
         else:  # still merged on the grid, in the safe direction
-            ratio = heterogeneous.HETEROGENEOUS_N_GRID_RATIO
             assert n / ratio <= n_up <= n <= n_lo <= n * ratio
-    rounds = [ShuffleRound(n, 1.0) for n in (20, 50, 100, 150, 190)]
+    rounds = [ShuffleRound(n, 1.0) for n in (20, limit // 4, limit // 2, 3 * limit // 4, limit - 1)]
     items = [(r.n, r.eps0, 1) for r in rounds]
     for family in ("clones", "rr-lower"):
         b = bounds.epsilon_for_rounds(family, rounds, 1e-6)
@@ -601,7 +603,7 @@ def test_bucketing_keeps_every_n_below_200_exact() -> None:
 
 def test_bucketing_moves_a_large_eps0_history_by_well_under_one_percent() -> None:
     # Worst case for eps0: every eps0 just above a grid point, so each is rounded up by almost a full step.
-    # The value reacts by about eps0/2 times the relative step: 2.5% at eps0 = 8 with the n grid's 0.5% step.
+    # The value reacts by about eps0/2 times the relative step of eps0's grid.
     ratio = heterogeneous.HETEROGENEOUS_EPS0_GRID_RATIO
     eps0 = ratio ** math.floor(math.log(8.0) / math.log(ratio)) * (1.0 + 1e-9)
     rounds = [ShuffleRound(10**5 + k, eps0) for k in (1, 3, 5, 7, 9)]

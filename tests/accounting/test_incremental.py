@@ -85,7 +85,8 @@ def test_clone_blocks_group_clone_counts_downward_and_rounds_group_n_downward() 
     c = np.array([0, 1, 999, 1000, 1001, 54_321, 10**6, 10**9 - 7], dtype=np.int64)
     j = clone_blocks.block_of(c)
     assert np.all(clone_blocks.block_start(j) <= c) and np.all(c < clone_blocks.block_start(j + 1))
-    assert np.all(clone_blocks.block_start(j[c < 1000]) == c[c < 1000])  # below 1/width every c is its own block
+    own = c < 1.0 / clone_blocks.BLOCK_RELATIVE_WIDTH
+    assert np.all(clone_blocks.block_start(j[own]) == c[own])  # below 1/width every c is its own block
     for n in (57_123, 123_457, 199_999):
         n_grid, eps0_grid = heterogeneous.dominating_round(n, 1.0, lower=False)
         assert n_grid <= n and eps0_grid >= 1.0
