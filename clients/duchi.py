@@ -25,8 +25,11 @@ Decode (unbiased). For ``z`` uniform on the sphere, ``E[z sign<u, z>] = m_d u`` 
 ``E[b z] = c (||g|| / C) E[sign<g, z> z] = (c m_d / C) g``, and the server's estimate
 ``g_hat = C / (c m_d) * b z`` is unbiased, with ``||g_hat||_2^2 = C^2 / (c m_d)^2`` (about ``pi d C^2 / (2 c^2)``).
 
-Report: the 20-byte mechanism header (magic ``b"SDPD"``), the 32-byte seed and one byte ``b in {0, 1}``: 53 bytes
-whatever d.
+Report: the 20-byte mechanism header (magic ``b"SDD2"``), the 32-byte seed and one byte ``b in {0, 1}``: 53 bytes
+whatever d. The magic also names the derivation of ``z`` from the seed
+(:func:`shuffledp.clients.sphere.directions_from_seeds`: Box-Muller with the angle drawn as a quarter-turn arc
+and one of four arcs): a report made with another derivation carries another magic (``b"SDPD"`` for the angle
+``2 pi u``) and is refused, never decoded with another direction.
 
 Batches. :meth:`DuchiMechanism.randomize_batch` randomizes k updates at once and :meth:`DuchiMechanism.randomize`
 is it on a batch of one. Each client takes a fixed ``32 + 8 W`` bytes of the CSPRNG, its seed then its coin's
@@ -49,10 +52,10 @@ from shuffledp.clients.validation import check_int
 
 __all__ = ["DUCHI_MAGIC", "DuchiMechanism", "mean_abs_coordinate"]
 
-DUCHI_MAGIC = b"SDPD"
+DUCHI_MAGIC = b"SDD2"
 _HEADER_BYTES = 20
 _BODY_BYTES = SEED_BYTES + 1
-_BLOCK_ELEMENTS = 2**20  # directions are derived this many coordinates at a time (bounded memory)
+_BLOCK_ELEMENTS = 2**16  # a batch's directions are derived and projected this many coordinates at a time
 
 
 @functools.lru_cache(maxsize=64)
@@ -155,10 +158,12 @@ class DuchiMechanism:
         seeds = draws[:, :SEED_BYTES]
         words = np.ascontiguousarray(draws[:, SEED_BYTES:]).view(">u8").astype(np.uint64)
         x = np.empty(k)
-        step = max(1, _BLOCK_ELEMENTS // d)
+        step = min(k, max(1, _BLOCK_ELEMENTS // d))
+        z = np.empty((step, d))
         for lo in range(0, k, step):
-            x[lo:lo + step] = self.projections(g[lo:lo + step], directions_from_seeds(seeds[lo:lo + step], d),
-                                               norms[lo:lo + step])
+            block = z[:min(step, k - lo)]
+            directions_from_seeds(seeds[lo:lo + step], d, out=block)
+            x[lo:lo + step] = self.projections(g[lo:lo + step], block, norms[lo:lo + step])
         bits = bernoulli_words(self.flip_probabilities(x), words)
         out = np.empty((k, _HEADER_BYTES + _BODY_BYTES), dtype=np.uint8)
         out[:, :_HEADER_BYTES] = np.frombuffer(encode_mechanism_header(DUCHI_MAGIC, d, self.eps_used), dtype=np.uint8)
@@ -203,20 +208,15 @@ class DuchiMechanism:
         if bad_bit.any():
             for i in np.flatnonzero(bad_bit):
                 refused.setdefault(int(i), f"the duchi report's bit must be 0 or 1, got {bits[i]}")
-        k = body.shape[0]
-        out = np.zeros((k, dim))
-        rows: np.ndarray | None = None
-        if refused:
-            ok = np.ones(k, dtype=bool)
-            ok[list(refused)] = False
-            rows = np.flatnonzero(ok)
         s = self.scale(dim)
-        step = max(1, _BLOCK_ELEMENTS // dim)
+        signed = np.where(bits == 1, s, -s)
         seeds = body[:, :SEED_BYTES]
-        for lo in range(0, k if rows is None else rows.size, step):
-            idx = slice(lo, lo + step) if rows is None else rows[lo:lo + step]
-            z = directions_from_seeds(seeds[idx], dim)
-            out[idx] = np.where(bits[idx] == 1, s, -s)[:, None] * z
+        if not refused:
+            return DecodedBatch(directions_from_seeds(seeds, dim, scales=signed), refused)
+        out = np.zeros((body.shape[0], dim))
+        ok = np.ones(body.shape[0], dtype=bool)
+        ok[list(refused)] = False
+        out[ok] = directions_from_seeds(seeds[ok], dim, scales=signed[ok])
         return DecodedBatch(out, refused)
 
     def decode(self, report: bytes, dim: int) -> np.ndarray:

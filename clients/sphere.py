@@ -3,14 +3,21 @@
 A uniform direction is a standard normal vector divided by its norm (Muller, CACM 1959); the normals come from
 the Box-Muller transform (Box and Muller, Ann. Math. Stat. 1958) of 53-bit uniforms taken from a ChaCha20
 keystream (RFC 8439). :func:`directions` draws from the client's :class:`shuffledp.clients.noise.ChaCha20Rng`
-(keyed from ``os.urandom``); :func:`direction_from_seed` derives one direction deterministically from a 32-byte
-seed, so that a client can send the seed and the server rebuild the same direction. Directions never depend on
-the data; the mechanisms that use them let the data in only through exactly sampled coins
-(:mod:`shuffledp.clients.duchi`) or through an acceptance test (:mod:`shuffledp.clients.privunit`).
+(keyed from ``os.urandom``), with the angle ``2 pi u``; :func:`direction_from_seed` derives one direction
+deterministically from a 32-byte seed, so that a client can send the seed and the server rebuild the same
+direction, with the angle drawn as a quarter-turn arc and one of four arcs (:func:`directions_from_seeds`: the
+same law, and ``cos``/``sin`` only on ``(-pi/4, pi/4)``). Directions never depend on the data; the mechanisms that
+use them let the data in only through exactly sampled coins (:mod:`shuffledp.clients.duchi`) or through an
+acceptance test (:mod:`shuffledp.clients.privunit`).
+
+Both work a block of rows at a time, in work arrays that stay in cache; each row's result is the same whatever
+the block (every step is elementwise or row by row).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import math
 from collections.abc import Callable
@@ -28,6 +35,12 @@ __all__ = ["SEED_BYTES", "row_norms", "clip_l2", "clip_l2_rows", "clip_l2_rows_a
 SEED_BYTES = 32
 _NONCE = b"shuffledp-dir\x00\x00\x00"  # 16 bytes: domain separation of the derived keystream
 _MAX_ELEMENTS = 2**28
+_CLIP_BLOCK_ELEMENTS = 2**14  # clipping works on this many entries at a time (in cache)
+_BLOCK_PAIRS = 2**12  # directions are derived this many Box-Muller pairs at a time (their work arrays stay in cache)
+_SHIFT = np.uint64(11)  # a 64-bit word's top 53 bits make one uniform
+_BIT62 = np.uint64(62)
+_BIT63 = np.uint64(63)
+_QUARTER_TURN = math.pi * 2.0**-54  # (pi/2) 2**-53
 
 
 def _peak_and_scaled_norms(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -35,8 +48,14 @@ def _peak_and_scaled_norms(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     a zero row), so that ``||x_i||_2 = s_i peak_i`` without overflow."""
     arr = np.asarray(x, dtype=np.float64)
     peak = np.abs(arr).max(axis=1) if arr.shape[1] else np.zeros(arr.shape[0])
-    scaled = arr / np.where(peak > 0.0, peak, 1.0)[:, None]
-    return peak, np.sqrt(np.einsum("ij,ij->i", scaled, scaled))
+    return peak, _scaled_norms(arr, peak)
+
+
+def _scaled_norms(arr: np.ndarray, peak: np.ndarray, work: np.ndarray | None = None) -> np.ndarray:
+    """The norm of each row of ``arr`` divided by its ``peak`` (the row itself for a zero peak); ``work``, if given,
+    is an ``arr``-shaped float64 array to hold the divided rows."""
+    scaled = np.divide(arr, np.where(peak > 0.0, peak, 1.0)[:, None], out=work)
+    return np.sqrt(np.einsum("ij,ij->i", scaled, scaled))
 
 
 def row_norms(x: np.ndarray) -> np.ndarray:
@@ -71,6 +90,9 @@ def clip_l2_rows(x: np.ndarray, clip: float) -> np.ndarray:
 def clip_l2_rows_and_norms(x: np.ndarray, clip: float) -> tuple[np.ndarray, np.ndarray]:
     """:func:`clip_l2_rows` and the :func:`row_norms` of its result (computed on the way, so not twice).
 
+    Rows are processed a block at a time (a block's temporaries stay in cache); every row's result is the one the
+    whole-array computation gives (each row's norm and scale depend on that row only).
+
     Returns:
         ``(clipped rows, their norms)``.
 
@@ -83,26 +105,46 @@ def clip_l2_rows_and_norms(x: np.ndarray, clip: float) -> tuple[np.ndarray, np.n
         raise TypeError(f"x must be a real numeric array, got dtype {arr.dtype}")
     if arr.ndim != 2:
         raise ValueError(f"clip_l2_rows takes a 2-D array of rows, got shape {arr.shape}")
-    base = arr.astype(np.float64, copy=False)
-    if not np.isfinite(base).all():
-        raise ValueError(f"x has {int(np.count_nonzero(~np.isfinite(base)))} non-finite entries; refusing to clip")
-    peak, s = _peak_and_scaled_norms(base)
-    with np.errstate(over="ignore"):
-        norms = s * peak  # an overflow to inf is a norm above c too
-    clipped = norms > c
-    if not clipped.any():
-        return base.copy(), norms
-    scale = np.ones_like(s)
-    scale[clipped] = (c / peak[clipped]) / s[clipped]
-    out = base * scale[:, None]  # x * 1.0 is x exactly: the rows inside the ball are copied unchanged
-    pending = np.flatnonzero(clipped)
-    for _ in range(200):
-        norms[pending] = row_norms(out[pending])
-        pending = pending[norms[pending] > c]
+    k, d = arr.shape
+    out = np.empty((k, d))
+    norms = np.empty(k)
+    scale = np.ones(k)
+    rows = max(1, _CLIP_BLOCK_ELEMENTS // max(d, 1))
+    work = np.empty((min(rows, k), d))
+    for lo in range(0, k, rows):
+        base = arr[lo:lo + rows].astype(np.float64, copy=False)
+        buf = work[:base.shape[0]]
+        peak = np.abs(base, out=buf).max(axis=1) if d else np.zeros(base.shape[0])
+        if not np.isfinite(peak).all():  # max propagates NaN: a row with a NaN or Inf entry has a non-finite peak
+            bad = int(np.count_nonzero(~np.isfinite(arr.astype(np.float64, copy=False))))
+            raise ValueError(f"x has {bad} non-finite entries; refusing to clip")
+        s = _scaled_norms(base, peak, buf)
+        with np.errstate(over="ignore"):
+            block_norms = s * peak  # an overflow to inf is a norm above c too
+        clipped = block_norms > c
+        block_out = out[lo:lo + rows]
+        if clipped.any():
+            block_scale = scale[lo:lo + rows]
+            block_scale[clipped] = (c / peak[clipped]) / s[clipped]
+            np.multiply(base, block_scale[:, None], out=block_out)  # x * 1.0 is x: rows inside the ball unchanged
+            # row_norms(block_out), whose peak is peak * scale (rounding is monotone and odd): the rows inside the
+            # ball get their norm again, the clipped ones the norm of their result
+            out_peak = peak * block_scale
+            with np.errstate(over="ignore"):
+                block_norms = _scaled_norms(block_out, out_peak, buf) * out_peak
+        else:
+            block_out[...] = base
+        norms[lo:lo + rows] = block_norms
+    pending = np.flatnonzero(norms > c)  # only a clipped row's rounding can overshoot
+    for _ in range(199):
         if pending.size == 0:
             return out, norms
         scale[pending] = np.nextafter(scale[pending], 0.0) * (1.0 - 2.0**-50)
-        out[pending] = base[pending] * scale[pending, None]
+        out[pending] = arr[pending].astype(np.float64, copy=False) * scale[pending, None]
+        norms[pending] = row_norms(out[pending])
+        pending = pending[norms[pending] > c]
+    if pending.size == 0:
+        return out, norms
     raise ArithmeticError("could not bring the L2 norm under the clip bound")  # pragma: no cover
 
 
@@ -151,26 +193,113 @@ def unit_or_default(x: np.ndarray) -> tuple[np.ndarray, float]:
     return u[0], float(n[0])
 
 
-def _normals_from_words(words: np.ndarray) -> np.ndarray:
-    """``words.size // 2`` standard normals from uint64 words (Box-Muller on pairs of 53-bit uniforms in (0, 1))."""
-    u = (words >> np.uint64(11)).view(np.int64).astype(np.float64)  # < 2**53: exact
-    u += 0.5
-    u *= 2.0**-53
-    pairs = u.reshape(-1, 2)  # (u1, u2) per pair
-    r = np.log(pairs[:, 0])
-    r *= -2.0
-    np.sqrt(r, out=r)
-    theta = pairs[:, 1] * (2.0 * math.pi)
-    out = np.empty_like(pairs)
-    np.cos(theta, out=out[:, 0])
-    np.sin(theta, out=out[:, 1])
-    out *= r[:, None]
-    return out.reshape(-1)
+class _Work:
+    """Work arrays for the Box-Muller transform and normalisation of up to ``rows`` directions in R^d (one block)."""
+
+    def __init__(self, rows: int, d: int) -> None:
+        half = (d + 1) // 2
+        pairs = rows * half
+        self.d = d
+        self.half = half
+        self.ints = np.empty(pairs, dtype=np.uint64)
+        self.mask = np.empty(pairs, dtype=np.uint64)
+        self.radius = np.empty(pairs)
+        self.angle = np.empty(pairs)
+        self.cos = np.empty(pairs)
+        self.sin = np.empty(pairs)
+        self.normals = np.empty((rows, 2 * half))
+        self.squares = np.empty((rows, d))
+        self.norms = np.empty(rows)
+
+    def uniforms(self, words: np.ndarray, out: np.ndarray) -> None:
+        """``out = ((words >> 11) + 1/2) 2**-53``: uniforms in (0, 1) (the conversion to float64 is exact)."""
+        ints = self.ints[:words.shape[0]]
+        np.right_shift(words, _SHIFT, out=ints)
+        out[...] = ints.view(np.int64)  # < 2**53: exact
+        out += 0.5
+        out *= 2.0**-53
+
+    def full_turn(self, words: np.ndarray) -> None:
+        """``cos``, ``sin`` := ``cos t``, ``sin t`` for ``t = 2 pi u`` (``u`` the :meth:`uniforms` of ``words``)."""
+        n = words.shape[0]
+        t = self.angle[:n]
+        self.uniforms(words, t)
+        t *= 2.0 * math.pi
+        np.cos(t, out=self.cos[:n])
+        np.sin(t, out=self.sin[:n])
+
+    def quarter_turns(self, words: np.ndarray) -> None:
+        """``cos``, ``sin`` := the cosine and sine of a uniform angle, as a quarter-turn arc and one of four arcs.
+
+        ``t = ((w >> 11) - 2**52 + 1/2) (pi/2) 2**-53`` in (-pi/4, pi/4) (the subtraction is exact; ``t`` is uniform on
+        a grid symmetric about 0), ``(c, s) = (cos t, sin t)``; bit 0 of ``w`` negates ``c``, then bit 1 swaps
+        ``c`` and ``s``. The four outcomes are the points at angle ``t``, ``pi - t``, ``pi/2 - t`` and ``t - pi/2``:
+        each a measure-preserving image of ``(-pi/4, pi/4)`` on one of four arcs that partition the circle, so the
+        angle is uniform on the circle (up to the grid), and ``|t| < pi/4`` keeps ``cos``/``sin`` on their short
+        argument path. The negation and the swap are exact (sign-bit and masked bit operations).
+        """
+        n = words.shape[0]
+        t, ints, mask = self.angle[:n], self.ints[:n], self.mask[:n]
+        c, s = self.cos[:n], self.sin[:n]
+        np.right_shift(words, _SHIFT, out=ints)
+        t[...] = ints.view(np.int64)  # < 2**53: exact
+        t -= 2.0**52 - 0.5  # exact: a half-integer of magnitude < 2**52
+        t *= _QUARTER_TURN
+        np.cos(t, out=c)
+        np.sin(t, out=s)
+        cb, sb = c.view(np.uint64), s.view(np.uint64)
+        np.left_shift(words, _BIT63, out=ints)  # bit 0 -> the sign bit
+        cb ^= ints
+        np.left_shift(words, _BIT62, out=mask)
+        signed = mask.view(np.int64)
+        signed >>= 63  # arithmetic: bit 1 -> all ones (swap) or zero
+        np.bitwise_xor(cb, sb, out=ints)
+        ints &= mask
+        cb ^= ints
+        sb ^= ints
+
+    def unit_normals(self, words: np.ndarray, out: np.ndarray, scales: np.ndarray | None, *, quarter: bool) -> None:
+        """Rows of ``out`` (``(m, d)``) := the directions of the uint64 ``words`` (``(m, 2 half)``), times ``scales``.
+
+        Box-Muller (Box and Muller, Ann. Math. Stat. 1958) on each pair of words ``(w1, w2)``: ``r = sqrt(-2 ln u1)``
+        (``u1`` the :meth:`uniforms` of ``w1``) and the angle of ``w2`` (:meth:`quarter_turns` if ``quarter``, else
+        :meth:`full_turn`) give the normals ``(r cos, r sin)``; the row's first ``d`` normals are divided by their
+        L2 norm (``sqrt`` of the row's ``add.reduce`` of squares: Muller, CACM 1959), then multiplied by its scale.
+        """
+        m = words.shape[0]
+        pairs = m * self.half
+        w = words.reshape(pairs, 2)
+        r = self.radius[:pairs]
+        self.uniforms(w[:, 0], r)
+        np.log(r, out=r)
+        r *= -2.0
+        np.sqrt(r, out=r)
+        if quarter:
+            self.quarter_turns(w[:, 1])
+        else:
+            self.full_turn(w[:, 1])
+        normals = self.normals[:m]
+        flat = normals.reshape(pairs, 2)
+        np.multiply(self.cos[:pairs], r, out=flat[:, 0])
+        np.multiply(self.sin[:pairs], r, out=flat[:, 1])
+        z = normals[:, :self.d]
+        squares, norms = self.squares[:m], self.norms[:m]
+        np.multiply(z, z, out=squares)
+        np.add.reduce(squares, axis=1, out=norms)
+        np.sqrt(norms, out=norms)  # > 0 with probability 1 (r > 0 and cos, sin never both 0)
+        np.divide(z, norms[:, None], out=out)
+        if scales is not None:
+            out *= scales[:, None]
 
 
-def _rows_to_unit(normals: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(normals, axis=1, keepdims=True)
-    return normals / norms  # a row of normals is zero with probability 0 (r > 0 and cos, sin never both 0)
+def _check_rows(out: np.ndarray | None, scales: np.ndarray | None, k: int,
+                d: int) -> tuple[np.ndarray, np.ndarray | None]:
+    if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float64 or out.shape != (k, d)):
+        raise ValueError(f"out must be a float64 array of shape {(k, d)}")
+    factors = None if scales is None else np.asarray(scales, dtype=np.float64)
+    if factors is not None and factors.shape != (k,):
+        raise ValueError(f"scales must have shape {(k,)}, got {factors.shape}")
+    return (np.empty((k, d)) if out is None else out), factors
 
 
 def directions(n: int, d: int, rng: ChaCha20Rng) -> np.ndarray:
@@ -187,9 +316,13 @@ def directions(n: int, d: int, rng: ChaCha20Rng) -> np.ndarray:
     if n * d > _MAX_ELEMENTS:
         raise ValueError(f"n * d must be <= 2**28, got {n} * {d}")
     half = (d + 1) // 2
-    words = rng.uint64(2 * half * n)
-    normals = _normals_from_words(words).reshape(n, 2 * half)[:, :d]
-    return _rows_to_unit(normals)
+    words = rng.uint64(2 * half * n).reshape(n, 2 * half)
+    out = np.empty((n, d))
+    rows = min(n, max(1, _BLOCK_PAIRS // half))
+    work = _Work(rows, d)
+    for lo in range(0, n, rows):
+        work.unit_normals(words[lo:lo + rows], out[lo:lo + rows], None, quarter=False)
+    return out
 
 
 def _ietf_counter_and_nonce(nonce16: bytes) -> tuple[int, bytes]:
@@ -203,9 +336,6 @@ def _sodium_xor_ic() -> Callable[..., int] | None:
     """libsodium's ``crypto_stream_chacha20_ietf_xor_ic`` (the same RFC 8439 ChaCha20, one C call per seed instead
     of a ``cryptography`` cipher object), from PyNaCl's bundled library or the system's; None when neither has it
     or it does not reproduce ``cryptography``'s keystream on a test seed (then the slower path is used)."""
-    import ctypes
-    import ctypes.util
-
     paths = []
     try:
         import nacl._sodium as bundled  # PyNaCl, a dependency: its extension links libsodium in
@@ -224,11 +354,11 @@ def _sodium_xor_ic() -> Callable[..., int] | None:
                 continue
         except (OSError, AttributeError):
             continue
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_uint32,
-                       ctypes.c_void_p]
+        fn.restype = ctypes.c_int  # no argtypes: _keystreams_with passes typed ctypes objects (cheaper per call)
         probe = np.frombuffer(bytes(range(64)), dtype=np.uint8).reshape(2, SEED_BYTES)
-        if np.array_equal(_keystreams_with(fn, probe, 1040), _keystreams_cryptography(probe, 1040)):
+        got = np.empty((2, 1040), dtype=np.uint8)
+        _keystreams_with(fn, probe, got)
+        if np.array_equal(got, _keystreams_cryptography(probe, 1040)):
             return fn
     return None  # pragma: no cover - depends on the platform's libraries
 
@@ -242,21 +372,46 @@ def _keystreams_cryptography(seeds: np.ndarray, nbytes: int) -> np.ndarray:
     return out
 
 
-def _keystreams_with(fn: Callable[..., int], seeds: np.ndarray, nbytes: int) -> np.ndarray:
-    import ctypes
-
+@functools.lru_cache(maxsize=1)
+def _ietf_nonce() -> tuple[int, object, int]:
+    """The block counter, a C buffer holding the 96-bit nonce (never written) and its address."""
     counter, nonce = _ietf_counter_and_nonce(_NONCE)
+    buf = ctypes.create_string_buffer(nonce, len(nonce))
+    return counter, buf, ctypes.addressof(buf)
+
+
+def _keystreams_with(fn: Callable[..., int], seeds: np.ndarray, out: np.ndarray) -> None:
+    """Row i of the C-contiguous uint8 ``out`` := the keystream under ``seeds[i]`` (C-contiguous ``(m, 32)``): the
+    XOR of zeros with it, in place."""
+    m, nbytes = out.shape
+    counter, _, nptr = _ietf_nonce()
     if counter + (nbytes + 63) // 64 > 2**32:  # libsodium's counter does not carry into the nonce
         raise ValueError("the keystream would wrap the 32-bit block counter")
-    keys = np.ascontiguousarray(seeds, dtype=np.uint8)
-    out = np.empty((keys.shape[0], nbytes), dtype=np.uint8)
-    zeros = np.zeros(nbytes, dtype=np.uint8)
-    nbuf = ctypes.create_string_buffer(nonce, len(nonce))
-    dst, src, key, nptr = out.ctypes.data, zeros.ctypes.data, keys.ctypes.data, ctypes.addressof(nbuf)
-    for i in range(keys.shape[0]):
-        if fn(dst + i * nbytes, src, nbytes, nptr, counter, key + i * SEED_BYTES) != 0:
+    if not (seeds.flags.c_contiguous and out.flags.c_contiguous and seeds.shape == (m, SEED_BYTES)):
+        raise ValueError("the keystream rows and their seeds must be C-contiguous and match")  # pragma: no cover
+    out.fill(0)
+    dst0, key0 = out.ctypes.data, seeds.ctypes.data
+    dst, key = ctypes.c_void_p(), ctypes.c_void_p()
+    length, nonce, ic = ctypes.c_ulonglong(nbytes), ctypes.c_void_p(nptr), ctypes.c_uint32(counter)
+    for dst.value, key.value in zip(range(dst0, dst0 + m * nbytes, nbytes),
+                                    range(key0, key0 + m * SEED_BYTES, SEED_BYTES)):
+        if fn(dst, dst, length, nonce, ic, key) != 0:
             raise RuntimeError("libsodium's ChaCha20 failed")
-    return out
+
+
+def _keystreams_into(seeds: np.ndarray, out: np.ndarray) -> None:
+    fn = _sodium_xor_ic()
+    if fn is None:  # pragma: no cover - depends on the platform's libraries
+        out[...] = _keystreams_cryptography(seeds, out.shape[1])
+    else:
+        _keystreams_with(fn, seeds, out)
+
+
+def _check_seeds(seeds: np.ndarray) -> np.ndarray:
+    arr = np.asarray(seeds)
+    if arr.dtype != np.uint8 or arr.ndim != 2 or arr.shape[1] != SEED_BYTES:
+        raise ValueError(f"direction seeds must be a (k, {SEED_BYTES}) uint8 array, got {arr.dtype} {arr.shape}")
+    return np.ascontiguousarray(arr)
 
 
 def seed_keystreams(seeds: np.ndarray, nbytes: int) -> np.ndarray:
@@ -270,40 +425,58 @@ def seed_keystreams(seeds: np.ndarray, nbytes: int) -> np.ndarray:
     Returns:
         uint8 ``(k, nbytes)``.
     """
-    fn = _sodium_xor_ic()
-    if fn is None:  # pragma: no cover - depends on the platform's libraries
-        return _keystreams_cryptography(seeds, nbytes)
-    return _keystreams_with(fn, seeds, nbytes)
+    arr = _check_seeds(seeds)
+    out = np.empty((arr.shape[0], check_int("nbytes", nbytes, 0, 2**38)), dtype=np.uint8)
+    _keystreams_into(arr, out)
+    return out
 
 
-def directions_from_seeds(seeds: np.ndarray, d: int) -> np.ndarray:
-    """The uniform direction in R^d derived from each seed (a uniform 32-byte seed gives a uniform direction).
+def directions_from_seeds(seeds: np.ndarray, d: int, *, scales: np.ndarray | None = None,
+                          out: np.ndarray | None = None) -> np.ndarray:
+    """The uniform direction in R^d derived from each seed (a uniform 32-byte seed gives a uniform direction),
+    optionally times a per-row scale.
 
-    Row i's keystream is ChaCha20 under ``seeds[i]`` with a fixed nonce (RFC 8439), read as uint64 words for
-    Box-Muller (Box and Muller, Ann. Math. Stat. 1958), normalised (Muller, CACM 1959). Client and server compute
-    the same direction up to the last bits of ``log``/``cos``/``sin`` on their platforms (an ulp-level difference
-    changes the decoded vector by about 1e-16 relatively, and never the privacy: the direction is
+    The derivation (duchi's report format depends on it: :data:`shuffledp.clients.duchi.DUCHI_MAGIC`). Row i's
+    keystream is ChaCha20 under ``seeds[i]`` with a fixed nonce (RFC 8439), its first ``16 ceil(d/2)`` bytes read
+    as little-endian uint64 words; each pair of words ``(a, b)`` gives two normals by Box-Muller (Box and Muller,
+    Ann. Math. Stat. 1958): the radius ``r = sqrt(-2 ln u)`` with ``u = ((a >> 11) + 1/2) 2**-53``, and the angle
+    ``t = ((b >> 11) - 2**52 + 1/2) (pi/2) 2**-53`` in (-pi/4, pi/4), ``(c, s) = (cos t, sin t)``, ``c`` negated
+    if bit 0 of ``b`` is set, then ``c`` and ``s`` swapped if bit 1 is: the normals are ``(r c, r s)``. The four
+    bit cases put the point at angle ``t``, ``pi - t``, ``pi/2 - t``, ``t - pi/2``, measure-preserving images of
+    (-pi/4, pi/4) on four arcs that partition the circle, so the angle is uniform and independent of ``r``, as
+    Box-Muller needs. The first ``d`` normals are divided by their L2 norm (Muller, CACM 1959). Client and server
+    compute the same direction up to the last bits of ``log``/``cos``/``sin`` on their platforms (an ulp-level
+    difference changes the decoded vector by about 1e-16 relatively, and never the privacy: the direction is
     data-independent, see docs/mechanisms.md).
 
     Args:
         seeds: uint8 ``(k, 32)``, one seed per row.
         d: the dimension.
+        scales: float64 ``(k,)``: row i is ``scales[i] * z_i`` (one rounding, as ``scales[:, None] * z``).
+        out: a float64 ``(k, d)`` array to write the rows into (default: a new one).
 
     Returns:
-        float64 ``(k, d)`` unit rows.
+        float64 ``(k, d)``: the unit rows (times ``scales``); ``out`` when given.
 
     Raises:
-        ValueError: ``seeds`` is not ``(k, 32)`` uint8 or ``d`` is out of range.
+        ValueError: ``seeds`` is not ``(k, 32)`` uint8, ``d`` is out of range, or ``scales``/``out`` do not match.
     """
-    arr = np.asarray(seeds)
-    if arr.dtype != np.uint8 or arr.ndim != 2 or arr.shape[1] != SEED_BYTES:
-        raise ValueError(f"direction seeds must be a (k, {SEED_BYTES}) uint8 array, got {arr.dtype} {arr.shape}")
+    arr = _check_seeds(seeds)
     d = check_int("d", d, 1, _MAX_ELEMENTS)
+    k = arr.shape[0]
+    res, factors = _check_rows(out, scales, k, d)
+    if k == 0:
+        return res
     half = (d + 1) // 2
-    stream = seed_keystreams(arr, 16 * half)
-    words = stream.view("<u8")  # (k, 2 half)
-    normals = _normals_from_words(words.reshape(-1)).reshape(arr.shape[0], 2 * half)[:, :d]
-    return _rows_to_unit(normals)
+    rows = min(k, max(1, _BLOCK_PAIRS // half))
+    work = _Work(rows, d)
+    stream = np.empty((rows, 16 * half), dtype=np.uint8)
+    for lo in range(0, k, rows):
+        block = stream[:min(rows, k - lo)]
+        _keystreams_into(arr[lo:lo + rows], block)
+        work.unit_normals(block.view("<u8"), res[lo:lo + rows], None if factors is None else factors[lo:lo + rows],
+                          quarter=True)
+    return res
 
 
 def direction_from_seed(seed: bytes, d: int) -> np.ndarray:
