@@ -116,6 +116,12 @@ def build_messages(nodes: Sequence[int], round_id: int, arrays: Sequence[np.ndar
     """The ``train.shuffled`` message of round ``round_id`` for each node: the model (``arrays`` under ``names``)
     and the train config (the app's ``extra`` entries and the protocol's), one message group per round.
 
+    Every message holds the same content object (one ``RecordDict`` of the model and the config, built once: its
+    type checks cost ~10 us per message otherwise). Nothing on the server side changes a message's content once
+    built; a deployment's grid sends each message's content as bytes, and the simulation's engine pickles each
+    message on its own for the actor that runs the ClientApp (``shuffledp.clients.flower_sim``), so every client
+    still receives its own copy.
+
     Returns:
         One ``flwr.app.Message`` per node, in the order of ``nodes``.
     """
@@ -124,11 +130,9 @@ def build_messages(nodes: Sequence[int], round_id: int, arrays: Sequence[np.ndar
     config_record = ConfigRecord({**extra, **train_config(cfg, round_id).to_dict()})
     arrays_record = ArrayRecord({name: Array.from_numpy_ndarray(np.ascontiguousarray(a))
                                  for name, a in zip(names, arrays)})
-    msgs = []
-    for node in nodes:
-        content = RecordDict({M.ARRAYS_KEY: arrays_record, M.CONFIG_KEY: config_record})
-        msgs.append(Message(content, dst_node_id=int(node), message_type=M.MESSAGE_TYPE, group_id=str(round_id)))
-    return msgs
+    content = RecordDict({M.ARRAYS_KEY: arrays_record, M.CONFIG_KEY: config_record})
+    group = str(round_id)
+    return [Message(content, dst_node_id=int(node), message_type=M.MESSAGE_TYPE, group_id=group) for node in nodes]
 
 
 def wait_for_nodes(grid: GridLike, min_nodes: int, *, node_wait: float, settle: float) -> list[int]:

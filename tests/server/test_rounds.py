@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, RecordDict
 
 from shuffledp.accounting.accountant import ShuffleAccountant
 from shuffledp.accounting.events import ShuffleRound
@@ -274,7 +274,8 @@ def _tagging(engine: Any, victim_index: int) -> None:
         msgs = original(nodes, round_id)
         arrays = [a.copy() for a in engine.arrays]
         arrays[0][0, 0] += 1e-3
-        msgs[victim_index].content[M.ARRAYS_KEY] = ArrayRecord(arrays)
+        victim = msgs[victim_index]  # its own content: the messages of a round share one content object
+        victim.content = RecordDict({M.ARRAYS_KEY: ArrayRecord(arrays), M.CONFIG_KEY: victim.content[M.CONFIG_KEY]})
         return msgs
 
     engine._build_messages = build
