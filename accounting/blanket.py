@@ -252,6 +252,7 @@ def _h_half(s0: int) -> int:
     return int(math.ceil(math.sqrt(2.0 * BLANKET_WINDOW_DROP) * 0.5 * math.sqrt(max(s0, 1)) + 10))
 
 
+@functools.lru_cache(maxsize=64)
 def blanket_loss_moments(eps0: float, n: int) -> tuple[float, float]:
     """Mean and standard deviation of one round's loss under P (the finite part; sizes the composition grid).
 
@@ -363,7 +364,61 @@ def spread_blanket_pld(eps0: float, n: int, h: float) -> Any:
     from shuffledp.accounting import pld_spread as ps
 
     losses, probs, infinity = blanket_loss_support(eps0, n)
-    return ps.to_pld(ps.spread_onto_grid(losses, probs, infinity, h), h, pessimistic=True)
+    extent = _support_extent(eps0, n)
+    if extent is None:  # a loss that is not finite or a mass that is not > 0: the general routine handles it
+        dense = ps.spread_onto_grid(losses, probs, infinity, h)
+    else:
+        dense = _spread_in_chunks(losses, probs, infinity, h, extent)
+    return ps.to_pld(dense, h, pessimistic=True)
+
+
+#: Support points per chunk of :func:`_spread_in_chunks` (buffers stay in cache, no fresh arrays of the support's size).
+_SPREAD_CHUNK = 1 << 16
+
+
+@functools.lru_cache(maxsize=16)
+def _support_extent(eps0: float, n: int) -> tuple[float, float] | None:
+    """``(smallest, largest)`` loss of :func:`blanket_loss_support` when every loss is finite and every mass finite
+    and > 0 (then :func:`shuffledp.accounting.pld_spread.spread_onto_grid` keeps every point as it is), else None."""
+    losses, probs, _ = blanket_loss_support(eps0, n)
+    if losses.size == 0 or not (np.all(np.isfinite(losses)) and np.all(np.isfinite(probs)) and np.all(probs > 0.0)):
+        return None
+    return float(losses.min()), float(losses.max())
+
+
+def _spread_in_chunks(
+    losses: np.ndarray, probs: np.ndarray, infinity: float, h: float, extent: tuple[float, float]
+) -> tuple[int, np.ndarray, float]:
+    """:func:`shuffledp.accounting.pld_spread.spread_onto_grid` for a support of finite losses and positive masses,
+    bit for bit (the same operations on every point, the masses added to the grid in the same order), a chunk
+    at a time.
+
+    ``floor(l / h)`` is non-decreasing in ``l`` (correctly rounded division), so its extremes are those of the
+    extreme losses. ``np.add.at`` adds the points in their order, as ``np.bincount`` does.
+
+    Returns:
+        ``(lower, probs, infinity_mass)`` on the grid ``h``.
+    """
+    lower = int(math.floor(extent[0] / h))
+    size = int(math.floor(extent[1] / h)) - lower + 2
+    to_lower, to_upper = np.zeros(size), np.zeros(size)
+    scale = math.expm1(-h)
+    shift = float(lower)
+    buf_k, buf_d, buf_up, buf_w = (np.empty(_SPREAD_CHUNK) for _ in range(4))
+    buf_i = np.empty(_SPREAD_CHUNK, dtype=np.int64)
+    for start in range(0, losses.size, _SPREAD_CHUNK):
+        lc, pc = losses[start : start + _SPREAD_CHUNK], probs[start : start + _SPREAD_CHUNK]
+        m = lc.size
+        k, d, up, w, idx = buf_k[:m], buf_d[:m], buf_up[:m], buf_w[:m], buf_i[:m]
+        np.floor(np.divide(lc, h, out=k), out=k)  # k = floor(l / h)
+        np.clip(np.subtract(lc, np.multiply(k, h, out=d), out=d), 0.0, h, out=d)  # d = clip(l - k h, 0, h)
+        np.divide(np.expm1(np.negative(d, out=d), out=d), scale, out=d)
+        np.multiply(pc, d, out=up)  # up = p expm1(-d) / expm1(-h)
+        idx[...] = np.subtract(k, shift, out=k)  # (k - lower) as int64
+        np.add.at(to_lower, idx, np.subtract(pc, up, out=w))
+        idx += 1
+        np.add.at(to_upper, idx, up)
+    return lower, to_lower + to_upper, float(infinity) + 0.0
 
 
 def composed_blanket_pld(items: list[tuple[int, float, int]]) -> tuple[Any, float]:

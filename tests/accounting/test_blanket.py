@@ -154,3 +154,26 @@ def test_cli_states_the_restriction(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     text = capsys.readouterr().out
     assert "holds_only_for" in text and "discrete Laplace randomizer" in text
+
+
+@pytest.mark.parametrize(("eps0", "n"), [(3.4434, 1437), (1.0, 200)])
+def test_chunked_spread_is_the_general_spread_bit_for_bit(eps0: float, n: int) -> None:
+    from shuffledp.accounting import pld_spread
+
+    losses, probs, infinity = blanket.blanket_loss_support(eps0, n)
+    extent = blanket._support_extent(eps0, n)
+    assert extent is not None
+    for h in (2.71e-5, 3.25e-4, 0.0137):
+        lower, dense, inf = blanket._spread_in_chunks(losses, probs, infinity, h, extent)
+        ref_lower, ref_dense, ref_inf = pld_spread.spread_onto_grid(losses, probs, infinity, h)
+        assert (lower, inf) == (ref_lower, ref_inf)
+        assert np.array_equal(dense, ref_dense)
+
+
+def test_cached_moments_are_the_computed_ones() -> None:
+    losses, probs, _ = blanket.blanket_loss_support(2.0, 500)
+    tot = float(probs.sum())
+    mean = float(np.dot(losses, probs) / tot)
+    sd = math.sqrt(max(float(np.dot((losses - mean) ** 2, probs) / tot), 0.0))
+    assert blanket.blanket_loss_moments(2.0, 500) == (mean, sd)
+    assert blanket.blanket_loss_moments(2.0, 500) == (mean, sd)  # the cached value
