@@ -5,7 +5,8 @@ For each report size (default 100 KiB and 1 MiB payloads) and each repetition th
 1. seals ``--reports`` envelopes (one per enrolled client) for a fresh round, into a file (not timed);
 2. submits them to a real ``shuffledp.shuffler.process.ShufflerProcess`` (one per size, serving all repetitions of that
    size; mTLS, 127.0.0.1, port 0, journal in a temporary directory under ``--workdir``);
-3. times ``ShufflerClient.submit`` (client-streaming, envelopes read from the file one at a time) and
+3. times ``ShufflerClient.submit`` (client-streaming, envelopes read from the file one at a time, the envelope
+   length announced in the header as the ServerApp announces it) and
    ``ShufflerClient.fetch`` (server-streaming; the client checks lengths, count and the attested output
    digest, as the ServerApp does) separately;
 4. reads the peak resident memory (``VmHWM``) of the shuffler process and of this client process from
@@ -142,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                          "applies) or in the baseline's server: glibc's default thresholds, under which the heap's "
                          "top is trimmed after a megabyte message and faulted back in for the next")
     ap.add_argument("--verify-threads", type=int, default=None,
-                    help="the shuffler's verify_threads (0: check signatures inline on the submit thread); "
-                         "default: the shuffler's own default, 1")
+                    help="the shuffler's verify_threads (0: open and check reports inline on the submit thread); "
+                         "default: the shuffler's own default, 2")
     ns = ap.parse_args(argv)
     if ns.quick:
         given = set(argv if argv is not None else sys.argv[1:])
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs; workdir {work}; heap tuning {'off' if ns.no_heap_tuning else 'on'}; "
           f"load average {os.getloadavg()[0]:.2f}; staging_memory_limit "
           f"{'default (1 GiB)' if staging_limit is None else staging_limit}, retain_staging_buffer {not ns.no_retain}, "
-          f"verify_threads {'default (1)' if ns.verify_threads is None else ns.verify_threads}",
+          f"verify_threads {'default (2)' if ns.verify_threads is None else ns.verify_threads}",
           flush=True)
     max_env = max(sizes) + ENVELOPE_OVERHEAD
     max_msg = max_env + 1024

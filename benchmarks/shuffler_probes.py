@@ -69,7 +69,7 @@ def core_breakdown(keys: Keys, cfg: Path, envs: EnvelopeFile, round_id: int, dig
     core = core_from_config(load_config(cfg))
     try:
         b = core.begin(Header(protocol_version=ENVELOPE_VERSION, key_epoch=0, round_id=round_id, model_digest=digest,
-                              expected_count=envs.count))
+                              expected_count=envs.count, envelope_length=envs.length))  # as one_run announces it
         read = 0.0
         t_add = 0.0
         c0 = time.process_time()

@@ -178,7 +178,10 @@ def one_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: int
         reset_hwm(proc.pid), reset_hwm(me)
         c0, s0 = cpu_seconds(me), cpu_seconds(proc.pid)
         t0 = time.perf_counter()
-        att = client.submit(round_id=round_id, key_epoch=0, model_digest=digest, envelopes=envs)
+        # envelope_length announced, as the ServerApp announces it (server/collect.py): the shuffler then decrypts
+        # each envelope straight into its slot (memory path)
+        att = client.submit(round_id=round_id, key_epoch=0, model_digest=digest, envelopes=envs,
+                            envelope_length=envs.length)
         t1 = time.perf_counter()
         c1, s1 = cpu_seconds(me), cpu_seconds(proc.pid)
         hwm_s_sub, hwm_c_sub = vm_hwm(proc.pid), vm_hwm(me)

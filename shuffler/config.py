@@ -15,7 +15,7 @@ not silently fall back to a default)::
     staging_memory_limit = 1073741824  # optional; bytes; a batch up to this size is staged in memory
     retain_staging_buffer = true       # optional; keep that memory mapped between batches and reuse it
     heap_tuning = true                 # optional; glibc reuses heap memory for messages (shuffler/heap.py)
-    verify_threads = 1                 # optional; signature-check threads shared by all submits; 0 = inline
+    verify_threads = 2                 # optional; threads that open and check reports, shared; 0 = inline
     hpke_key = "shuffler/hpke.key"     # X25519, 0600
     signing_key = "shuffler/signing.key"  # Ed25519, 0600
     enrolment = "enrolment.json"
@@ -118,9 +118,9 @@ class ServiceConfig:
     #: fix glibc's mmap/trim thresholds at startup so message buffers are reused (shuffler/heap.py); costs up
     #: to its trim threshold (256 MiB) of idle free heap
     heap_tuning: bool = True
-    #: threads that check report signatures (inner hash + Ed25519, GIL-free) while a submit stream receives and
-    #: decrypts the next envelopes; 0 = check inline (shuffledp.shuffler.core.CoreConfig.verify_threads)
-    verify_threads: int = 1
+    #: threads that open reports into their slots and check their signatures while a submit stream receives the
+    #: next envelopes; 0 = inline (shuffledp.shuffler.core.CoreConfig.verify_threads)
+    verify_threads: int = 2
 
 
 def _seconds(doc: dict[str, Any], key: str, default: float, where: Path, *, high: float = 3600) -> float:
@@ -224,7 +224,7 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
         ),
         retain_staging_buffer=flags["retain_staging_buffer"],
         heap_tuning=flags["heap_tuning"],
-        verify_threads=_int(doc, "verify_threads", 0, MAX_VERIFY_THREADS, path, default=1),
+        verify_threads=_int(doc, "verify_threads", 0, MAX_VERIFY_THREADS, path, default=2),
         hpke_key=_path(doc, "hpke_key", base, path),
         signing_key=_path(doc, "signing_key", base, path),
         enrolment=_path(doc, "enrolment", base, path),

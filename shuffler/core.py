@@ -58,7 +58,7 @@ from shuffledp.shuffler.batch import (  # re-exported: the core's public vocabul
 from shuffledp.shuffler.builder import BatchBuilder
 from shuffledp.shuffler.journal import Journal, JournalFailed, JournalWriteError
 from shuffledp.shuffler.output import messages_from_view, read_messages
-from shuffledp.shuffler.staging import close_mapping, stages_in_memory
+from shuffledp.shuffler.staging import SLOT_BASE, close_mapping, stages_in_memory
 from shuffledp.shuffler.tags import TagSet
 
 __all__ = [
@@ -119,7 +119,7 @@ class ShufflerCore:
         self._closing = False  # close() began: no new batches
         self._closed = False  # the journal is closed: no commits
         self._drained = threading.Condition(self._lock)
-        #: runs BatchBuilder's signature checks off the submitting thread (None: config.verify_threads == 0)
+        #: opens and checks BatchBuilder jobs off the submitting thread (None: config.verify_threads == 0)
         self.verify_pool: ThreadPoolExecutor | None = (
             ThreadPoolExecutor(max_workers=config.verify_threads, thread_name_prefix="shuffler-verify")
             if config.verify_threads
@@ -291,7 +291,7 @@ class ShufflerCore:
         """:func:`messages_from_view` over the spare buffer; the reader count taken by the caller is given back
         when the generator ends or is closed (a Fetch the peer abandoned)."""
         try:
-            messages = messages_from_view(memoryview(buf), sb.n, sb.inner_length, packing)
+            messages = messages_from_view(memoryview(buf)[SLOT_BASE:], sb.n, sb.inner_length, packing)
             try:
                 yield from messages
             finally:

@@ -71,7 +71,7 @@ import nacl.bindings
 import nacl.exceptions
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
 from shuffledp.shuffler.validation import is_int
@@ -82,6 +82,7 @@ __all__ = [
     "inner_hash",
     "ENVELOPE_OVERHEAD",
     "INNER_OVERHEAD",
+    "OUTER_HEAD_BYTES",
     "inner_length_for",
     "DIGEST_BYTES",
     "REPORT_ID_BYTES",
@@ -109,8 +110,11 @@ _TAG_BYTES = 16  # AES-128-GCM
 _KEY_BYTES = 32
 _SIG_BYTES = 64
 _PREFIX = struct.Struct(">BI")  # version, key_epoch
+_U64 = struct.Struct(">Q")
 _OUTER_HEAD = struct.Struct(f">B{REPORT_ID_BYTES}s{_KEY_BYTES}s{_SIG_BYTES}s")
 INNER_OVERHEAD = ENC_BYTES + _TAG_BYTES
+#: Bytes of outer plaintext before the inner ciphertext: version, report id, signer key, signature
+OUTER_HEAD_BYTES = _OUTER_HEAD.size
 ENVELOPE_OVERHEAD = _PREFIX.size + ENC_BYTES + _TAG_BYTES + _OUTER_HEAD.size + INNER_OVERHEAD
 MIN_ENVELOPE_BYTES = ENVELOPE_OVERHEAD
 
@@ -131,10 +135,19 @@ def _labeled_extract(suite_id: bytes, salt: bytes, label: bytes, ikm: bytes) -> 
     return hmac.digest(salt or bytes(32), b"HPKE-v1" + suite_id + label + ikm, "sha256")
 
 
-def _labeled_expand(suite_id: bytes, prk: bytes, label: bytes, info: bytes, length: int) -> bytes:
-    """RFC 9180 LabeledExpand with HKDF-SHA256, for ``length`` <= 32 (one HMAC block)."""
-    return hmac.digest(prk, struct.pack(">H", length) + b"HPKE-v1" + suite_id + label + info + b"\x01",
-                       "sha256")[:length]
+def _expand_input(suite_id: bytes, label: bytes, info: bytes, length: int) -> bytes:
+    """The HMAC input of RFC 9180 LabeledExpand with HKDF-SHA256 for ``length`` <= 32 (one HMAC block, keyed with
+    the PRK): ``I2OSP(length, 2) || "HPKE-v1" || suite || label || info || 0x01``."""
+    return struct.pack(">H", length) + b"HPKE-v1" + suite_id + label + info + b"\x01"
+
+
+#: The constant parts of the outer layer's key derivation (:meth:`OuterOpener.decrypt_into`): DHKEM's
+#: ``LabeledExtract("", "eae_prk", dh)`` input before ``dh`` (its salt is 32 zero bytes), ``LabeledExpand(eae_prk,
+#: "shared_secret", enc || pkR, 32)`` input before ``enc || pkR``, and ``LabeledExtract(shared_secret, "secret", "")``
+_ZERO_SALT = bytes(32)
+_EAE_PRK_INPUT = b"HPKE-v1" + _KEM_SUITE_ID + b"eae_prk"
+_SHARED_SECRET_INPUT = struct.pack(">H", 32) + b"HPKE-v1" + _KEM_SUITE_ID + b"shared_secret"
+_SECRET_INPUT = b"HPKE-v1" + _HPKE_SUITE_ID + b"secret"
 _MAX_U32 = 2**32 - 1
 _MAX_U64 = 2**64 - 1
 _SIG_DOMAIN = b"shuffledp/report-signature/v1"
@@ -178,6 +191,8 @@ class DecryptedReport:
     #: the inner ciphertext where :meth:`OuterOpener.decrypt_into` wrote it (``outer_plaintext`` then holds only
     #: what precedes it); None when it is the rest of ``outer_plaintext``
     inner: memoryview | None = None
+    #: ``H(inner)`` when :meth:`OuterOpener.decrypt_into` took it, else empty (:meth:`OuterOpener.verify` takes it)
+    inner_hash: bytes = b""
 
     @property
     def size(self) -> int:
@@ -361,6 +376,12 @@ class OuterOpener:
         self._schedule = b"\x00" + _labeled_extract(_HPKE_SUITE_ID, b"", b"psk_id_hash", b"") + _labeled_extract(
             _HPKE_SUITE_ID, b"", b"info_hash", self._info
         )
+        #: the key schedule's LabeledExpand inputs for the AEAD key and base nonce (:meth:`decrypt_into`)
+        self._key_input = _expand_input(_HPKE_SUITE_ID, b"key", self._schedule, 16)
+        self._nonce_input = _expand_input(_HPKE_SUITE_ID, b"base_nonce", self._schedule, 12)
+        #: H of this version (:func:`inner_hash`) and the signed message's prefix (:func:`_signed_message`)
+        self._hash = hashlib.sha256 if self._version == 1 else blake3.blake3
+        self._signed_prefix = _SIG_DOMAIN + self._bind
 
     def open(self, envelope: bytes) -> OpenedReport:
         """Decrypt and verify one envelope (:meth:`decrypt` then :meth:`verify`)."""
@@ -388,69 +409,69 @@ class OuterOpener:
             raise EnvelopeError(
                 "malformed", f"envelope is {len(envelope)} bytes; at least {ENVELOPE_OVERHEAD} are required"
             )
-        version, epoch = peek_prefix(envelope)
+        version, epoch = _PREFIX.unpack_from(envelope, 0)  # peek_prefix, the length checked above
         if version != self._version:
             raise EnvelopeError("wrong_version", f"envelope version {version}; this batch is version {self._version}")
         if epoch != self._epoch:
             raise EnvelopeError("wrong_epoch", f"envelope key epoch {epoch}; expected {self._epoch}")
 
-    def decrypt_into(self, envelope: bytes | memoryview, inner_out: memoryview) -> "DecryptedReport":
-        """:meth:`decrypt`, with the inner ciphertext written straight into ``inner_out`` (a writable buffer of
-        exactly the inner length, ``len(envelope) - 166``) instead of a new plaintext object: the same format
-        and the same checks, for a caller that keeps inner ciphertexts in its own buffer (the shuffler's staging
-        slots). ``inner_out`` then holds bytes only when this returns; on an :class:`EnvelopeError` its content is
-        unspecified (unauthenticated) and must not be used.
+    def decrypt_into(self, envelope: bytes | memoryview, out: memoryview) -> "DecryptedReport":
+        """:meth:`decrypt`, with the outer plaintext written into ``out`` (a writable buffer of exactly
+        ``len(envelope) - 53`` bytes: the :data:`OUTER_HEAD_BYTES`-byte head, then the inner ciphertext) and
+        ``H(inner)`` taken at once, while those bytes are in the cache: same format, same checks, for a caller that
+        keeps inner ciphertexts in its own buffer (the shuffler's staging slots, the head just before a slot). The
+        result's ``inner`` is ``out[OUTER_HEAD_BYTES:]``, its ``outer_plaintext`` a copy of the head (the caller
+        may overwrite those bytes). On an :class:`EnvelopeError` ``out`` holds unauthenticated bytes: unusable.
 
         The outer layer is opened by hand, as RFC 9180 specifies base mode for DHKEM(X25519, HKDF-SHA256),
         HKDF-SHA256 and AES-128-GCM (Sections 4.1, 5.1, 5.2 and 7.1; single shot, so the nonce is the base
         nonce, and empty AAD, as ``cryptography``'s HPKE uses): the X25519 shared secret, the key schedule with
-        ``hmac``, then AES-GCM as a stream whose first 113 bytes go to a small buffer and the rest to
-        ``inner_out``, with the tag checked at the end. Tests check it against ``cryptography``'s HPKE.
+        ``hmac``, then one AES-GCM decryption into ``out`` (``AESGCM.decrypt_into``, which, like the hash,
+        releases the GIL; ``cryptography``'s HPKE holds it throughout). Tests check it against ``cryptography``'s
+        HPKE.
         """
         self._check_prefix(envelope)
         view = memoryview(envelope)
-        inner_length = len(view) - (ENVELOPE_OVERHEAD - INNER_OVERHEAD)
-        if len(inner_out) != inner_length:
-            raise ValueError(f"inner_out must be {inner_length} bytes, got {len(inner_out)}")
+        size = len(view) - (_PREFIX.size + ENC_BYTES + _TAG_BYTES)
+        if len(out) != size:
+            raise ValueError(f"out must be {size} bytes (head and inner ciphertext), got {len(out)}")
         enc = bytes(view[_PREFIX.size : _PREFIX.size + ENC_BYTES])
-        ct_start = _PREFIX.size + ENC_BYTES
         try:
             dh = self._sk.exchange(x25519.X25519PublicKey.from_public_bytes(enc))
         except ValueError as exc:  # a low-order point: no shared secret (cryptography's HPKE refuses it too)
             raise EnvelopeError("undecryptable", "outer layer failed HPKE authentication") from exc
-        eae_prk = _labeled_extract(_KEM_SUITE_ID, b"", b"eae_prk", dh)
-        shared = _labeled_expand(_KEM_SUITE_ID, eae_prk, b"shared_secret", enc + self._pk, 32)
-        secret = _labeled_extract(_HPKE_SUITE_ID, shared, b"secret", b"")
-        key = _labeled_expand(_HPKE_SUITE_ID, secret, b"key", self._schedule, 16)
-        nonce = _labeled_expand(_HPKE_SUITE_ID, secret, b"base_nonce", self._schedule, 12)
-        head = bytearray(_OUTER_HEAD.size)
-        decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce, bytes(view[-_TAG_BYTES:]))).decryptor()
-        decryptor.update_into(view[ct_start : ct_start + _OUTER_HEAD.size], head)
-        decryptor.update_into(view[ct_start + _OUTER_HEAD.size : -_TAG_BYTES], inner_out)
+        # LabeledExtract / LabeledExpand with their constant inputs prepared (module and __init__)
+        eae_prk = hmac.digest(_ZERO_SALT, _EAE_PRK_INPUT + dh, "sha256")
+        shared = hmac.digest(eae_prk, _SHARED_SECRET_INPUT + enc + self._pk + b"\x01", "sha256")
+        secret = hmac.digest(shared, _SECRET_INPUT, "sha256")
+        key = hmac.digest(secret, self._key_input, "sha256")[:16]
+        nonce = hmac.digest(secret, self._nonce_input, "sha256")[:12]
         try:
-            decryptor.finalize()
+            AESGCM(key).decrypt_into(nonce, view[_PREFIX.size + ENC_BYTES :], None, out)
         except InvalidTag as exc:
             raise EnvelopeError("undecryptable", "outer layer failed HPKE authentication") from exc
-        return DecryptedReport(enc=enc, outer_plaintext=bytes(head), inner=inner_out)
+        inner = out[OUTER_HEAD_BYTES:]
+        return DecryptedReport(enc=enc, outer_plaintext=bytes(out[:OUTER_HEAD_BYTES]), inner=inner,
+                               inner_hash=self._hash(inner).digest())
 
     def verify(self, decrypted: "DecryptedReport") -> OpenedReport:
         """The second half of :meth:`open`: the inner version and the Ed25519 signature over (binding, report
-        id, length and ``H`` of the inner ciphertext). Its two costly steps, the hash and the signature check
-        (libsodium), release the GIL, so the shuffler may run this on a worker thread while it receives and
-        decrypts the next envelopes. Raises :class:`EnvelopeError`."""
+        id, length and ``H`` of the inner ciphertext). Its two costly steps, the hash (unless
+        :meth:`decrypt_into` took it) and the signature check (libsodium), release the GIL, so the shuffler may run
+        this on a worker thread while it receives and decrypts the next envelopes. Raises :class:`EnvelopeError`."""
         outer_pt = decrypted.outer_plaintext
         inner_version, report_id, signer, signature = _OUTER_HEAD.unpack_from(outer_pt, 0)
         if inner_version != self._version:
             raise EnvelopeError("wrong_version", f"outer plaintext version {inner_version}")
         inner = memoryview(outer_pt)[_OUTER_HEAD.size :] if decrypted.inner is None else decrypted.inner
-        digest = inner_hash(inner, self._version)
+        digest = decrypted.inner_hash or self._hash(inner).digest()
         if len(signer) != _KEY_BYTES or len(signature) != _SIG_BYTES:  # fixed by _OUTER_HEAD; PyNaCl does
             # not check the key's length itself (libsodium would read 32 bytes whatever it is given)
             raise EnvelopeError("malformed", "signer key or signature of the wrong length")
         try:
             # combined mode (signature || message): PyNaCl exposes libsodium's detached check only through it
-            nacl.bindings.crypto_sign_open(
-                signature + _signed_message(self._bind, report_id, len(inner), digest), signer
+            nacl.bindings.crypto_sign_open(  # == signature || _signed_message(bind, report_id, len(inner), digest)
+                signature + self._signed_prefix + report_id + _U64.pack(len(inner)) + digest, signer
             )
         except (nacl.exceptions.BadSignatureError, ValueError) as exc:
             raise EnvelopeError("bad_signature", "report signature does not verify") from exc

@@ -17,13 +17,18 @@ import numpy as np
 from shuffledp.shuffler.batch import JOURNAL_HEADROOM_BYTES, JOURNAL_HEADROOM_PER_REPORT, Refused
 
 __all__ = ["stages_in_memory", "prefault", "round_up", "pwrite_all", "write_out", "reserve_file", "close_mapping",
-           "map_staging_buffer", "draw_permutation", "ZERO_CHUNK", "DIRECT_ALIGN"]
+           "map_staging_buffer", "draw_permutation", "ZERO_CHUNK", "DIRECT_ALIGN", "SLOT_BASE"]
 
 ZERO_CHUNK = 1 << 20
 #: Bytes per write() when the in-memory batch is written out at seal time.
 _WRITE_CHUNK = 64 << 20
 #: Alignment of O_DIRECT writes (offset, length, memory): the memory buffer is rounded up to a multiple of it.
 DIRECT_ALIGN = 4096
+#: Bytes before the first slot of a memory-path staging buffer: an envelope decrypted into its slot on the
+#: submitting thread (:func:`shuffledp.shuffler.opening.decrypt_into_slot`) has its outer plaintext's head written
+#: just before the slot (the bytes there are put back at once), so slot 0 needs room too; a multiple of
+#: ``DIRECT_ALIGN``, so that the output, which starts there, is written with O_DIRECT from an aligned address.
+SLOT_BASE = DIRECT_ALIGN
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h); Python 3.11's mmap does not name it
 
@@ -173,17 +178,18 @@ def close_mapping(buf: mmap.mmap) -> None:
 
 
 def map_staging_buffer(take_buffer: Callable[[int], mmap.mmap | None], size: int, count: int) -> mmap.mmap:
-    """The memory path's slot buffer for a batch of ``count`` reports, ``size`` bytes: the retained buffer of an
-    earlier batch if ``take_buffer`` (:meth:`shuffledp.shuffler.core.ShufflerCore.take_buffer`) gives one large
-    enough, else a fresh anonymous, private mapping (never backed by a file), advised ``MADV_DONTDUMP`` (reports
-    and their slot layout stay out of core dumps) and ``MADV_HUGEPAGE`` (512x fewer page faults), and faulted in
-    whole (:func:`prefault`) before any report is written.
+    """The memory path's slot buffer for a batch of ``count`` reports of ``size`` bytes in all: :data:`SLOT_BASE`
+    bytes, then the slots (slot ``i`` of ``L`` bytes at ``SLOT_BASE + i * L``), rounded up to ``DIRECT_ALIGN``. The
+    retained buffer of an earlier batch if ``take_buffer`` (:meth:`shuffledp.shuffler.core.ShufflerCore.take_buffer`)
+    gives one large enough, else a fresh anonymous, private mapping (never backed by a file), advised
+    ``MADV_DONTDUMP`` (reports and their slot layout stay out of core dumps) and ``MADV_HUGEPAGE`` (512x fewer page
+    faults), and faulted in whole (:func:`prefault`) before any report is written.
 
     Raises :class:`~shuffledp.shuffler.batch.Refused` (``staging_memory``) if it cannot be mapped or faulted in.
     """
     try:
-        retained = take_buffer(round_up(size))
-        buf = retained or mmap.mmap(-1, round_up(size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        retained = take_buffer(SLOT_BASE + round_up(size))
+        buf = retained or mmap.mmap(-1, SLOT_BASE + round_up(size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (OSError, MemoryError, OverflowError) as exc:
         raise Refused(
             "resource_exhausted", "staging_memory", f"cannot allocate {size} bytes of staging memory for a batch "

@@ -111,7 +111,7 @@ def test_verify_threads_default_validation_and_reaches_the_core(tmp_path: Path, 
 
     from .conftest import write_config  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
 
-    assert _load(tmp_path, BASE + TLS).verify_threads == 1 == core.CoreConfig.verify_threads
+    assert _load(tmp_path, BASE + TLS).verify_threads == 2 == core.CoreConfig.verify_threads
     assert cfgmod.MAX_VERIFY_THREADS == core.MAX_VERIFY_THREADS  # config mirrors core
     assert _load(tmp_path, "verify_threads = 0\n" + BASE + TLS).verify_threads == 0
     for bad in ("-1", "65", "1.5", "true", '"2"'):

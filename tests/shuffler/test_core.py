@@ -651,7 +651,9 @@ def test_memory_path_writes_the_output_once_in_output_order(core: ShufflerCore, 
     b.settle()
     L = b.inner_length
     assert b.in_memory is True and b.staging_buffer is not None
-    assert len(mixed) * L <= len(b.staging_buffer) < len(mixed) * L + 4096  # rounded up for O_DIRECT
+    # the slots after SLOT_BASE bytes of room for a head (decryption into the slots), rounded up for O_DIRECT
+    base = stagingmod.SLOT_BASE
+    assert base + len(mixed) * L <= len(b.staging_buffer) < base + len(mixed) * L + 4096
     assert writes == [] and syncs == []  # no report bytes (and no zero-fill) on disk before seal
     (stage,) = list(core.journal.staging_dir.iterdir())
     assert stage.stat().st_size == len(mixed) * L and stage.stat().st_blocks * 512 >= len(mixed) * L  # reserved
@@ -1218,9 +1220,9 @@ def test_only_large_envelopes_are_pipelined(core: ShufflerCore, kit, monkeypatch
     submitted: list[int] = []
     real_submit = core.verify_pool.submit
 
-    def submit(fn, job):
-        submitted.extend(len(d.outer_plaintext) for d in job)
-        return real_submit(fn, job)
+    def submit(fn, *args):  # (verify_job, opener, job): the legacy path (no envelope_length announced)
+        submitted.extend(len(d.outer_plaintext) for d in args[-1])
+        return real_submit(fn, *args)
 
     monkeypatch.setattr(core.verify_pool, "submit", submit)
     assert _verify(kit, _run(core, kit, [kit.seal(i) for i in range(4)])).n_accepted == 4
@@ -1235,7 +1237,7 @@ def test_only_large_envelopes_are_pipelined(core: ShufflerCore, kit, monkeypatch
     assert att.n_accepted == 3 and att.dropped["duplicate_signer"] == 1 and att.inner_length > big
 
 
-def test_abort_with_checks_in_flight_releases_everything(core: ShufflerCore, kit, monkeypatch) -> None:
+def test_abort_with_checks_in_flight_releases_everything(kit, tmp_path: Path, monkeypatch) -> None:
     import threading
 
     import shuffledp.shuffler.envelope as envmod
@@ -1243,21 +1245,25 @@ def test_abort_with_checks_in_flight_releases_everything(core: ShufflerCore, kit
     gate = threading.Event()
     real_verify = envmod.OuterOpener.verify
     monkeypatch.setattr(envmod.OuterOpener, "verify", lambda self, d: (gate.wait(5), real_verify(self, d))[1])
-    b = core.begin(kit.header(5))
-    for i in range(4):
-        b.add(kit.seal(i))
-    assert len(b._pending) == 4 and b.n_accepted == 0
-    futures = [f for f, *_ in b._pending]
-    b.abort()
-    gate.set()
-    # the one check that was running (a single worker) finishes; the three queued behind it never start
-    assert [f.cancelled() for f in futures] == [False, True, True, True]
-    assert len(b._pending) == 0 and b.staging_buffer is None
-    assert list(core.journal.staging_dir.iterdir()) == []
-    with pytest.raises(RuntimeError, match="already finished"):
-        b.add(kit.seal(4))
-    # nothing of the aborted stream was recorded: the same round and reports seal afterwards
-    assert _verify(kit, _run(core, kit, [kit.seal(i) for i in range(5)])).n_accepted == 5
+    core = ShufflerCore(kit.core_config(tmp_path / "j", verify_threads=1))  # one worker: one check in flight
+    try:
+        b = core.begin(kit.header(5))
+        for i in range(4):
+            b.add(kit.seal(i))
+        assert len(b._pending) == 4 and b.n_accepted == 0
+        futures = [f for f, *_ in b._pending]
+        b.abort()
+        gate.set()
+        # the one check that was running (a single worker) finishes; the three queued behind it never start
+        assert [f.cancelled() for f in futures] == [False, True, True, True]
+        assert len(b._pending) == 0 and b.staging_buffer is None
+        assert list(core.journal.staging_dir.iterdir()) == []
+        with pytest.raises(RuntimeError, match="already finished"):
+            b.add(kit.seal(4))
+        # nothing of the aborted stream was recorded: the same round and reports seal afterwards
+        assert _verify(kit, _run(core, kit, [kit.seal(i) for i in range(5)])).n_accepted == 5
+    finally:
+        core.close()
 
 
 def test_an_unexpected_error_in_a_pipelined_check_aborts_the_batch(core: ShufflerCore, kit, monkeypatch) -> None:
@@ -1324,7 +1330,8 @@ def test_a_message_is_one_job_and_small_jobs_are_checked_inline(core: ShufflerCo
     monkeypatch.setattr(buildermod, "PIPELINE_MIN_JOB_BYTES", 256 << 10)
     jobs: list[int] = []
     real_submit = core.verify_pool.submit
-    monkeypatch.setattr(core.verify_pool, "submit", lambda fn, job: (jobs.append(len(job)), real_submit(fn, job))[1])
+    monkeypatch.setattr(core.verify_pool, "submit",
+                        lambda fn, *args: (jobs.append(len(args[-1])), real_submit(fn, *args))[1])  # the job is last
     small = [kit.seal(i, size=1024) for i in range(4)]
     b = core.begin(kit.header(4))
     b.add_many(small)  # 4 KiB of plaintext: inline

@@ -263,11 +263,11 @@ def test_submit_from_an_iterable_that_fails_raises_its_error_and_seals_nothing(k
 
 # ------------------------------------------------------------------------------------ decrypted into the slots
 def test_decrypt_into_matches_the_hpke_open_and_refuses_what_it_refuses(kit) -> None:
-    """The hand-written RFC 9180 open gives the bytes ``cryptography``'s HPKE gives, and drops tampered envelopes
-    with the same reasons."""
+    """The hand-written RFC 9180 open gives the bytes ``cryptography``'s HPKE gives (head and inner ciphertext,
+    written into the caller's buffer, and the inner hash), and drops tampered envelopes with the same reasons."""
     from cryptography.hazmat.primitives.asymmetric import x25519
 
-    from shuffledp.shuffler.envelope import EnvelopeError, OuterOpener
+    from shuffledp.shuffler.envelope import OUTER_HEAD_BYTES, EnvelopeError, OuterOpener
     from shuffledp.shuffler.keys import load_private_key
 
     sk = x25519.X25519PrivateKey.from_private_bytes(load_private_key(kit.d.shuffler_hpke_key, "x25519"))
@@ -275,45 +275,149 @@ def test_decrypt_into_matches_the_hpke_open_and_refuses_what_it_refuses(kit) -> 
     for size in (1, 64, 5000, 300_000):
         e = kit.seal(0, size=size)
         want = opener.open(e)
-        buf = bytearray(len(e) - 166)
-        got = opener.verify(opener.decrypt_into(e, memoryview(buf)))
-        assert bytes(buf) == bytes(want.inner) and (got.enc, got.report_id, got.signer_public_key, got.inner_hash) == (
+        buf = bytearray(7 + len(e) - 53)  # the buffer holds more than the plaintext: only out is written
+        out = memoryview(buf)[7:]
+        decrypted = opener.decrypt_into(e, out)
+        assert decrypted.inner_hash == want.inner_hash and bytes(decrypted.inner) == bytes(want.inner)
+        assert decrypted.outer_plaintext == bytes(out[:OUTER_HEAD_BYTES]) and buf[:7] == bytes(7)
+        out[:OUTER_HEAD_BYTES] = bytes(OUTER_HEAD_BYTES)  # the head was copied: the caller may reuse those bytes
+        got = opener.verify(decrypted)
+        assert bytes(got.inner) == bytes(want.inner) and (got.enc, got.report_id, got.signer_public_key,
+                                                            got.inner_hash) == (
             want.enc, want.report_id, want.signer_public_key, want.inner_hash)
         for pos in (6, 40, len(e) // 2, len(e) - 1):  # enc, head, inner, tag
             bad = bytearray(e)
             bad[pos] ^= 1
             with pytest.raises(EnvelopeError) as info:
-                opener.decrypt_into(bytes(bad), memoryview(buf))
+                opener.decrypt_into(bytes(bad), out)
             assert info.value.reason == "undecryptable"
         other = OuterOpener(sk, key_epoch=kit.key_epoch, round_id=2, model_digest=kit.digest)
         with pytest.raises(EnvelopeError, match="authentication"):
-            other.decrypt_into(e, memoryview(buf))  # bound to its round through info
-    with pytest.raises(ValueError, match="inner_out"):
+            other.decrypt_into(e, out)  # bound to its round through info
+    low_order = bytearray(kit.seal(0, size=64))
+    low_order[5:37] = bytes(32)  # enc = a point of small order: no shared secret
+    with pytest.raises(EnvelopeError) as info:
+        opener.decrypt_into(bytes(low_order), memoryview(bytearray(len(low_order) - 53)))
+    assert info.value.reason == "undecryptable"
+    with pytest.raises(ValueError, match="head and inner ciphertext"):
         opener.decrypt_into(kit.seal(0, size=64), memoryview(bytearray(10)))
 
 
-def test_large_reports_decrypted_into_their_slots_leave_holes_that_are_squeezed_out(kit, tmp_path: Path) -> None:
-    """Memory path, 300 KiB reports (decrypted straight into their slots): reports dropped after they opened (bad
-    signature, replay, unknown signer) leave holes; the output is exactly the accepted reports, shuffled."""
-    from shuffledp.shuffler.batch import INTO_SLOT_MIN_BYTES
+@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("size", [64, 5000, 300_000])
+def test_reports_decrypted_into_their_slots_leave_holes_that_are_squeezed_out(kit, tmp_path: Path, monkeypatch,
+                                                                                size: int, pooled: bool) -> None:
+    """Memory path with an announced envelope_length (each envelope claims its slot on arrival and is decrypted
+    straight into it: inline with the head just before the slot, at 64 B a head spans two earlier slots; or on the
+    verify pool's workers through their scratch buffers): reports dropped after they claimed a slot (not opening,
+    replay, unknown signer, second report of a signer) leave holes; the output is exactly the accepted reports,
+    shuffled."""
+    import shuffledp.shuffler.builder as buildermod
+    import shuffledp.shuffler.opening as openingmod
 
-    size = INTO_SLOT_MIN_BYTES + 1000
+    monkeypatch.setattr(buildermod, "PIPELINE_MIN_JOB_BYTES", 0 if pooled else 1 << 40)
+    opened: list[str] = []
+    for name in ("open_into_slot", "decrypt_into_slot"):
+        real = getattr(openingmod, name)
+        monkeypatch.setattr(openingmod, name, lambda *a, _real=real, _name=name: (opened.append(_name), _real(*a))[1])
     stranger = ed25519.Ed25519PrivateKey.generate().private_bytes_raw()
-    core = ShufflerCore(kit.core_config(tmp_path / "j", max_envelope_bytes=1 << 20))
+    core = ShufflerCore(kit.core_config(tmp_path / "j", max_envelope_bytes=1 << 20, verify_threads=2))
     try:
         good = [kit.seal(i, size=size, payload=bytes([i]) * size) for i in range(kit.n_clients)]
         unknown = kit.seal(0, size=size, payload=b"u" * size, signing_key=stranger)
         twice = kit.seal(3, size=size, payload=b"d" * size)  # a second report of signer 3
-        sent = [good[0], unknown, good[1], good[2], good[1]] + good[3:5] + [twice] + good[5:]
+        tampered = bytearray(kit.seal(4, size=size, payload=b"t" * size))
+        tampered[-1] ^= 1
+        sent = [good[0], unknown, good[1], good[2], good[1]] + good[3:5] + [twice, bytes(tampered)] + good[5:]
         b = core.begin(kit.header(len(sent), envelope_length=len(good[0])))
         for i in range(0, len(sent), 3):
             b.add_many(sent[i : i + 3])
         b.settle()
+        assert set(opened) == {"open_into_slot" if pooled else "decrypt_into_slot"} and len(opened) == len(sent)
         assert b._into_slots and b._claimed == len(sent) > b.n_accepted == kit.n_clients
         sb = b.finish()
         out = [open_inner(x, server_private_key=kit.server_sk, key_epoch=kit.key_epoch, round_id=1)
                for x in core.read_batch(sb.batch_id)]
         assert sorted(out) == sorted(bytes([i]) * size for i in range(kit.n_clients))
-        assert Counter(b.drops) == Counter({"unknown_signer": 1, "replay": 1, "duplicate_signer": 1})
+        assert Counter(b.drops) == Counter({"unknown_signer": 1, "replay": 1, "duplicate_signer": 1,
+                                            "undecryptable": 1})
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("on_worker", [False, True])
+def test_decrypting_into_a_slot_writes_that_slot_only(kit, tmp_path: Path, on_worker: bool) -> None:
+    """Decrypting into a slot, or failing to (a tampered envelope), leaves every other byte of the staging buffer
+    as it was: on the submitting thread the head written before the slot is put back (slot 0's head room
+    included); on a worker the head stays in the worker's scratch buffer and a failed open writes nothing."""
+    from shuffledp.shuffler.envelope import EnvelopeError
+    from shuffledp.shuffler.opening import decrypt_into_slot, open_into_slot
+    from shuffledp.shuffler.staging import SLOT_BASE
+
+    open_one = open_into_slot if on_worker else decrypt_into_slot
+    size = 300
+    core = ShufflerCore(kit.core_config(tmp_path / "j"))
+    try:
+        envs = [kit.seal(i, size=size) for i in range(4)]
+        b = core.begin(kit.header(4, envelope_length=len(envs[0])))
+        b._begin_staging(len(envs[0]) - 166)
+        L, buf = b.inner_length, b.staging_buffer
+        assert b._into_slots and buf is not None
+        noise = os.urandom(len(buf))
+        buf[:] = noise
+        for slot, e in ((0, envs[0]), (2, envs[1]), (1, envs[2])):
+            start = SLOT_BASE + slot * L
+            decrypted = open_one(b._opener, buf, slot, L, e)
+            assert buf[:start] == noise[:start] and buf[start + L :] == noise[start + L :]
+            assert bytes(decrypted.inner) == buf[start : start + L] and len(decrypted.outer_plaintext) == 113
+            assert b._opener.verify(decrypted).inner_hash == decrypted.inner_hash
+            noise = bytes(buf)  # the slot now holds its inner ciphertext
+            del decrypted
+        bad = bytearray(envs[3])
+        bad[200] ^= 1
+        with pytest.raises(EnvelopeError):
+            open_one(b._opener, buf, 3, L, bytes(bad))
+        start = SLOT_BASE + 3 * L
+        assert buf[:start] == noise[:start] and buf[start + L :] == noise[start + L :]
+        if on_worker:
+            assert bytes(buf) == noise
+        b.abort()
+    finally:
+        core.close()
+
+
+def test_abort_while_workers_open_envelopes_into_the_slots(kit, tmp_path: Path, monkeypatch) -> None:
+    """Aborting a batch while the verify pool's workers are opening its envelopes into the slots: the queued jobs
+    never start, the running ones end on their own (a buffer already unmapped refuses them, one still in use is
+    unmapped after them), nothing is left behind, and the same round seals afterwards."""
+    import threading
+
+    import shuffledp.shuffler.builder as buildermod
+    import shuffledp.shuffler.envelope as envmod
+
+    monkeypatch.setattr(buildermod, "PIPELINE_MIN_JOB_BYTES", 0)
+    gate = threading.Event()
+    real = envmod.OuterOpener.decrypt_into
+    monkeypatch.setattr(envmod.OuterOpener, "decrypt_into", lambda self, e, out: (gate.wait(5), real(self, e, out))[1])
+    core = ShufflerCore(kit.core_config(tmp_path / "j", verify_threads=2))
+    try:
+        envs = [kit.seal(i, size=5000) for i in range(6)]
+        b = core.begin(kit.header(6, envelope_length=len(envs[0])))
+        for e in envs[:5]:
+            b.add(e)
+        assert b._into_slots and len(b._pending) == 5 and b.n_accepted == 0
+        futures = [f for f, *_ in b._pending]
+        b.abort()
+        gate.set()
+        for f in futures:
+            if not f.cancelled():
+                f.exception(timeout=10)  # ended, whatever it met
+        assert sum(f.cancelled() for f in futures) >= 3  # two workers: at most two jobs had started
+        assert len(b._pending) == 0 and b.staging_buffer is None
+        assert list(core.journal.staging_dir.iterdir()) == []
+        monkeypatch.setattr(envmod.OuterOpener, "decrypt_into", real)
+        b = core.begin(kit.header(6, envelope_length=len(envs[0])))
+        b.add_many(envs)
+        assert b.finish().n == 6
     finally:
         core.close()
