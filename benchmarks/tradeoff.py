@@ -32,14 +32,18 @@ from pathlib import Path
 from shuffledp.deploy.inprocess_study import Choice, Outcome, Trial, choose, grid_trials, run_trials, spread
 
 MECHANISMS = ("laplace", "duchi", "privunit2")
+#: The key of a block that restricts it to some target epsilons (not an argument of ``simulate``).
+EPSILONS = "epsilons"
 
 
 def arm(*, rounds: tuple, server_lr: tuple, clip: tuple = (1.0,), optimizer: tuple = ("sgd",),
-        pca: tuple = (None,)) -> dict:
+        pca: tuple = (None,), epsilons: tuple | None = None) -> dict:
     """One block of the grid: the cross product of its values (``pca`` None: the dataset's default, ``PCA``), keyed
-    by the names of :func:`shuffledp.deploy.inprocess.simulate`'s arguments."""
-    return {"rounds": rounds, "server_lr": server_lr, "clip": clip, "server_optimizer": optimizer,
-            "pca_components": pca}
+    by the names of :func:`shuffledp.deploy.inprocess.simulate`'s arguments; ``epsilons``: the target epsilons the
+    block is searched at (None: every one)."""
+    block = {"rounds": rounds, "server_lr": server_lr, "clip": clip, "server_optimizer": optimizer,
+             "pca_components": pca}
+    return block if epsilons is None else {**block, EPSILONS: tuple(float(e) for e in epsilons)}
 
 
 #: The searched grid per mechanism, as blocks (a learning rate only makes sense with its optimizer): rounds T,
@@ -52,13 +56,15 @@ GRID = {
     "duchi": [arm(rounds=(100,), server_lr=(0.05,), clip=(0.2,), optimizer=("adam",), pca=(10, 15))],
     "privunit2": [arm(rounds=(50, 100), server_lr=(0.05,), clip=(0.2,), optimizer=("adam",), pca=(10, 15))],
 }
-#: mnist5k (4,000 clients, each round about 3x a digits round): the digits grid's L2 blocks at PCA 15 and 20.
+#: mnist5k (4,000 clients, each round about 3x a digits round): the digits grid's L2 blocks at PCA 15 and 20; at
+#: epsilon 4 also privunit2 over many rounds at a small eps0 (T eps0^2 grows with T under shuffling: eps0 1.163 at
+#: T = 800 under clones-focs), a smaller Adam step and 30 PCA components (the L2 mechanisms' noise per coordinate
+#: does not grow with d). Searched at epsilon 4 only: one such run is about 5 minutes of CPU.
 MNIST5K_GRID = {
     "laplace": [arm(rounds=(100,), server_lr=(3.0,)), arm(rounds=(100,), server_lr=(0.1,), optimizer=("adam",))],
     "duchi": [arm(rounds=(100,), server_lr=(0.05,), clip=(0.2,), optimizer=("adam",), pca=(15, 20))],
     "privunit2": [arm(rounds=(100,), server_lr=(0.05,), clip=(0.2,), optimizer=("adam",), pca=(15, 20)),
-                  # many rounds at a small eps0 (1.163 at T = 800 under clones-focs): about 5 minutes of CPU per run
-                  arm(rounds=(800,), server_lr=(0.02,), clip=(0.2,), optimizer=("adam",), pca=(30,))],
+                  arm(rounds=(800,), server_lr=(0.02,), clip=(0.2,), optimizer=("adam",), pca=(30,), epsilons=(4,))],
 }
 QUICK_GRID = {
     "laplace": [arm(rounds=(10, 20), server_lr=(20.0,))],
@@ -79,14 +85,17 @@ PCA = {"digits": 10, "mnist5k": 20}
 def trials(dataset: str, mechanisms: list[str], epsilons: list[float], seeds: int, grid: dict,
            delta: float, family: str = "auto") -> list[Trial]:
     """The frontier's trials, built by the sweep's :func:`shuffledp.deploy.inprocess_study.grid_trials`: one group
-    per (mechanism, target epsilon), each block of ``grid[mechanism]`` searched within it. ``family`` ``auto`` is
+    per (mechanism, target epsilon), each block of ``grid[mechanism]`` searched within it (a block with
+    ``epsilons``: at those target epsilons only). ``family`` ``auto`` is
     resolved per mechanism by ``simulate``, as the apps do."""
     fixed = {"dataset": dataset, "delta": delta, "family": family}
     out = []
     for mech, eps in itertools.product(mechanisms, epsilons):
         for block in grid[mech]:
-            searched = {**block, "pca_components": tuple(PCA[dataset] if p is None else p
-                                                         for p in block["pca_components"])}
+            if EPSILONS in block and float(eps) not in block[EPSILONS]:
+                continue
+            searched = {k: v for k, v in block.items() if k != EPSILONS}
+            searched["pca_components"] = tuple(PCA[dataset] if p is None else p for p in block["pca_components"])
             out += grid_trials({"mechanism": [mech], "target_epsilon": [eps]}, searched, range(seeds), fixed)
     return out
 
