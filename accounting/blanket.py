@@ -1,4 +1,5 @@
-"""Mechanism-aware amplification for the project's discrete Laplace randomizer: the privacy blanket pair.
+"""Mechanism-aware amplification by the privacy blanket: the dominating pair of a box of likelihood ratios, by
+default the one of the project's discrete Laplace randomizer.
 
 The randomizer (:class:`shuffledp.clients.randomizer.DiscreteLaplaceRandomizer`) maps every input to an integer
 vector ``q`` with ``||q||_1 <= K`` and adds iid discrete Laplace noise ``P(Z = k) = (1-t)/(1+t) t^|k|`` per
@@ -11,39 +12,57 @@ every report is, with probability gamma, a draw from the blanket ``P_0`` (the ou
 input (Balle, Bell, Gascon, Nissim, "The privacy blanket of the shuffle model", CRYPTO 2019). The likelihood
 ratios ``a = P_x/P_0`` and ``b = P_x'/P_0`` of two inputs of the client under attack lie in ``[gamma, 1/gamma]``.
 
+**The box.** The pair uses three facts about a randomizer R: a base law omega, likelihood ratios ``dR(x)/d omega``
+in a box ``[lo, hi]``, ``hi = e^eps0 lo``, with mean 1 under omega, and the blanket ``R(x) >= lo omega``. The
+discrete Laplace randomizer has ``omega = P_0``, ``lo = gamma`` (the default, ``lo=None``); any ``lo`` with
+``2/(e^eps0+1) <= lo < 1`` (``lo + hi >= 2``: the countermonotone corner law below exists) may be given. At
+``lo = 2/(e^eps0+1)`` there is no Z corner and the pair is the stronger clone pair of ``clones``.
+
 This module computes the privacy loss of the dominating pair derived in docs/accounting.md ("Mechanism-aware
 accounting for the discrete Laplace randomizer"): the blanket reports among the ``n - 1`` others are revealed
-as such (``M ~ Bin(n-1, gamma)``), and the law of ``(a, b)`` under ``P_0`` is replaced by the countermonotone law
-on the corners of ``[gamma, 1/gamma]^2`` (a mean-preserving spread; it is exactly the law of the mechanism with
-``K = 1``, the worst grid). Counting the corners ``H = (1/gamma, gamma)``, ``L = (gamma, 1/gamma)`` and
-``Z = (gamma, gamma)`` among the blanket reports and the attacked client's report, with ``s = #H + #L``,
-``z = #Z``, ``h = #H``:
+as such (``M ~ Bin(n-1, lo)``), and the law of ``(a, b)`` under omega is replaced by the countermonotone law
+on the corners of ``[lo, hi]^2`` (a mean-preserving spread; for the discrete Laplace it is exactly the law of the
+mechanism with ``K = 1``, the worst grid): ``H = (hi, lo)`` and ``L = (lo, hi)`` with probability
+``pi_s = (1 - lo)/(hi - lo)`` each, ``Z = (lo, lo)`` otherwise. So each other report is H or L with probability
+``2 pi = 2 lo pi_s = 2 (1 - lo)/(e - 1)``, Z with ``rho = lo (1 - 2 pi_s) = lo - 2 pi``, revealed otherwise; the
+attacked report is H, L, Z with ``pi_s hi, pi_s lo, rho`` under x. Counting H, L and Z among the blanket reports
+and the attacked client's report, with ``s = #H + #L``, ``z = #Z``, ``h = #H``, ``e = e^eps0``, ``P(h, l, z) =
+Mult_n(h, l, z) (e h + l + z)/n`` (the attacked report's corner removes one count), hence:
 
 * ``(s, z)`` has the same law under both inputs (it is ancillary), with weight
-  ``W(s, z) = Bin(s; n, 2 pi) Bin(z; n - s, rho') (z + s (e+1)/2) / n``, ``e = e^eps0``, ``pi = gamma^2/(1+gamma)``,
-  ``rho' = rho/(1 - 2 pi)``, ``rho = gamma (1-gamma)/(1+gamma)``;
+  ``W(s, z) = Bin(s; n, 2 pi) Bin(z; n - s, rho') (z + s (e+1)/2) / n``, ``rho' = rho/(1 - 2 pi)``
+  (``E[z + s (e+1)/2] = n lo (1 + pi_s (e - 1)) = n``); for the discrete Laplace ``pi = gamma^2/(1+gamma)``,
+  ``rho = gamma (1-gamma)/(1+gamma)``;
 * given ``(s, z)``, ``P(h) = Bin(h; s, 1/2) (1 + v)``, ``Q(h) = Bin(h; s, 1/2) (1 - v)`` with
   ``v = (1 - lam) kappa (2h - s)/s``, ``kappa = tanh(eps0/2)``, ``lam = z / (z + s (e+1)/2)``: the loss is
-  ``log((1+v)/(1-v))``.
+  ``log((1+v)/(1-v))``, at most eps0 in absolute value; only ``e`` enters, ``lo`` only through ``pi`` and ``rho``.
 
 The conditional pair is Blackwell-decreasing in ``s`` and in ``lam`` (docs/accounting.md), so blocks of ``s`` and
 cells of ``lam`` are replaced by their smallest values: a dominating pair. Windows cut at a log-mass drop of
 :data:`BLANKET_WINDOW_DROP`; the cut mass goes to the infinity mass (or, below the ``h`` window, up to the
 lowest kept loss). Every step is pessimistic, so every delta(eps) of every composition is an upper bound.
+
+**Memory.** The support (15 M points at n = 10,000) is never held: its rows (one per cell of ``(s, z)``, 61,000
+at n = 10,000) are kept and its points generated from them in chunks of about ``_CHUNK``, again for each pass
+(:mod:`shuffledp.accounting.loss_stream`): one pass gives the moments, the extent and the bins from which one
+round's delta is exact at every bin edge; a second collects the points of the one bin that holds the answer; the
+PLD spread adds the chunks onto its grid in order.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 from scipy import stats
 
+from shuffledp.accounting import loss_stream as ls
 from shuffledp.accounting.binomial import binom_logpmf, binom_window, tail_ge, tail_le
 from shuffledp.accounting.core import RefusedError
-from shuffledp.accounting.validation import check_eps0, check_n
+from shuffledp.accounting.validation import check_delta, check_eps0, check_epsilon, check_n, check_real, check_rounds
 
 __all__ = [
     "BLANKET_WINDOW_DROP",
@@ -74,8 +93,12 @@ BLANKET_Z_GROUP_RELATIVE_WIDTH = 1e-2
 BLANKET_EXACT_SUPPORT = 4_000_000
 #: Relative tolerance of the bisection of the single-round epsilon (the value is rounded up).
 BLANKET_EPSILON_RTOL = 1e-12
-#: Largest number of support points the single-round loss distribution may have (memory ~ 16 bytes each).
+#: Largest number of support points the single-round loss distribution may have (each pass over the support takes
+#: about 50 ns per point; the memory does not grow with it).
 BLANKET_MAX_SUPPORT = 40_000_000
+
+#: Support points per generated chunk (at least one row of h).
+_CHUNK = 1 << 16
 
 
 def blanket_mass(eps0: float) -> float:
@@ -94,14 +117,35 @@ def blanket_mass(eps0: float) -> float:
     return math.exp(-0.5 * check_eps0(eps0))
 
 
-def _params(eps0: float) -> dict[str, float]:
-    """The corner law's constants, in log space where they can underflow."""
-    log_g = -0.5 * eps0
-    log_1pg = math.log1p(math.exp(log_g))
-    log_1mg = math.log(-math.expm1(log_g))
-    log_2pi = math.log(2.0) + 2.0 * log_g - log_1pg  # 2 pi = 2 gamma^2 / (1 + gamma): H or L among the n
+def _checked(eps0: Any, n: Any, lo: Any) -> tuple[float, int, float | None]:
+    """``(eps0, n, lo)`` validated; ``lo`` is None for the discrete Laplace's ``e^{-eps0/2}`` (given as None or as
+    that float: one cache key and one set of closed forms), else a float with ``2/(e^eps0+1) <= lo < 1``."""
+    eps0 = check_eps0(eps0)
+    n = check_n(n)
+    if lo is None:
+        return eps0, n, None
+    lo_min = 2.0 / (math.exp(eps0) + 1.0)
+    allowed = (f"None (the discrete Laplace's e^(-eps0/2)) or a real number with 2/(e^eps0+1) = {lo_min!r} <= lo "
+               "< 1 (the blanket mass of a box [lo, e^eps0 lo] of likelihood ratios; lo + hi >= 2)")
+    value = check_real("lo", lo, allowed)
+    if not lo_min <= value < 1.0:
+        raise ValueError(f"lo must be {allowed}, got {value!r}")
+    return eps0, n, None if value == math.exp(-0.5 * eps0) else value
+
+
+def _params(eps0: float, lo: float | None) -> dict[str, float]:
+    """The corner law's constants (module docstring), in log space where they can underflow."""
+    if lo is None:  # the discrete Laplace box, lo = gamma = e^{-eps0/2}, by its closed forms
+        log_g = -0.5 * eps0
+        log_1pg = math.log1p(math.exp(log_g))
+        log_1mg = math.log(-math.expm1(log_g))
+        log_2pi = math.log(2.0) + 2.0 * log_g - log_1pg  # 2 pi = 2 gamma^2 / (1 + gamma): H or L among the n
+        log_rho = log_g + log_1mg - log_1pg  # rho = gamma (1 - gamma) / (1 + gamma): Z among the n
+    else:
+        log_2pi = math.log(2.0) + math.log1p(-lo) - math.log(math.expm1(eps0))  # 2 pi = 2 (1 - lo) / (e - 1)
+        excess = lo - 2.0 / (math.exp(eps0) + 1.0)  # rho = lo - 2 pi = (lo - 2/(e+1)) / kappa
+        log_rho = math.log(excess) - math.log(math.tanh(0.5 * eps0)) if excess > 0.0 else -math.inf
     log_1m2pi = math.log(-math.expm1(log_2pi))
-    log_rho = log_g + log_1mg - log_1pg  # rho = gamma (1 - gamma) / (1 + gamma): Z among the n
     log_rho_c = log_rho - log_1m2pi  # rho' = rho / (1 - 2 pi): Z among the n - s others
     return {
         "log_2pi": log_2pi,
@@ -134,6 +178,8 @@ def _tilted_tails(trials: int, log_q: float, log_1mq: float, lo: int, hi: int, a
 def _z_law(n: int, s: int, p: dict[str, float]) -> tuple[np.ndarray, np.ndarray, float]:
     """The law of z given s (``Bin(z; n - s, rho')`` tilted by ``z + s (e+1)/2``) on its window, and the mass
     outside the window (exact tails)."""
+    if p["log_rho_c"] == -math.inf:  # lo = 2/(e^eps0+1): no Z corner, z = 0
+        return np.zeros(1, dtype=np.int64), np.ones(1), 0.0
     e_half = p["half_ep1"]
     rho_c = math.exp(p["log_rho_c"])
     z = binom_window(n - s, p["log_rho_c"], p["log_1mrho_c"], BLANKET_WINDOW_DROP)
@@ -143,14 +189,13 @@ def _z_law(n: int, s: int, p: dict[str, float]) -> tuple[np.ndarray, np.ndarray,
     return z, law, cut
 
 
-def _rows(eps0: float, n: int, exact_z: bool) -> tuple[list[tuple[int, np.ndarray, np.ndarray]], float]:
+def _rows(n: int, p: dict[str, float], exact_z: bool) -> tuple[list[tuple[int, np.ndarray, np.ndarray]], float]:
     """Blocks of s with their representative rows ``(s0, 1 - lam per row, weight per row)``, and the cut weight.
 
     Pessimistic throughout (docs/accounting.md): a block of s uses its smallest s; the z-law of a group of
     blocks is the one at the group's largest s (stochastically the smallest z: fewer trials, flatter tilt), so
     weight only moves to smaller lam; a cell of z uses the largest 1 - lam of its (s, z) pairs.
     """
-    p = _params(eps0)
     e_half = p["half_ep1"]
     rho_c = math.exp(p["log_rho_c"])
     s_all = binom_window(n, p["log_2pi"], p["log_1m2pi"], BLANKET_WINDOW_DROP)
@@ -184,61 +229,56 @@ def _rows(eps0: float, n: int, exact_z: bool) -> tuple[list[tuple[int, np.ndarra
     return blocks, infinity
 
 
-#: Supports kept (each about 16 bytes per point: 11 M points at n = 5,000, 15 M at 10,000). A run meets one
-#: (eps0, n) per round; a run whose n changes from round to round rebuilds the support anyway, and more entries
-#: would only hold hundreds of MiB each (16 held 8 GiB at n = 5,000).
-_SUPPORTS_KEPT = 2
+def _h_half(s0: int) -> int:
+    """Half-width of the window of h ~ Bin(s0, 1/2) (about sqrt(2 drop) standard deviations, plus a margin)."""
+    return int(math.ceil(math.sqrt(2.0 * BLANKET_WINDOW_DROP) * 0.5 * math.sqrt(max(s0, 1)) + 10))
 
 
-@functools.lru_cache(maxsize=_SUPPORTS_KEPT)
-def blanket_loss_support(eps0: float, n: int) -> tuple[np.ndarray, np.ndarray, float]:
-    """Exact losses and P-masses of the dominating blanket pair (pessimistic blocks and windows), unsorted.
+def _h_window(s0: int) -> np.ndarray:
+    half = _h_half(s0)
+    return np.arange(max(0, s0 // 2 - half), min(s0, s0 // 2 + half) + 1, dtype=np.float64)
 
-    Args:
-        eps0: local privacy parameter of the discrete Laplace randomizer, > 0.
-        n: number of shuffled reports, >= 1.
 
-    Returns:
-        ``(losses, probs, infinity_mass)``; ``probs`` plus ``infinity_mass`` sum to 1 up to round-off.
+class _Block(NamedTuple):
+    """One block of s: its smallest s, ``1 - lam`` and weight per row, and per row the P-mass of h below the
+    window (None: a single zero loss of mass ``w.sum()``)."""
+
+    s0: int
+    r: np.ndarray
+    w: np.ndarray
+    below: np.ndarray | None
+
+
+#: Row sets kept (24 bytes per row: 61,000 rows, 1.4 MiB, at n = 10,000; a few MiB at most).
+_ROWS_KEPT = 8
+
+
+@functools.lru_cache(maxsize=_ROWS_KEPT)
+def _blocks(eps0: float, n: int, lo: float | None) -> tuple[tuple[_Block, ...], float]:
+    """The blocks of rows of the support (block by block, rows of positive weight) and its infinity mass.
 
     Raises:
         RefusedError: the support would exceed :data:`BLANKET_MAX_SUPPORT` points.
     """
-    eps0 = check_eps0(eps0)
-    n = check_n(n)
-    p = _params(eps0)
-    blocks, infinity = _rows(eps0, n, exact_z=True)
-    total = sum(r.size * (2 * _h_half(s0) + 1) for s0, r, _ in blocks)
+    p = _params(eps0, lo)
+    rows, infinity = _rows(n, p, exact_z=True)
+    total = sum(r.size * (2 * _h_half(s0) + 1) for s0, r, _ in rows)
     if total > BLANKET_EXACT_SUPPORT:  # cells of lam (pessimistic, BLANKET_LAMBDA_CELL) instead of every z
-        blocks, infinity = _rows(eps0, n, exact_z=False)
-        total = sum(r.size * (2 * _h_half(s0) + 1) for s0, r, _ in blocks)
+        rows, infinity = _rows(n, p, exact_z=False)
+        total = sum(r.size * (2 * _h_half(s0) + 1) for s0, r, _ in rows)
     if total > BLANKET_MAX_SUPPORT:
         raise RefusedError(
             f"blanket-laplace at n={n}, eps0={eps0} needs {total} support points, more than "
             f"BLANKET_MAX_SUPPORT={BLANKET_MAX_SUPPORT}; no bound is reported")
-    kappa, one_m_kappa = p["kappa"], p["one_m_kappa"]
-    pe = 1.0 - 0.5 * one_m_kappa  # e/(e+1): the attacked client's corner is H with this probability, given H or L
-    log_half = -math.log(2.0)
-    all_l, all_p = [], []
-    for s0, r_rows, w_rows in blocks:
+    pe = 1.0 - 0.5 * p["one_m_kappa"]  # e/(e+1): the attacked client's corner is H with this probability, given S
+    blocks = []
+    for s0, r_rows, w_rows in rows:
         keep = w_rows > 0.0
         r_rows, w_rows = r_rows[keep], w_rows[keep]
         if s0 == 0 or r_rows.size == 0:
-            all_l.append(np.zeros(1))
-            all_p.append(np.array([float(w_rows.sum())]))
+            blocks.append(_Block(0, r_rows, w_rows, None))
             continue
-        half = _h_half(s0)
-        h = np.arange(max(0, s0 // 2 - half), min(s0, s0 // 2 + half) + 1, dtype=np.float64)
-        logb = binom_logpmf(h, s0, log_half, log_half)
-        x = (2.0 * h - s0) / s0  # in [-1, 1]
-        ax = np.abs(x)[None, :]
-        r = r_rows[:, None]
-        c0 = (1.0 - r) + r * one_m_kappa  # 1 - (1 - lam) kappa, without cancellation
-        big = 1.0 + r * kappa * ax  # 1 + |v|
-        small = (1.0 - ax) + ax * c0  # 1 - |v|
-        loss = np.sign(x)[None, :] * (np.log(big) - np.log(small))
-        one_plus_v = np.where(x[None, :] >= 0.0, big, small)
-        probs = np.exp(logb)[None, :] * one_plus_v * w_rows[:, None]
+        h = _h_window(s0)
         # P-mass of h outside the window: P = lam Bin(s, 1/2) + (1 - lam) (Bern(e/(e+1)) + Bin(s - 1, 1/2))
         h_lo, h_hi = float(h[0]), float(h[-1])
         lam = 1.0 - r_rows
@@ -246,80 +286,142 @@ def blanket_loss_support(eps0: float, n: int) -> tuple[np.ndarray, np.ndarray, f
             pe * float(tail_ge(h_hi, s0 - 1)) + (1.0 - pe) * float(tail_ge(h_hi + 1.0, s0 - 1)))
         below = lam * float(tail_le(h_lo - 1.0, s0)) + r_rows * (
             pe * float(tail_le(h_lo - 2.0, s0 - 1)) + (1.0 - pe) * float(tail_le(h_lo - 1.0, s0 - 1)))
-        probs[:, 0] += below * w_rows  # moved up to the lowest kept loss
-        infinity += float(np.dot(above, w_rows))
-        all_l.append(loss.ravel())
-        all_p.append(probs.ravel())
-    return np.concatenate(all_l), np.concatenate(all_p), float(min(infinity, 1.0))
+        infinity += float(np.dot(above, w_rows))  # above the window: to infinity
+        blocks.append(_Block(s0, r_rows, w_rows, below))
+    return tuple(blocks), float(min(infinity, 1.0))
 
 
-def _h_half(s0: int) -> int:
-    """Half-width of the window of h ~ Bin(s0, 1/2) (about sqrt(2 drop) standard deviations, plus a margin)."""
-    return int(math.ceil(math.sqrt(2.0 * BLANKET_WINDOW_DROP) * 0.5 * math.sqrt(max(s0, 1)) + 10))
+def _chunks(eps0: float, n: int, lo: float | None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The support's ``(losses, P-masses)`` in chunks of about :data:`_CHUNK` points (one row of h at least), block
+    by block and row by row; points of zero mass are left out.
+
+    Raises:
+        ArithmeticError: a loss or a mass is not finite (a numerical failure).
+    """
+    p = _params(eps0, lo)
+    kappa, one_m_kappa = p["kappa"], p["one_m_kappa"]
+    log_half = -math.log(2.0)
+    for s0, r_rows, w_rows, below in _blocks(eps0, n, lo)[0]:
+        if below is None:
+            mass = float(w_rows.sum())
+            if mass > 0.0:
+                yield np.zeros(1), np.array([mass])
+            continue
+        h = _h_window(s0)
+        bin_h = np.exp(binom_logpmf(h, s0, log_half, log_half))[None, :]
+        x = (2.0 * h - s0) / s0  # in [-1, 1]
+        ax, sign, upper = np.abs(x)[None, :], np.sign(x)[None, :], x[None, :] >= 0.0
+        step = max(1, _CHUNK // h.size)
+        for i in range(0, r_rows.size, step):
+            r, w = r_rows[i : i + step, None], w_rows[i : i + step]
+            c0 = (1.0 - r) + r * one_m_kappa  # 1 - (1 - lam) kappa, without cancellation
+            big = 1.0 + r * kappa * ax  # 1 + |v|
+            small = (1.0 - ax) + ax * c0  # 1 - |v|
+            loss = (sign * (np.log(big) - np.log(small))).ravel()
+            probs = bin_h * np.where(upper, big, small) * w[:, None]
+            probs[:, 0] += below[i : i + step] * w  # the mass below the window, moved up to the lowest kept loss
+            probs = probs.ravel()
+            if not (np.all(np.isfinite(loss)) and np.all(np.isfinite(probs))):
+                raise ArithmeticError(f"blanket-laplace at n={n}, eps0={eps0}: a support point is not finite")
+            keep = probs > 0.0
+            yield (loss, probs) if keep.all() else (loss[keep], probs[keep])
+
+
+def blanket_loss_support(eps0: float, n: int, *, lo: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+    """Exact losses and P-masses of the dominating blanket pair (pessimistic blocks and windows), unsorted.
+
+    The whole support at once (about 16 bytes per point, 15 M points at n = 10,000): for tests and small n. The
+    accountant's paths never build it.
+
+    Args:
+        eps0: local privacy parameter of the randomizer, > 0.
+        n: number of shuffled reports, >= 1.
+        lo: the box's lower end, ``2/(e^eps0+1) <= lo < 1``; None: the discrete Laplace's ``e^{-eps0/2}``.
+
+    Returns:
+        ``(losses, probs, infinity_mass)``, points of positive mass; ``probs`` plus ``infinity_mass`` sum to 1 up
+        to round-off.
+
+    Raises:
+        RefusedError: the support would exceed :data:`BLANKET_MAX_SUPPORT` points.
+    """
+    eps0, n, lo = _checked(eps0, n, lo)
+    parts = list(_chunks(eps0, n, lo))
+    losses = np.concatenate([c[0] for c in parts]) if parts else np.zeros(0)
+    probs = np.concatenate([c[1] for c in parts]) if parts else np.zeros(0)
+    return losses, probs, _blocks(eps0, n, lo)[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One pass (moments, extent, bins); one round exact on the support; several rounds (pessimistic PLD composition)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)  # about 1.5 MiB each (the bins)
+def _scan(eps0: float, n: int, lo: float | None) -> ls.Scan:
+    """One pass over the support (:func:`shuffledp.accounting.loss_stream.scan`; every loss is at most eps0)."""
+    return ls.scan(_chunks(eps0, n, lo), eps0)
 
 
 @functools.lru_cache(maxsize=64)
-def blanket_loss_moments(eps0: float, n: int) -> tuple[float, float]:
+def _summary(eps0: float, n: int, lo: float | None) -> tuple[tuple[float, float], tuple[float, float], float]:
+    """``(moments, extent, infinity)`` of :func:`_scan`, kept longer than its bins."""
+    scan = _scan(eps0, n, lo)
+    return scan.moments, scan.extent, _blocks(eps0, n, lo)[1]
+
+
+def blanket_loss_moments(eps0: float, n: int, *, lo: float | None = None) -> tuple[float, float]:
     """Mean and standard deviation of one round's loss under P (the finite part; sizes the composition grid).
 
     Args:
         eps0: local privacy parameter, > 0.
         n: number of shuffled reports, >= 1.
+        lo: the box's lower end (see :func:`blanket_loss_support`); None: the discrete Laplace's.
 
     Returns:
         ``(mean, standard deviation)``.
     """
-    losses, probs, _ = blanket_loss_support(eps0, n)
-    tot = float(probs.sum())
-    mean = float(np.dot(losses, probs) / tot)
-    var = float(np.dot((losses - mean) ** 2, probs) / tot)
-    return mean, math.sqrt(max(var, 0.0))
+    return _summary(*_checked(eps0, n, lo))[0]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# One round (exact on the support) and several rounds (pessimistic PLD composition)
-# ---------------------------------------------------------------------------------------------------------
+def _streamed(eps0: float, n: int, lo: float | None) -> ls.Streamed:
+    scan = _scan(eps0, n, lo)
+    return ls.Streamed(functools.partial(_chunks, eps0, n, lo), _blocks(eps0, n, lo)[1], scan.bins, scan.extent[1])
 
 
-@functools.lru_cache(maxsize=1)  # four arrays of the support's size: only the last (a run's single-round value)
-def _sorted_support(eps0: float, n: int) -> tuple[np.ndarray, np.ndarray, float, np.ndarray, np.ndarray]:
-    """The support sorted by loss, with suffix sums of P and of P e^{-L} (summed from the top: no ``1 - sum``)."""
-    losses, probs, infinity = blanket_loss_support(eps0, n)
-    order = np.argsort(losses, kind="stable")
-    losses, probs = losses[order], probs[order]
-    tail_p = np.r_[np.cumsum(probs[::-1])[::-1], 0.0]
-    tail_q = np.r_[np.cumsum((probs * np.exp(-losses))[::-1])[::-1], 0.0]
-    return losses, probs, infinity, tail_p, tail_q
-
-
-def blanket_delta(eps0: float, n: int, epsilon: float) -> float:
+def blanket_delta(eps0: float, n: int, epsilon: float, *, lo: float | None = None) -> float:
     """One round's delta(epsilon) of the dominating blanket pair: ``inf + sum_{L > eps} P (1 - e^{eps - L})``.
 
-    Every term is non-negative (``-expm1(eps - L)``), summed directly (no difference of tails).
+    Every term is non-negative (``-expm1(eps - L)``; over a whole bin two non-negative terms,
+    :mod:`shuffledp.accounting.loss_stream`), summed directly (no difference of tails). Two passes over the support
+    (the first one cached).
 
     Args:
-        eps0: local privacy parameter of the discrete Laplace randomizer, > 0.
+        eps0: local privacy parameter of the randomizer, > 0.
         n: number of shuffled reports, >= 1.
         epsilon: finite, >= 0.
+        lo: the box's lower end (see :func:`blanket_loss_support`); None: the discrete Laplace's.
 
     Returns:
         The delta, an upper bound for the shuffled randomizer.
     """
-    losses, probs, infinity, _, _ = _sorted_support(eps0, n)
-    i = int(np.searchsorted(losses, epsilon, side="right"))
-    return float(min(1.0, infinity + float(np.dot(probs[i:], -np.expm1(epsilon - losses[i:])))))
+    eps0, n, lo = _checked(eps0, n, lo)
+    return ls.delta(_streamed(eps0, n, lo), check_epsilon(epsilon))
 
 
-def blanket_epsilon(eps0: float, n: int, delta: float) -> float:
+def blanket_epsilon(eps0: float, n: int, delta: float, *, lo: float | None = None) -> float:
     """One round's smallest epsilon (to :data:`BLANKET_EPSILON_RTOL`, rounded up) with delta(eps) <= delta.
 
-    Bisection on the suffix sums (``inf + S_P - e^eps S_Q``), then the value is checked with :func:`blanket_delta`
-    (direct non-negative sum) and stepped up by at most :data:`BLANKET_EPSILON_RTOL` relative until it passes.
+    The exact delta at the edges of the bins locates the bin of the answer; bisection on the direct non-negative
+    sum over that bin's points and the bins above, then the value is checked and stepped up by at most
+    :data:`BLANKET_EPSILON_RTOL` relative until it passes (:func:`shuffledp.accounting.loss_stream.epsilon`). Two
+    passes over the support (the first one cached).
 
     Args:
         eps0: local privacy parameter, > 0.
         n: number of shuffled reports, >= 1.
         delta: 0 < delta < 1.
+        lo: the box's lower end (see :func:`blanket_loss_support`); None: the discrete Laplace's.
 
     Returns:
         The epsilon (``math.inf`` when the infinity mass alone exceeds delta).
@@ -327,35 +429,15 @@ def blanket_epsilon(eps0: float, n: int, delta: float) -> float:
     Raises:
         ArithmeticError: the checked delta stays above ``delta`` after the step-up (a numerical failure).
     """
-    losses, _, infinity, tail_p, tail_q = _sorted_support(eps0, n)
-    if infinity > delta:
-        return math.inf
-
-    def fast(eps: float) -> float:
-        i = int(np.searchsorted(losses, eps, side="right"))
-        return infinity + float(tail_p[i]) - math.exp(eps) * float(tail_q[i])
-
-    lo, hi = 0.0, max(float(losses[-1]), 0.0)
-    if blanket_delta(eps0, n, 0.0) <= delta:
-        return 0.0
-    while hi - lo > 0.25 * BLANKET_EPSILON_RTOL * max(hi, 1e-300):
-        mid = 0.5 * (lo + hi)
-        if fast(mid) <= delta:
-            hi = mid
-        else:
-            lo = mid
-    limit = hi * (1.0 + BLANKET_EPSILON_RTOL)
-    step = 0.25 * BLANKET_EPSILON_RTOL * max(hi, 1e-300)
-    while blanket_delta(eps0, n, hi) > delta:
-        if hi + step > limit:
-            raise ArithmeticError(
-                f"blanket-laplace: delta({hi!r}) = {blanket_delta(eps0, n, hi)!r} > {delta!r} after the step-up")
-        hi += step
-    return hi
+    eps0, n, lo = _checked(eps0, n, lo)
+    target = check_delta(delta)
+    try:
+        return ls.epsilon(_streamed(eps0, n, lo), target, BLANKET_EPSILON_RTOL)
+    except ArithmeticError as exc:
+        raise ArithmeticError(f"blanket-laplace at n={n}, eps0={eps0}: {exc}") from exc
 
 
-@functools.lru_cache(maxsize=32)
-def spread_blanket_pld(eps0: float, n: int, h: float) -> Any:
+def spread_blanket_pld(eps0: float, n: int, h: float, *, lo: float | None = None) -> Any:
     """One round's PLD on the grid ``h`` by the pessimistic mean-preserving spread (Doroshenko, Ghazi, Kamath,
     Kumar, Manurangsi, "Connect the dots", PETS 2022; :func:`shuffledp.accounting.pld_spread.spread_onto_grid`).
 
@@ -363,78 +445,40 @@ def spread_blanket_pld(eps0: float, n: int, h: float) -> Any:
         eps0: local privacy parameter, > 0.
         n: number of shuffled reports, >= 1.
         h: the grid interval, > 0.
+        lo: the box's lower end (see :func:`blanket_loss_support`); None: the discrete Laplace's.
 
     Returns:
         A symmetric ``PrivacyLossDistribution`` (the pair is symmetric: swapping the inputs maps h to s - h).
     """
+    eps0, n, lo = _checked(eps0, n, lo)
+    h = check_real("h", h, "a finite real number > 0")
+    if not (math.isfinite(h) and h > 0.0):
+        raise ValueError(f"h must be a finite real number > 0, got {h!r}")
+    return _spread_pld(eps0, n, h, lo)
+
+
+@functools.lru_cache(maxsize=32)
+def _spread_pld(eps0: float, n: int, h: float, lo: float | None) -> Any:
     from shuffledp.accounting import pld_spread as ps
 
-    losses, probs, infinity = blanket_loss_support(eps0, n)
-    extent = _support_extent(eps0, n)
-    if extent is None:  # a loss that is not finite or a mass that is not > 0: the general routine handles it
-        dense = ps.spread_onto_grid(losses, probs, infinity, h)
-    else:
-        dense = _spread_in_chunks(losses, probs, infinity, h, extent)
-    return ps.to_pld(dense, h, pessimistic=True)
+    return ps.to_pld(_spread_dense(eps0, n, h, lo), h, pessimistic=True)
 
 
-#: Support points per chunk of :func:`_spread_in_chunks` (buffers stay in cache, no fresh arrays of the support's size).
-_SPREAD_CHUNK = 1 << 16
+def _spread_dense(eps0: float, n: int, h: float, lo: float | None) -> tuple[int, np.ndarray, float]:
+    """The spread onto the grid ``h`` as ``(lower, probs, infinity_mass)``, chunk by chunk (one pass)."""
+    _, extent, infinity = _summary(eps0, n, lo)
+    return ls.spread(_chunks(eps0, n, lo), infinity, h, extent)
 
 
-@functools.lru_cache(maxsize=16)
-def _support_extent(eps0: float, n: int) -> tuple[float, float] | None:
-    """``(smallest, largest)`` loss of :func:`blanket_loss_support` when every loss is finite and every mass finite
-    and > 0 (then :func:`shuffledp.accounting.pld_spread.spread_onto_grid` keeps every point as it is), else None."""
-    losses, probs, _ = blanket_loss_support(eps0, n)
-    if losses.size == 0 or not (np.all(np.isfinite(losses)) and np.all(np.isfinite(probs)) and np.all(probs > 0.0)):
-        return None
-    return float(losses.min()), float(losses.max())
-
-
-def _spread_in_chunks(
-    losses: np.ndarray, probs: np.ndarray, infinity: float, h: float, extent: tuple[float, float]
-) -> tuple[int, np.ndarray, float]:
-    """:func:`shuffledp.accounting.pld_spread.spread_onto_grid` for a support of finite losses and positive masses,
-    bit for bit (the same operations on every point, the masses added to the grid in the same order), a chunk
-    at a time.
-
-    ``floor(l / h)`` is non-decreasing in ``l`` (correctly rounded division), so its extremes are those of the
-    extreme losses. ``np.add.at`` adds the points in their order, as ``np.bincount`` does.
-
-    Returns:
-        ``(lower, probs, infinity_mass)`` on the grid ``h``.
-    """
-    lower = int(math.floor(extent[0] / h))
-    size = int(math.floor(extent[1] / h)) - lower + 2
-    to_lower, to_upper = np.zeros(size), np.zeros(size)
-    scale = math.expm1(-h)
-    shift = float(lower)
-    buf_k, buf_d, buf_up, buf_w = (np.empty(_SPREAD_CHUNK) for _ in range(4))
-    buf_i = np.empty(_SPREAD_CHUNK, dtype=np.int64)
-    for start in range(0, losses.size, _SPREAD_CHUNK):
-        lc, pc = losses[start : start + _SPREAD_CHUNK], probs[start : start + _SPREAD_CHUNK]
-        m = lc.size
-        k, d, up, w, idx = buf_k[:m], buf_d[:m], buf_up[:m], buf_w[:m], buf_i[:m]
-        np.floor(np.divide(lc, h, out=k), out=k)  # k = floor(l / h)
-        np.clip(np.subtract(lc, np.multiply(k, h, out=d), out=d), 0.0, h, out=d)  # d = clip(l - k h, 0, h)
-        np.divide(np.expm1(np.negative(d, out=d), out=d), scale, out=d)
-        np.multiply(pc, d, out=up)  # up = p expm1(-d) / expm1(-h)
-        idx[...] = np.subtract(k, shift, out=k)  # (k - lower) as int64
-        np.add.at(to_lower, idx, np.subtract(pc, up, out=w))
-        idx += 1
-        np.add.at(to_upper, idx, up)
-    return lower, to_lower + to_upper, float(infinity) + 0.0
-
-
-def composed_blanket_pld(items: list[tuple[int, float, int]]) -> tuple[Any, float]:
-    """Groups ``(n, eps0, count)`` of rounds composed on one grid (FFT powers, :func:`..pld.compose`).
+def composed_blanket_pld(items: list[tuple[Any, ...]]) -> tuple[Any, float]:
+    """Groups ``(n, eps0, count)`` or ``(n, eps0, count, lo)`` of rounds composed on one grid (FFT powers,
+    :func:`..pld.compose`); ``lo`` absent or None: the discrete Laplace's box.
 
     The grid interval is chosen as for the clone pairs (:func:`shuffledp.accounting.clone_spread.spread_interval`,
     which refuses a grid too coarse for its error target).
 
     Args:
-        items: ``(n, eps0, count)`` per group.
+        items: ``(n, eps0, count)`` or ``(n, eps0, count, lo)`` per group.
 
     Returns:
         ``(composed PLD, interval)``.
@@ -442,8 +486,14 @@ def composed_blanket_pld(items: list[tuple[int, float, int]]) -> tuple[Any, floa
     from shuffledp.accounting import pld as _pld
     from shuffledp.accounting.clone_spread import spread_interval
 
-    moments = [(*blanket_loss_moments(eps0, n), count) for n, eps0, count in items]
-    total = sum(count for _, _, count in items)
-    h = spread_interval(moments, f"blanket-laplace, {total} rounds in {len(items)} group(s)")
-    plds = [(spread_blanket_pld(eps0, n, h), count) for n, eps0, count in items]
+    groups = []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) not in (3, 4):
+            raise TypeError(f"each item must be a tuple (n, eps0, count) or (n, eps0, count, lo), got {item!r}")
+        eps0, n, lo = _checked(item[1], item[0], item[3] if len(item) == 4 else None)
+        groups.append((eps0, n, lo, check_rounds(item[2], "count")))
+    moments = [(*_summary(eps0, n, lo)[0], count) for eps0, n, lo, count in groups]
+    total = sum(count for *_, count in groups)
+    h = spread_interval(moments, f"blanket-laplace, {total} rounds in {len(groups)} group(s)")
+    plds = [(_spread_pld(eps0, n, h, lo), count) for eps0, n, lo, count in groups]
     return _pld.compose(plds), h

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from shuffledp.accounting import blanket, bounds, clones
+from shuffledp.accounting import blanket, bounds, clones, loss_stream
 from shuffledp.accounting.cli import main as cli_main
 
 #: Output range [-R, R] per coordinate of the exact enumerations; outside it the brute force drops mass, so its
@@ -157,23 +157,105 @@ def test_cli_states_the_restriction(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(("eps0", "n"), [(3.4434, 1437), (1.0, 200)])
-def test_chunked_spread_is_the_general_spread_bit_for_bit(eps0: float, n: int) -> None:
+def test_streamed_spread_is_the_general_spread_bit_for_bit(eps0: float, n: int) -> None:
     from shuffledp.accounting import pld_spread
 
     losses, probs, infinity = blanket.blanket_loss_support(eps0, n)
-    extent = blanket._support_extent(eps0, n)
-    assert extent is not None
+    extent = (float(losses.min()), float(losses.max()))
+    assert blanket._summary(eps0, n, None)[1:] == (extent, infinity)
     for h in (2.71e-5, 3.25e-4, 0.0137):
-        lower, dense, inf = blanket._spread_in_chunks(losses, probs, infinity, h, extent)
         ref_lower, ref_dense, ref_inf = pld_spread.spread_onto_grid(losses, probs, infinity, h)
-        assert (lower, inf) == (ref_lower, ref_inf)
-        assert np.array_equal(dense, ref_dense)
+        for lower, dense, inf in (blanket._spread_dense(eps0, n, h, None),
+                                  loss_stream.spread([(losses, probs)], infinity, h, extent)):
+            assert (lower, inf) == (ref_lower, ref_inf)
+            assert np.array_equal(dense, ref_dense)
 
 
-def test_cached_moments_are_the_computed_ones() -> None:
+def test_moments_of_the_chunks_are_those_of_the_support() -> None:
+    """Chunk statistics merged (Chan et al.) against the whole support's two-pass moments: round-off apart."""
     losses, probs, _ = blanket.blanket_loss_support(2.0, 500)
     tot = float(probs.sum())
     mean = float(np.dot(losses, probs) / tot)
     sd = math.sqrt(max(float(np.dot((losses - mean) ** 2, probs) / tot), 0.0))
-    assert blanket.blanket_loss_moments(2.0, 500) == (mean, sd)
-    assert blanket.blanket_loss_moments(2.0, 500) == (mean, sd)  # the cached value
+    got = blanket.blanket_loss_moments(2.0, 500)
+    assert got[0] == pytest.approx(mean, rel=1e-13) and got[1] == pytest.approx(sd, rel=1e-13)
+    assert blanket.blanket_loss_moments(2.0, 500) == got  # the cached value
+
+
+def _sorted_epsilon(eps0: float, n: int, delta: float) -> float:
+    """The single-round epsilon on the sorted whole support (bisection on suffix sums, then the checked step-up
+    with the direct non-negative sum): the reference the streamed computation must meet."""
+    losses, probs, infinity = blanket.blanket_loss_support(eps0, n)
+    order = np.argsort(losses, kind="stable")
+    losses, probs = losses[order], probs[order]
+    tail_p = np.r_[np.cumsum(probs[::-1])[::-1], 0.0]
+    tail_q = np.r_[np.cumsum((probs * np.exp(-losses))[::-1])[::-1], 0.0]
+
+    def direct(eps: float) -> float:
+        i = int(np.searchsorted(losses, eps, side="right"))
+        return min(1.0, infinity + float(np.dot(probs[i:], -np.expm1(eps - losses[i:]))))
+
+    def fast(eps: float) -> float:
+        i = int(np.searchsorted(losses, eps, side="right"))
+        return infinity + float(tail_p[i]) - math.exp(eps) * float(tail_q[i])
+
+    if direct(0.0) <= delta:
+        return 0.0
+    lo, hi = 0.0, float(losses[-1])
+    while hi - lo > 0.25 * blanket.BLANKET_EPSILON_RTOL * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if fast(mid) <= delta else (mid, hi)
+    while direct(hi) > delta:
+        hi += 0.25 * blanket.BLANKET_EPSILON_RTOL * hi
+    return hi
+
+
+@pytest.mark.parametrize(("eps0", "n"), [(0.5, 50), (2.0, 500), (3.4434, 1437), (6.0, 5000)])
+def test_streamed_single_round_is_the_sorted_one(eps0: float, n: int) -> None:
+    """Bins, then one bin's points: epsilon within BLANKET_EPSILON_RTOL of the sorted support's, delta within
+    round-off of its direct sum (the support is 1e4 to 3e6 points here)."""
+    losses, probs, infinity = blanket.blanket_loss_support(eps0, n)
+    for delta in (1e-5, 1e-8, 1e-10):
+        got, ref = blanket.blanket_epsilon(eps0, n, delta), _sorted_epsilon(eps0, n, delta)
+        assert abs(got - ref) <= blanket.BLANKET_EPSILON_RTOL * ref
+        assert blanket.blanket_delta(eps0, n, got) <= delta
+        for eps in (0.0, 0.5 * got, got, 1.7 * got):
+            above = losses > eps
+            direct = infinity + float(np.dot(probs[above], -np.expm1(eps - losses[above])))
+            assert blanket.blanket_delta(eps0, n, eps) == pytest.approx(direct, rel=1e-12, abs=1e-300)
+
+
+def test_bins_split_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few bins and a small cap force splits (two levels and more): the same values."""
+    eps0, n = 2.0, 500
+    want = [(blanket.blanket_epsilon(eps0, n, d), blanket.blanket_delta(eps0, n, 0.3)) for d in (1e-6, 1e-9)]
+    blanket._scan.cache_clear()
+    monkeypatch.setattr(loss_stream, "BINS", 16)
+    monkeypatch.setattr(loss_stream, "BIN_POINTS", 40)
+    try:
+        got = [(blanket.blanket_epsilon(eps0, n, d), blanket.blanket_delta(eps0, n, 0.3)) for d in (1e-6, 1e-9)]
+    finally:
+        blanket._scan.cache_clear()
+    for (e_want, d_want), (e_got, d_got) in zip(want, got):
+        assert abs(e_got - e_want) <= blanket.BLANKET_EPSILON_RTOL * e_want
+        assert d_got == pytest.approx(d_want, rel=1e-12)
+
+
+def test_the_support_is_never_held() -> None:
+    """Single round and composition at n = 500, eps0 = 2 (2.8 M support points, 44 MB as two arrays): the traced
+    peak stays well below that (rows, bins, grid, one chunk's temporaries; about 15 MB, most of it the PLD's)."""
+    import tracemalloc
+
+    eps0, n = 2.0, 500
+    blanket.composed_blanket_pld([(50, eps0, 3)])  # the imports, outside the trace
+    for cached in (blanket._blocks, blanket._scan, blanket._summary, blanket._spread_pld):
+        cached.cache_clear()
+    tracemalloc.start()
+    try:
+        blanket.blanket_epsilon(eps0, n, 1e-6)
+        single, _ = tracemalloc.get_traced_memory()[1], tracemalloc.reset_peak()
+        blanket.composed_blanket_pld([(n, eps0, 3)])
+        composed = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert single < 8 * 2**20 and composed < 24 * 2**20, (single, composed)
