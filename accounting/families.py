@@ -53,6 +53,10 @@ The families (kind in brackets):
   stronger clone pair, so the numbers are those of ``clones``, rigorous for this mechanism without SODA 2023
   Lemma 3.5 (:class:`~shuffledp.accounting.families_pld.BlanketDuchiFamily`). Valid only for reports of that
   mechanism.
+* ``blanket-privunit2`` [upper, mechanism-aware]: the privacy blanket of the project's PrivUnit2, whose eps0 split
+  depends on eps0 alone: likelihood ratios in the d-free box [L, e^{eps0} L], L = (1 + e^{-2 eps0/3}) /
+  (1 + e^{eps0/3}) (:mod:`shuffledp.accounting.privunit_box`), the same corner pair and composition as
+  ``blanket-laplace``. Valid only for reports of that mechanism.
 
 The run config's ``accounting-family = "auto"`` picks, by the run's mechanism, the tightest upper family that is
 rigorous for it (:data:`AUTO_FAMILIES`, :func:`resolve_family`).
@@ -83,6 +87,7 @@ from shuffledp.accounting.families_pld import (
     FMT_DELTA_FRACTIONS,
     BlanketDuchiFamily,
     BlanketLaplaceFamily,
+    BlanketPrivUnit2Family,
     CloneFamily,
     FmtFamily,
     NoShuffleFamily,
@@ -129,6 +134,7 @@ REGISTRY: Mapping[str, Family] = {
         CanonicalGdpFamily(),
         NoShuffleFamily(),
         BlanketLaplaceFamily(),
+        BlanketPrivUnit2Family(),
         BlanketDuchiFamily(),
     )
 }
@@ -155,11 +161,11 @@ AUTO_FAMILY = "auto"
 #: What ``auto`` resolves to, per mechanism (:data:`shuffledp.clients.mechanism.MECHANISMS`): the tightest upper
 #: family that is rigorous for that mechanism without the withdrawn general proof of FMT SODA 2023 Lemma 3.5.
 #: ``laplace``: its privacy blanket (Balle et al., CRYPTO 2019); ``duchi``: its blanket, the stronger clone pair;
-#: ``privunit2``: the FOCS 2021 clone pair (Feldman, McMillan, Talwar, Thm 3.1), valid for any eps0-LDP randomizer.
+#: ``privunit2``: its blanket, the box of its eps0 split (:mod:`shuffledp.accounting.privunit_box`).
 AUTO_FAMILIES: Mapping[str, str] = {
     "laplace": "blanket-laplace",
     "duchi": "blanket-duchi",
-    "privunit2": "clones-focs",
+    "privunit2": "blanket-privunit2",
 }
 
 
@@ -172,7 +178,7 @@ def resolve_family(family: str, mechanism: str) -> str:
 
     Returns:
         ``family`` unchanged unless it is ``"auto"``; then ``AUTO_FAMILIES[mechanism]`` (blanket-laplace,
-        blanket-duchi or clones-focs; see :data:`AUTO_FAMILIES` for why each is rigorous).
+        blanket-duchi or blanket-privunit2; see :data:`AUTO_FAMILIES` for why each is rigorous).
 
     Raises:
         ValueError: ``family`` is ``"auto"`` and ``mechanism`` has no default (the message lists those that do).

@@ -1,5 +1,5 @@
 """The families composed through privacy loss distributions: the clone pairs (``clones``, ``clones-focs``,
-``blanket-duchi``), ``fmt``, ``rr-lower``, ``no-shuffle`` and ``blanket-laplace``.
+``blanket-duchi``), ``fmt``, ``rr-lower``, ``no-shuffle``, ``blanket-laplace`` and ``blanket-privunit2``.
 
 Sources: Feldman, McMillan, Talwar, "Hiding among the clones", FOCS 2021, and "Stronger privacy amplification by
 shuffling for Renyi and approximate differential privacy", SODA 2023; Wang, Su, Ye, Shokri, Su, "Unified
@@ -22,6 +22,7 @@ __all__ = [
     "RrLowerFamily",
     "NoShuffleFamily",
     "BlanketLaplaceFamily",
+    "BlanketPrivUnit2Family",
     "BlanketDuchiFamily",
     "FMT_DELTA_FRACTIONS",
     "DELTA_SEARCH_RTOL",
@@ -324,6 +325,11 @@ class BlanketLaplaceFamily(Family):
         "projection, discrete Laplace of scale 2C/eps0) at this eps0, in any dimension d, for any clip C and grid; "
         "not other eps0-LDP randomizers")
 
+    def _box(self, eps0: float) -> tuple[float, float | None]:
+        """The blanket pair's ``(eps0, lo)`` for reports at ``eps0``: the box ``[lo, e^eps0 lo]`` of their
+        likelihood ratios, lo None for the discrete Laplace's ``e^{-eps0/2}``."""
+        return eps0, None
+
     def _details(self, **extra: Any) -> Details:
         return {"mechanism": self.mechanism, "restriction": self.restriction, **extra}
 
@@ -331,9 +337,10 @@ class BlanketLaplaceFamily(Family):
         """Exact on the dominating pair for one round; pessimistic PLD composition for several."""
         from shuffledp.accounting import blanket
 
+        e, lo = self._box(eps0)
         if rounds == 1:
-            return blanket.blanket_epsilon(eps0, n, delta), self._details(method="exact on the dominating pair")
-        composed, interval = blanket.composed_blanket_pld([(n, eps0, rounds)])
+            return blanket.blanket_epsilon(e, n, delta, lo=lo), self._details(method="exact on the dominating pair")
+        composed, interval = blanket.composed_blanket_pld([(n, e, rounds, lo)])
         value = _comp().pld_epsilon(composed, delta)
         return value, self._details(method="pld", discretisation=_SPREAD, interval=interval)
 
@@ -341,9 +348,10 @@ class BlanketLaplaceFamily(Family):
         """Exact on the dominating pair for one round; pessimistic PLD composition for several."""
         from shuffledp.accounting import blanket
 
+        e, lo = self._box(eps0)
         if rounds == 1:
-            return blanket.blanket_delta(eps0, n, epsilon), self._details(method="exact on the dominating pair")
-        composed, interval = blanket.composed_blanket_pld([(n, eps0, rounds)])
+            return blanket.blanket_delta(e, n, epsilon, lo=lo), self._details(method="exact on the dominating pair")
+        composed, interval = blanket.composed_blanket_pld([(n, e, rounds, lo)])
         value = float(_pld().delta_for_epsilon(composed, epsilon))
         return value, self._details(method="pld", discretisation=_SPREAD, interval=interval)
 
@@ -353,9 +361,35 @@ class BlanketLaplaceFamily(Family):
         """The groups' PLDs on one grid, composed (see :meth:`Family.heterogeneous_epsilon`)."""
         from shuffledp.accounting import blanket
 
-        composed, interval = blanket.composed_blanket_pld(list(items))
+        boxes = [(n, self._box(eps0), count) for n, eps0, count in items]
+        composed, interval = blanket.composed_blanket_pld([(n, e, count, lo) for n, (e, lo), count in boxes])
         value = _comp().pld_epsilon(composed, delta)
         return value, self._details(method="pld", discretisation=_SPREAD, interval=interval)
+
+
+class BlanketPrivUnit2Family(BlanketLaplaceFamily):
+    """``blanket-privunit2``: the privacy blanket (Balle, Bell, Gascon, Nissim, CRYPTO 2019) of the project's
+    PrivUnit2 (Bhowmick, Duchi, Freudiger, Kapoor, Rogers 2018; :class:`shuffledp.clients.privunit.
+    PrivUnit2Mechanism`). Its eps0 split depends on eps0 alone, so every report's likelihood ratio against the
+    uniform law on the sphere lies in the d-free box ``[lo, e^log_ratio lo]`` of
+    :func:`shuffledp.accounting.privunit_box.privunit_blanket_box` (``lo`` about ``(1 + e^{-2 eps0/3}) /
+    (1 + e^{eps0/3})``, widened by a relative 1e-9), every report has blanket mass ``lo``, and the corner pair of
+    that box (:mod:`shuffledp.accounting.blanket`, evaluated at ``log_ratio`` and ``lo``) dominates the shuffled
+    output. The box grows with eps0, so rounds may be bucketed to a larger eps0. An upper bound for reports of that
+    mechanism only (any d and L2 clip); not for any other eps0-LDP randomizer."""
+
+    name = "blanket-privunit2"
+    mechanism = "privunit2"
+    restriction = (
+        "reports of the project's PrivUnit2 (PrivUnit2Mechanism: L2 clip, the eps0 split of privunit_split, "
+        "eps_cap = 2 eps0/3) at this eps0, in any dimension d and for any clip C; not other eps0-LDP randomizers")
+
+    def _box(self, eps0: float) -> tuple[float, float | None]:
+        """``(log_ratio, lo)`` of :func:`shuffledp.accounting.privunit_box.privunit_blanket_box`."""
+        from shuffledp.accounting.privunit_box import privunit_blanket_box
+
+        lo, log_ratio = privunit_blanket_box(eps0)
+        return log_ratio, lo
 
 
 # ---------------------------------------------------------------------------------------------------------

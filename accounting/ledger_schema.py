@@ -207,8 +207,9 @@ def _check_real(name: str, value: Any, *, low: float, high: float | None = None)
 
 #: How a round's mechanism label starts for each randomizer a mechanism-aware family covers (the server writes
 #: ``discrete-laplace-l1(d=...,C=...,eps0=...,report=...)`` for the project's discrete Laplace randomizer and
-#: ``duchi-l2(d=...,C=...,eps0=...,report=...)`` for its Duchi et al. mechanism).
-MECHANISM_LABEL_PREFIXES = {"laplace": "discrete-laplace", "duchi": "duchi-l2("}
+#: ``duchi-l2(d=...,C=...,eps0=...,report=...)`` for its Duchi et al. mechanism,
+#: ``privunit2-l2(d=...,C=...,eps0=...,p=...,gamma=...,report=...)`` for its PrivUnit2).
+MECHANISM_LABEL_PREFIXES = {"laplace": "discrete-laplace", "duchi": "duchi-l2(", "privunit2": "privunit2-l2("}
 
 
 def _check_family_mechanism(default_family: str, mechanism: str) -> None:

@@ -36,7 +36,7 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from shuffledp.accounting.validation import check_real
+from shuffledp.accounting.validation import check_eps0, check_real
 
 __all__ = [
     "PRIVUNIT_MIN_EPS0",
@@ -106,7 +106,11 @@ def privunit_split(eps0: float) -> tuple[float, float]:
         TypeError: ``eps0`` is not a real number. ValueError: it is outside the range above (the message says
             why a smaller one is refused).
     """
-    eps = _check(eps0)
+    return _split(_check(eps0))
+
+
+def _split(eps: float) -> tuple[float, float]:
+    """:func:`privunit_split` without the clients' range check (``eps`` a float > 0)."""
     eps_cap = min(CAP_SHARE * eps, EPS_CAP_MAX)
     eps_p = eps - eps_cap
     while Fraction(eps_p) + Fraction(eps_cap) > Fraction(eps):  # at most one step: the difference errs by 1/2 ulp
@@ -119,8 +123,13 @@ def privunit_blanket_box(eps0: float) -> tuple[float, float]:
     on the sphere, for every dimension, at the split of :func:`privunit_split` (module docstring; Bhowmick et al.
     2018 for the densities, Balle, Bell, Gascon, Nissim, CRYPTO 2019 for the blanket they give).
 
+    The box is defined on the accounting's whole range of eps0, wider than the range the clients accept
+    (:data:`PRIVUNIT_MIN_EPS0`, :data:`PRIVUNIT_MAX_EPS0`): a calibration searches eps0 from 0.001, and no client
+    ever reports at an eps0 outside its range, so the values there bound nothing that exists but stay correct for
+    the split's formula.
+
     Args:
-        eps0: the local epsilon, in [:data:`PRIVUNIT_MIN_EPS0`, :data:`PRIVUNIT_MAX_EPS0`].
+        eps0: the local epsilon, in (0, ``EPS0_MAX``] (the accounting's range).
 
     Returns:
         ``(lo, log_ratio)``: ``lo = L(eps0) (1 - BOX_SLACK)`` with ``L = (1 + e^-eps_cap) / (1 + e^eps_p)``, the
@@ -128,10 +137,10 @@ def privunit_blanket_box(eps0: float) -> tuple[float, float]:
         ``lo e^log_ratio`` does not decrease as eps0 grows.
 
     Raises:
-        TypeError, ValueError: as :func:`privunit_split`.
+        TypeError, ValueError: ``eps0`` not a real number in (0, ``EPS0_MAX``].
     """
-    eps = _check(eps0)
-    eps_p, eps_cap = privunit_split(eps)
+    eps = check_eps0(eps0)
+    eps_p, eps_cap = _split(eps)
     # log L = log(1 + e^-eps_cap) - log(1 + e^eps_p), the second as eps_p + log(1 + e^-eps_p) (no overflow)
     log_l = math.log1p(math.exp(-eps_cap)) - eps_p - math.log1p(math.exp(-eps_p))
     return math.exp(log_l) * (1.0 - BOX_SLACK), eps + 2.0 * BOX_SLACK

@@ -260,9 +260,9 @@ def _accounting_families() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _check_mechanism_families(mechanism: str, families: tuple[str, ...]) -> None:
-    """A mechanism-aware family (``blanket-laplace``, ``blanket-duchi``) bounds only the reports of its own
-    randomizer: refuse it (as the budget family or as a comparison) when the run's clients use another
-    ``mechanism``."""
+    """A mechanism-aware family (``blanket-laplace``, ``blanket-duchi``, ``blanket-privunit2``) bounds only the
+    reports of its own randomizer: refuse it (as the budget family or as a comparison) when the run's clients use
+    another ``mechanism``."""
     from shuffledp.accounting.families import FAMILY_MECHANISMS
 
     for name in families:
@@ -276,7 +276,7 @@ def _check_mechanism_families(mechanism: str, families: tuple[str, ...]) -> None
 
 def _budget_family(raw: Mapping[str, Any], mechanism: str, guarantees: tuple[str, ...]) -> str:
     """The run's budget family: ``accounting-family`` as given, or ``"auto"`` resolved by ``mechanism``
-    (laplace -> blanket-laplace, duchi -> blanket-duchi, privunit2 -> clones-focs:
+    (laplace -> blanket-laplace, duchi -> blanket-duchi, privunit2 -> blanket-privunit2:
     :data:`shuffledp.accounting.families.AUTO_FAMILIES`, each rigorous for its mechanism without the withdrawn
     general proof of Feldman, McMillan, Talwar, SODA 2023, Lemma 3.5).
 

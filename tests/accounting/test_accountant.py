@@ -61,7 +61,7 @@ def test_shuffle_round_from_dict_refuses_unknown_keys() -> None:
 # -- construction -----------------------------------------------------------------------------------------------
 def test_guarantee_families_are_exactly_the_upper_bound_families() -> None:
     assert set(GUARANTEE_FAMILIES) == {"clones", "clones-focs", "girgis", "fmt", "no-shuffle", "blanket-laplace",
-                                       "blanket-duchi"}
+                                       "blanket-privunit2", "blanket-duchi"}
 
 
 @pytest.mark.parametrize(

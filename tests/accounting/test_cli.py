@@ -21,7 +21,7 @@ from shuffledp.accounting.ledger import Ledger
 
 EXPECTED_FAMILIES = (
     "clones", "clones-focs", "ccg-gdp", "ccg-rdp", "girgis", "fmt", "rr-lower", "canonical-gdp", "no-shuffle",
-    "blanket-laplace", "blanket-duchi",
+    "blanket-laplace", "blanket-privunit2", "blanket-duchi",
 )
 
 

@@ -122,9 +122,26 @@ def test_the_split_spends_at_most_eps0(eps0: float) -> None:
     (True, TypeError, "privunit2's range"), ("1", TypeError, "privunit2's range"),
 ])
 def test_eps0_outside_the_range_is_refused(bad: object, kind: type, words: str) -> None:
-    for call in (privunit_split, privunit_blanket_box):
-        with pytest.raises(kind, match=words):
-            call(bad)
+    with pytest.raises(kind, match=words):
+        privunit_split(bad)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, 100.5, math.nan, math.inf, True, "1"])
+def test_the_box_refuses_an_eps0_outside_the_accounting_range(bad: object) -> None:
+    with pytest.raises((TypeError, ValueError), match="eps0"):
+        privunit_blanket_box(bad)
+
+
+@pytest.mark.parametrize("eps0", [1e-6, 1e-3, 0.005, 70.0, 100.0])
+def test_the_box_outside_the_clients_range_is_the_formula_and_a_valid_blanket_box(eps0: float) -> None:
+    """A calibration searches eps0 from 0.001: the box answers there (no client reports there), still the split's
+    formula, and a box the blanket pair accepts (lo >= 2 / (e^log_ratio + 1), lo < 1)."""
+    lo, log_ratio = privunit_blanket_box(eps0)
+    eps_cap = min(CAP_SHARE * eps0, EPS_CAP_MAX)
+    eps_p = eps0 - eps_cap
+    expected = (1 + math.exp(-eps_cap)) / (1 + math.exp(eps_p))
+    assert lo == pytest.approx(expected, rel=2 * BOX_SLACK) and lo < expected
+    assert 2.0 / (math.exp(log_ratio) + 1.0) <= lo < 1.0
 
 
 def test_the_client_refuses_a_too_small_eps0_when_built() -> None:

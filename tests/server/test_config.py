@@ -45,7 +45,7 @@ def test_default_family_is_removed_from_comparisons() -> None:
 
 
 @pytest.mark.parametrize(("mechanism", "family"), [
-    ("laplace", "blanket-laplace"), ("duchi", "blanket-duchi"), ("privunit2", "clones-focs"),
+    ("laplace", "blanket-laplace"), ("duchi", "blanket-duchi"), ("privunit2", "blanket-privunit2"),
 ])
 def test_auto_resolves_by_mechanism_and_the_resolved_name_is_recorded(mechanism: str, family: str) -> None:
     cfg = parse_run_config({"mechanism": mechanism, "clip-l2": 1.0})

@@ -31,7 +31,7 @@ def test_the_plan_is_the_largest_eps0_within_the_target(tmp_path: Path, keys: An
         plan_from_target(kit.make_config(tmp_path, keys, **{"target-epsilon": 1e-9}))
 
 
-@pytest.mark.parametrize(("mechanism", "family"), [("duchi", "blanket-duchi"), ("privunit2", "clones-focs")])
+@pytest.mark.parametrize(("mechanism", "family"), [("duchi", "blanket-duchi"), ("privunit2", "blanket-privunit2")])
 def test_the_plan_uses_the_mechanisms_resolved_family(tmp_path: Path, keys: Any, kit: Any, mechanism: str,
                                                       family: str) -> None:
     cfg = kit.make_config(tmp_path, keys, **{"target-epsilon": 3.0, "num-server-rounds": 4, "min-reports": 10,
