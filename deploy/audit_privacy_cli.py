@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=None, help="report dimension (default: 2; 1 with --others same/zero "
                    "is allowed)")
     p.add_argument("--clip", type=float, default=1.0, help="L1 clip radius C (default: 1)")
+    p.add_argument("--log2-grid", type=int, default=None,
+                   help="laplace's grid exponent (default: the clients' grid; e.g. -1: K = 2 steps per C, an "
+                        "instance small enough to compute exactly); not with --end-to-end")
     p.add_argument("--records", type=int, default=10, help="m, for --pipeline broken-per-record (default: 10)")
     p.add_argument("--end-to-end", type=int, default=0, metavar="K",
                    help="also run K rounds (alternating canary inputs) through a real shuffler process per (eps0, n), "
@@ -100,8 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--end-to-end must be >= 0, got {ns.end_to_end}")
         if ns.end_to_end and ns.pipeline != "laplace":
             raise ValueError("--end-to-end runs the real laplace pipeline only")
+        if ns.end_to_end and ns.log2_grid is not None:
+            raise ValueError("--end-to-end runs the clients' default grid (the server decodes only that one); "
+                             "drop --log2-grid")
         dim = ns.dim if ns.dim is not None else 2
-        instances = [AuditInstance(e, n, clip=ns.clip, dim=dim, others=ns.others) for e in eps0s for n in ns_]
+        instances = [AuditInstance(e, n, clip=ns.clip, dim=dim, others=ns.others, log2_grid=ns.log2_grid)
+                     for e in eps0s for n in ns_]
         pipes = [make_pipeline(ns.pipeline, inst, records=ns.records) for inst in instances]
         for t in rounds:  # every remaining argument, before the (long) runs
             check_audit_args(t, ns.trials, ns.delta, ns.confidence, 0.5)

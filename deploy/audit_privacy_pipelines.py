@@ -62,6 +62,9 @@ class AuditInstance:
         dim: the report's dimension, >= 2 for ``orthogonal`` (coordinates past the second are 0 for everyone and
             carry no information about the canary).
         others: one of :data:`OTHERS`.
+        log2_grid: the laplace randomizer's grid exponent (None: its default for eps0 and C, the grid the clients
+            use; an integer, e.g. -1 for K = 2 grid steps per C, makes the instance small enough to enumerate
+            exactly; the randomizer validates it).
     """
 
     eps0: float
@@ -69,6 +72,7 @@ class AuditInstance:
     clip: float = 1.0
     dim: int = 2
     others: str = "orthogonal"
+    log2_grid: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.eps0, (int, float)) and math.isfinite(self.eps0) and 0 < self.eps0 <= 64):
@@ -82,6 +86,8 @@ class AuditInstance:
         low = 2 if self.others == "orthogonal" else 1
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or not low <= self.dim <= 64:
             raise ValueError(f"dim must be an int in [{low}, 64] for others={self.others!r}, got {self.dim!r}")
+        if self.log2_grid is not None and (isinstance(self.log2_grid, bool) or not isinstance(self.log2_grid, int)):
+            raise ValueError(f"log2_grid must be None (the default grid) or an int, got {self.log2_grid!r}")
 
     def inputs(self) -> dict[str, np.ndarray]:
         """Returns the real-valued inputs: ``{"a": +C e1, "b": -C e1, "o": the others' input}``."""
@@ -121,7 +127,8 @@ class LaplacePipeline:
 
     def __init__(self, instance: AuditInstance, rng: ChaCha20Rng | None = None) -> None:
         self.instance = instance
-        mech = make_mechanism("laplace", eps0=instance.eps0, clip_l1=instance.clip, rng=rng)
+        mech = make_mechanism("laplace", eps0=instance.eps0, clip_l1=instance.clip, log2_grid=instance.log2_grid,
+                              rng=rng)
         assert isinstance(mech, LaplaceMechanism)
         self.mechanism = mech
         self.randomizer = mech.randomizer

@@ -263,10 +263,19 @@ def test_cli_prints_the_table_and_exit_codes(capsys: pytest.CaptureFixture[str])
                                   ["--delta", "1.5"], ["--confidence", "1"], ["--others", "nope"],
                                   ["--others", "orthogonal", "--dim", "1"], ["--pipeline", "gauss"],
                                   ["--records", "1", "--pipeline", "broken-per-record"],
-                                  ["--end-to-end", "2", "--pipeline", "broken-numpy-float"], ["--rounds", "0"]])
+                                  ["--end-to-end", "2", "--pipeline", "broken-numpy-float"], ["--rounds", "0"],
+                                  ["--end-to-end", "1", "--log2-grid", "-1"], ["--log2-grid", "60"]])
 def test_cli_bad_input_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert privacy_main(argv) == 2
     assert capsys.readouterr().err.strip()
+
+
+def test_cli_log2_grid_sets_the_audited_grid(capsys: pytest.CaptureFixture[str]) -> None:
+    assert privacy_main(["--eps0", "4", "--n", "3", "--others", "same", "--log2-grid", "-1", "--trials", "2000",
+                         "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert row["epsilon_lower"] <= row["references"]["blanket-laplace"]["value"]
+    assert LaplacePipeline(AuditInstance(4.0, 3, dim=1, others="same", log2_grid=-1)).randomizer.radius == 2
 
 
 def test_cli_plot_writes_pngs(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
