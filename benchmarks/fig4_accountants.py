@@ -8,7 +8,8 @@ round protocol (:mod:`shuffledp.deploy.inprocess`: the apps' update, mechanism, 
 Families: ``clones`` (upper; the generic bound whose general proof the SODA 2023 errata withdraw, see
 docs/accounting.md), ``clones-focs`` (upper), ``girgis`` (upper), ``blanket-laplace`` (upper, mechanism-aware: the
 privacy blanket of the project's discrete Laplace randomizer, so it is run for ``laplace`` only; ``blanket-duchi``,
-the same for ``duchi``, whose numbers are those of ``clones``), ``ccg-rdp`` (the seed paper's Corollary 2: a CLT
+the same for ``duchi``, whose numbers are those of ``clones``; ``blanket-privunit2``, the same for ``privunit2`` at
+its eps0 split), ``ccg-rdp`` (the seed paper's Corollary 2: a CLT
 APPROXIMATION, not a bound; it may fall below the exact value) and ``no-shuffle`` (upper, no amplification). The
 seed paper compared accountants at a common RDP level and with noise calibrated to one record's sensitivity
 (2C/m); here each report is eps0-LDP for any input and every family is held to the same (epsilon, delta).
@@ -35,7 +36,8 @@ from shuffledp.accounting.families import FAMILY_MECHANISMS
 from shuffledp.deploy.inprocess import plan_eps0
 from shuffledp.deploy.inprocess_study import Choice, Outcome, Trial, choose, run_trials, spread
 
-FAMILIES = ("clones", "clones-focs", "girgis", "blanket-laplace", "ccg-rdp", "no-shuffle", "blanket-duchi")
+FAMILIES = ("clones", "clones-focs", "girgis", "blanket-laplace", "ccg-rdp", "no-shuffle", "blanket-duchi",
+            "blanket-privunit2")
 LRS = {"laplace": 5.0, "duchi": 5.0, "privunit2": 5.0}
 
 
