@@ -65,20 +65,10 @@ from shuffledp.accounting.core import RefusedError
 from shuffledp.accounting.validation import check_delta, check_eps0, check_epsilon, check_n, check_real, check_rounds
 
 __all__ = [
-    "BLANKET_WINDOW_DROP",
-    "BLANKET_S_BLOCK_RELATIVE_WIDTH",
-    "BLANKET_LAMBDA_CELL",
-    "BLANKET_Z_GROUP_RELATIVE_WIDTH",
-    "BLANKET_EXACT_SUPPORT",
-    "BLANKET_MAX_SUPPORT",
-    "blanket_mass",
-    "blanket_loss_support",
-    "blanket_loss_moments",
-    "blanket_delta",
-    "blanket_epsilon",
-    "spread_blanket_pld",
-    "composed_blanket_pld",
-    "BLANKET_EPSILON_RTOL",
+    "BLANKET_WINDOW_DROP", "BLANKET_S_BLOCK_RELATIVE_WIDTH", "BLANKET_LAMBDA_CELL",
+    "BLANKET_Z_GROUP_RELATIVE_WIDTH", "BLANKET_EXACT_SUPPORT", "BLANKET_MAX_SUPPORT", "BLANKET_MAX_COARSENING",
+    "blanket_mass", "blanket_loss_support", "blanket_loss_moments", "blanket_delta", "blanket_epsilon",
+    "spread_blanket_pld", "composed_blanket_pld", "BLANKET_EPSILON_RTOL"
 ]
 
 #: Log-mass drop that delimits the windows of s, z and h (e^-50 ~ 2e-22 of mass per window goes to infinity).
@@ -93,9 +83,10 @@ BLANKET_Z_GROUP_RELATIVE_WIDTH = 1e-2
 BLANKET_EXACT_SUPPORT = 4_000_000
 #: Relative tolerance of the bisection of the single-round epsilon (the value is rounded up).
 BLANKET_EPSILON_RTOL = 1e-12
-#: Largest number of support points the single-round loss distribution may have (each pass over the support takes
-#: about 50 ns per point; the memory does not grow with it).
+#: Largest number of support points of one round's loss distribution (a pass takes about 50 ns per point; memory
+#: does not grow with it); beyond, blocks and cells are widened, at most BLANKET_MAX_COARSENING (a power of 2) times.
 BLANKET_MAX_SUPPORT = 40_000_000
+BLANKET_MAX_COARSENING = 16
 
 #: Support points per generated chunk (at least one row of h).
 _CHUNK = 1 << 16
@@ -189,8 +180,10 @@ def _z_law(n: int, s: int, p: dict[str, float]) -> tuple[np.ndarray, np.ndarray,
     return z, law, cut
 
 
-def _rows(n: int, p: dict[str, float], exact_z: bool) -> tuple[list[tuple[int, np.ndarray, np.ndarray]], float]:
-    """Blocks of s with their representative rows ``(s0, 1 - lam per row, weight per row)``, and the cut weight.
+def _rows(n: int, p: dict[str, float], exact_z: bool,
+          scale: int = 1) -> tuple[list[tuple[int, np.ndarray, np.ndarray]], float]:
+    """Blocks of s with their representative rows ``(s0, 1 - lam per row, weight per row)``, and the cut weight;
+    ``scale`` multiplies the relative widths of the blocks of s and of the cells of lam.
 
     Pessimistic throughout (docs/accounting.md): a block of s uses its smallest s; the z-law of a group of
     blocks is the one at the group's largest s (stochastically the smallest z: fewer trials, flatter tilt), so
@@ -203,7 +196,7 @@ def _rows(n: int, p: dict[str, float], exact_z: bool) -> tuple[list[tuple[int, n
     # weight of s outside the window: E[z + s (e+1)/2 | s] / n = ((n - s) rho' + s (e+1)/2) / n
     infinity = _tilted_tails(n, p["log_2pi"], p["log_1m2pi"], s_lo, s_hi, rho_c, e_half - rho_c) / n
     w_s = np.exp(binom_logpmf(s_all, n, p["log_2pi"], p["log_1m2pi"])) * ((n - s_all) * rho_c + s_all * e_half) / n
-    width = max(1, int(math.floor(BLANKET_S_BLOCK_RELATIVE_WIDTH * max(1, s_hi))))
+    width = max(1, int(math.floor(BLANKET_S_BLOCK_RELATIVE_WIDTH * scale * max(1, s_hi))))
     group = max(width, int(math.floor(BLANKET_Z_GROUP_RELATIVE_WIDTH * max(1, s_hi))) // width * width)
     blocks = []
     for g_start in range(0, s_all.size, group):
@@ -223,7 +216,7 @@ def _rows(n: int, p: dict[str, float], exact_z: bool) -> tuple[list[tuple[int, n
             if exact_z:
                 blocks.append((s0, r_of_z, weight * law))
                 continue
-            cell = np.floor(np.log(r_of_z) / math.log1p(BLANKET_LAMBDA_CELL)).astype(np.int64)
+            cell = np.floor(np.log(r_of_z) / math.log1p(BLANKET_LAMBDA_CELL * scale)).astype(np.int64)
             starts = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]])
             blocks.append((s0, r_of_z[starts], weight * np.add.reduceat(law, starts)))
     return blocks, infinity
@@ -257,19 +250,22 @@ _ROWS_KEPT = 8
 def _blocks(eps0: float, n: int, lo: float | None) -> tuple[tuple[_Block, ...], float]:
     """The blocks of rows of the support (block by block, rows of positive weight) and its infinity mass.
 
-    Raises:
-        RefusedError: the support would exceed :data:`BLANKET_MAX_SUPPORT` points.
+    Beyond :data:`BLANKET_MAX_SUPPORT` points, blocks and cells are widened by powers of 2 (pessimistic at any
+    width) up to :data:`BLANKET_MAX_COARSENING`; RefusedError if the support still does not fit.
     """
     p = _params(eps0, lo)
     rows, infinity = _rows(n, p, exact_z=True)
     total = sum(r.size * (2 * _h_half(s0) + 1) for s0, r, _ in rows)
-    if total > BLANKET_EXACT_SUPPORT:  # cells of lam (pessimistic, BLANKET_LAMBDA_CELL) instead of every z
-        rows, infinity = _rows(n, p, exact_z=False)
+    scale = 1
+    while total > BLANKET_EXACT_SUPPORT and (scale == 1 or total > BLANKET_MAX_SUPPORT):
+        if scale > BLANKET_MAX_COARSENING:
+            raise RefusedError(
+                f"blanket pair at n={n}, eps0={eps0} needs {total} support points even with blocks and cells "
+                f"{BLANKET_MAX_COARSENING}x their widths, more than BLANKET_MAX_SUPPORT={BLANKET_MAX_SUPPORT}; no "
+                "bound is reported")
+        rows, infinity = _rows(n, p, exact_z=False, scale=scale)
         total = sum(r.size * (2 * _h_half(s0) + 1) for s0, r, _ in rows)
-    if total > BLANKET_MAX_SUPPORT:
-        raise RefusedError(
-            f"blanket-laplace at n={n}, eps0={eps0} needs {total} support points, more than "
-            f"BLANKET_MAX_SUPPORT={BLANKET_MAX_SUPPORT}; no bound is reported")
+        scale *= 2
     pe = 1.0 - 0.5 * p["one_m_kappa"]  # e/(e+1): the attacked client's corner is H with this probability, given S
     blocks = []
     for s0, r_rows, w_rows in rows:

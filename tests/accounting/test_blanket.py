@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from shuffledp.accounting import blanket, bounds, clones, loss_stream
+from shuffledp.accounting.core import RefusedError
 from shuffledp.accounting.cli import main as cli_main
 
 #: Output range [-R, R] per coordinate of the exact enumerations; outside it the brute force drops mass, so its
@@ -259,3 +260,29 @@ def test_the_support_is_never_held() -> None:
     finally:
         tracemalloc.stop()
     assert single < 8 * 2**20 and composed < 24 * 2**20, (single, composed)
+
+
+def _clear_blanket_caches() -> None:
+    for value in vars(blanket).values():
+        if hasattr(value, "cache_clear"):
+            value.cache_clear()
+
+
+def test_a_support_over_the_limit_is_coarsened_pessimistically(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wider blocks of s and cells of lam (forced here by a limit 40x below the support's size, so the widest
+    blocks) can only raise epsilon, here by under 3%."""
+    exact = blanket.blanket_epsilon(4.0, 1437, 1e-6)
+    _clear_blanket_caches()
+    monkeypatch.setattr(blanket, "BLANKET_EXACT_SUPPORT", 10_000)
+    monkeypatch.setattr(blanket, "BLANKET_MAX_SUPPORT", 150_000)
+    try:
+        coarse = blanket.blanket_epsilon(4.0, 1437, 1e-6)
+        blocks, _ = blanket._blocks(4.0, 1437, None)  # pylint: disable=protected-access
+        assert sum(b.r.size * (2 * blanket._h_half(b.s0) + 1) for b in blocks if b.below is not None) <= 150_000
+        monkeypatch.setattr(blanket, "BLANKET_MAX_SUPPORT", 1_000)
+        _clear_blanket_caches()
+        with pytest.raises(RefusedError, match="support points"):
+            blanket.blanket_epsilon(4.0, 1437, 1e-6)
+    finally:
+        _clear_blanket_caches()
+    assert exact < coarse <= 1.03 * exact
