@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from shuffledp.accounting import blanket, bounds, clones, loss_stream
-from shuffledp.accounting.core import RefusedError
 from shuffledp.accounting.cli import main as cli_main
+from shuffledp.accounting.core import RefusedError
 
 #: Output range [-R, R] per coordinate of the exact enumerations; outside it the brute force drops mass, so its
 #: delta is a lower bound on the instance's exact delta (the comparison stays in the safe direction).
