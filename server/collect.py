@@ -40,6 +40,9 @@ MAX_POLL_PAUSE_SECONDS = 5.0
 FULL_POLL_SECONDS = 10.0
 #: Forward the envelopes collected so far to the shuffler at least this often (or once a packed message is full).
 FLUSH_SECONDS = 1.0
+#: Replies asked for per ``pull_messages`` call, in bytes of envelopes: a grid returns every ready reply among the
+#: ids it is asked about, so a pull's replies are held together; slices keep that O(slice), not O(N x envelope).
+PULL_SLICE_BYTES = 8 << 20
 #: Send a Keepalive on the Submit stream after this long without an envelope (the shuffler's default idle
 #: timeout is 60 s).
 KEEPALIVE_SECONDS = 5.0
@@ -186,6 +189,20 @@ def envelope_of(reply: Any, *, max_bytes: int) -> tuple[bytes | None, str]:
     return envelope, "ok"
 
 
+def pulled(grid: GridLike, ids: Any, per_pull: int) -> Any:
+    """The replies among ``ids``, pulled ``per_pull`` ids at a time: only one pull's replies are held at once.
+
+    Returns:
+        An iterator over the replies, in the grid's order within each pull.
+    """
+    ids = list(ids)
+    for start in range(0, len(ids), per_pull):
+        batch = list(grid.pull_messages(set(ids[start : start + per_pull])))
+        batch.reverse()
+        while batch:  # each reply dropped here once handed out
+            yield batch.pop()
+
+
 def poll_pause(interval: float, poll_seconds: float) -> float:
     """Seconds to wait before the next poll: the grid's ``interval``, or :data:`POLL_COST_RATIO` times what the last
     poll took if that is longer, at most :data:`MAX_POLL_PAUSE_SECONDS` (never less than ``interval``)."""
@@ -235,20 +252,12 @@ def collect_into_stream(grid: GridLike, shuffler: ShufflerLike, cfg: ServerConfi
         pending: list[bytes] = []
         pending_bytes = 0
         next_full = time.monotonic()
+        per_pull = max(1, PULL_SLICE_BYTES // (envelope_length + FIELD_OVERHEAD))
         while outstanding:
             polled = time.monotonic()
             ready = None if polled >= next_full else flower_sim.replied(grid, outstanding)
-            if ready is None:  # a full poll: every outstanding id
-                replies = list(grid.pull_messages(set(outstanding)))
-                took = time.monotonic() - polled
-                pause = poll_pause(interval, took)
-                next_full = time.monotonic() + max(FULL_POLL_SECONDS, POLL_COST_RATIO * took)
-            else:  # only the replied ones (Flower's simulation grid): costs what it returns
-                replies = list(grid.pull_messages(ready)) if ready else []
-                pause = interval
-            replies.reverse()  # popped from the end: arrival order, each reply dropped once its envelope is taken
-            while replies:
-                reply = replies.pop()
+            full = ready is None  # a full poll: every outstanding id; else only the replied ones (simulation)
+            for reply in pulled(grid, list(outstanding) if full else ready, per_pull):
                 slot = str(reply.metadata.reply_to_message_id)
                 if slot not in outstanding:  # not one of ours, or a second reply for a slot: ignore
                     continue
@@ -271,6 +280,12 @@ def collect_into_stream(grid: GridLike, shuffler: ShufflerLike, cfg: ServerConfi
                     stream.send_many(pending)
                     pending, pending_bytes = [], 0
                     last_sent = time.monotonic()
+            if full:
+                took = time.monotonic() - polled
+                pause = poll_pause(interval, took)
+                next_full = time.monotonic() + max(FULL_POLL_SECONDS, POLL_COST_RATIO * took)
+            else:  # costs what it returns
+                pause = interval
             now = time.monotonic()
             if pending and now - last_sent >= FLUSH_SECONDS:
                 stream.send_many(pending)

@@ -327,10 +327,9 @@ class RoundEngine:
         self.store.mark_started(round_id)
         sent_arrays = [np.array(a, copy=True) for a in self.arrays]
         digest = M.arrays_digest(sent_arrays)
-        messages = self._build_messages(sampled, round_id)
-        try:
-            stream = collect_into_stream(self.grid, self.shuffler, self.cfg, self.envelope_length, messages,
-                                         round_id, digest, out)
+        try:  # the messages are built in the call, not kept here: collect drops them once pushed
+            stream = collect_into_stream(self.grid, self.shuffler, self.cfg, self.envelope_length,
+                                         self._build_messages(sampled, round_id), round_id, digest, out)
         except Exception as exc:  # noqa: BLE001 - classified below
             if not is_refusal(exc):
                 raise
