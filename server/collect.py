@@ -189,15 +189,19 @@ def envelope_of(reply: Any, *, max_bytes: int) -> tuple[bytes | None, str]:
     return envelope, "ok"
 
 
-def pulled(grid: GridLike, ids: Any, per_pull: int) -> Any:
+def pulled(grid: GridLike, ids: Any, per_pull: int, spent: list[float] | None = None) -> Any:
     """The replies among ``ids``, pulled ``per_pull`` ids at a time: only one pull's replies are held at once.
+    ``spent[0]``, if given, gains the seconds spent in the pulls themselves (not in handling the replies).
 
     Returns:
         An iterator over the replies, in the grid's order within each pull.
     """
     ids = list(ids)
     for start in range(0, len(ids), per_pull):
+        began = time.monotonic()
         batch = list(grid.pull_messages(set(ids[start : start + per_pull])))
+        if spent is not None:
+            spent[0] += time.monotonic() - began
         batch.reverse()
         while batch:  # each reply dropped here once handed out
             yield batch.pop()
@@ -257,7 +261,8 @@ def collect_into_stream(grid: GridLike, shuffler: ShufflerLike, cfg: ServerConfi
             polled = time.monotonic()
             ready = None if polled >= next_full else flower_sim.replied(grid, outstanding)
             full = ready is None  # a full poll: every outstanding id; else only the replied ones (simulation)
-            for reply in pulled(grid, list(outstanding) if full else ready, per_pull):
+            spent = [0.0]
+            for reply in pulled(grid, list(outstanding) if full else ready, per_pull, spent):
                 slot = str(reply.metadata.reply_to_message_id)
                 if slot not in outstanding:  # not one of ours, or a second reply for a slot: ignore
                     continue
@@ -280,8 +285,8 @@ def collect_into_stream(grid: GridLike, shuffler: ShufflerLike, cfg: ServerConfi
                     stream.send_many(pending)
                     pending, pending_bytes = [], 0
                     last_sent = time.monotonic()
-            if full:
-                took = time.monotonic() - polled
+            if full:  # paced by what the pulls cost, as a poll's cost
+                took = spent[0]
                 pause = poll_pause(interval, took)
                 next_full = time.monotonic() + max(FULL_POLL_SECONDS, POLL_COST_RATIO * took)
             else:  # costs what it returns

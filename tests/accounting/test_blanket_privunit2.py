@@ -8,7 +8,6 @@ stated and the mechanism's ``auto`` resolves to it.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 
@@ -19,6 +18,8 @@ from shuffledp.accounting import blanket, bounds
 from shuffledp.accounting.cli import main as cli_main
 from shuffledp.accounting.families import AUTO_FAMILIES, FAMILY_MECHANISMS, REGISTRY
 from shuffledp.accounting.privunit_box import privunit_blanket_box, privunit_split
+
+from .test_blanket import _hockey, _shuffled  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
 
 #: Float round-off allowed when the family's delta is compared with a delta it must dominate.
 ROUNDOFF = 1e-12
@@ -92,22 +93,9 @@ def _cap_pmf(m: int, cap: tuple[int, ...], p: float) -> np.ndarray:
     return out
 
 
-def _shuffled(pmfs: list[np.ndarray]) -> np.ndarray:
-    """The pmf of the reports in a uniformly random order (a sufficient statistic for the multiset)."""
-    total = None
-    for perm in itertools.permutations(range(len(pmfs))):
-        term = pmfs[perm[0]]
-        for i in perm[1:]:
-            term = np.multiply.outer(term, pmfs[i])
-        total = term if total is None else total + term
-    return total.ravel()
-
-
 def _exact_delta(pmfs_x: list[np.ndarray], pmfs_y: list[np.ndarray], eps: float) -> float:
     p, q = _shuffled(pmfs_x), _shuffled(pmfs_y)
-    scale = sum(p)
-    p, q = p / scale, q / sum(q)
-    return max(float(np.maximum(p - math.exp(eps) * q, 0.0).sum()), float(np.maximum(q - math.exp(eps) * p, 0.0).sum()))
+    return max(_hockey(p, q, eps), _hockey(q, p, eps))
 
 
 @pytest.mark.parametrize(("m", "k", "x", "x_prime", "others"), [
