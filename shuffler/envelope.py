@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import hmac
 import secrets
 import struct
 from collections.abc import Iterable
@@ -71,9 +70,9 @@ import nacl.bindings
 import nacl.exceptions
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
+from shuffledp.shuffler.hpke_open import BaseModeOpener, OpenFailed
 from shuffledp.shuffler.validation import is_int
 
 __all__ = [
@@ -125,29 +124,6 @@ def inner_length_for(envelope_length: int) -> int:
     return envelope_length - (ENVELOPE_OVERHEAD - INNER_OVERHEAD)
 
 _SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
-#: RFC 9180 suite ids of _SUITE: KEM 0x0020 (DHKEM(X25519, HKDF-SHA256)), KDF 0x0001, AEAD 0x0001 (AES-128-GCM)
-_KEM_SUITE_ID = b"KEM\x00\x20"
-_HPKE_SUITE_ID = b"HPKE\x00\x20\x00\x01\x00\x01"
-
-
-def _labeled_extract(suite_id: bytes, salt: bytes, label: bytes, ikm: bytes) -> bytes:
-    """RFC 9180 LabeledExtract with HKDF-SHA256: HMAC(salt or 32 zero bytes, "HPKE-v1" || suite || label || ikm)."""
-    return hmac.digest(salt or bytes(32), b"HPKE-v1" + suite_id + label + ikm, "sha256")
-
-
-def _expand_input(suite_id: bytes, label: bytes, info: bytes, length: int) -> bytes:
-    """The HMAC input of RFC 9180 LabeledExpand with HKDF-SHA256 for ``length`` <= 32 (one HMAC block, keyed with
-    the PRK): ``I2OSP(length, 2) || "HPKE-v1" || suite || label || info || 0x01``."""
-    return struct.pack(">H", length) + b"HPKE-v1" + suite_id + label + info + b"\x01"
-
-
-#: The constant parts of the outer layer's key derivation (:meth:`OuterOpener.decrypt_into`): DHKEM's
-#: ``LabeledExtract("", "eae_prk", dh)`` input before ``dh`` (its salt is 32 zero bytes), ``LabeledExpand(eae_prk,
-#: "shared_secret", enc || pkR, 32)`` input before ``enc || pkR``, and ``LabeledExtract(shared_secret, "secret", "")``
-_ZERO_SALT = bytes(32)
-_EAE_PRK_INPUT = b"HPKE-v1" + _KEM_SUITE_ID + b"eae_prk"
-_SHARED_SECRET_INPUT = struct.pack(">H", 32) + b"HPKE-v1" + _KEM_SUITE_ID + b"shared_secret"
-_SECRET_INPUT = b"HPKE-v1" + _HPKE_SUITE_ID + b"secret"
 _MAX_U32 = 2**32 - 1
 _MAX_U64 = 2**64 - 1
 _SIG_DOMAIN = b"shuffledp/report-signature/v1"
@@ -371,14 +347,8 @@ class OuterOpener:
         self._version = _check_version(version)
         self._bind = binding(key_epoch, round_id, model_digest, version)
         self._info = _outer_info(self._bind)
-        self._pk = private_key.public_key().public_bytes_raw()
-        #: RFC 9180 key_schedule_context of base mode (no PSK) for this info: mode || psk_id_hash || info_hash
-        self._schedule = b"\x00" + _labeled_extract(_HPKE_SUITE_ID, b"", b"psk_id_hash", b"") + _labeled_extract(
-            _HPKE_SUITE_ID, b"", b"info_hash", self._info
-        )
-        #: the key schedule's LabeledExpand inputs for the AEAD key and base nonce (:meth:`decrypt_into`)
-        self._key_input = _expand_input(_HPKE_SUITE_ID, b"key", self._schedule, 16)
-        self._nonce_input = _expand_input(_HPKE_SUITE_ID, b"base_nonce", self._schedule, 12)
+        #: the outer layer's HPKE open into a caller's buffer (:meth:`decrypt_into`)
+        self._hpke = BaseModeOpener(private_key.private_bytes_raw(), self._info)
         #: H of this version (:func:`inner_hash`) and the signed message's prefix (:func:`_signed_message`)
         self._hash = hashlib.sha256 if self._version == 1 else blake3.blake3
         self._signed_prefix = _SIG_DOMAIN + self._bind
@@ -423,12 +393,9 @@ class OuterOpener:
         result's ``inner`` is ``out[OUTER_HEAD_BYTES:]``, its ``outer_plaintext`` a copy of the head (the caller
         may overwrite those bytes). On an :class:`EnvelopeError` ``out`` holds unauthenticated bytes: unusable.
 
-        The outer layer is opened by hand, as RFC 9180 specifies base mode for DHKEM(X25519, HKDF-SHA256),
-        HKDF-SHA256 and AES-128-GCM (Sections 4.1, 5.1, 5.2 and 7.1; single shot, so the nonce is the base
-        nonce, and empty AAD, as ``cryptography``'s HPKE uses): the X25519 shared secret, the key schedule with
-        ``hmac``, then one AES-GCM decryption into ``out`` (``AESGCM.decrypt_into``, which, like the hash,
-        releases the GIL; ``cryptography``'s HPKE holds it throughout). Tests check it against ``cryptography``'s
-        HPKE.
+        The outer layer is opened by :class:`shuffledp.shuffler.hpke_open.BaseModeOpener` (RFC 9180 base mode,
+        written out so that threads opening envelopes overlap; tests check it against ``cryptography``'s HPKE),
+        straight into ``out``.
         """
         self._check_prefix(envelope)
         view = memoryview(envelope)
@@ -437,18 +404,8 @@ class OuterOpener:
             raise ValueError(f"out must be {size} bytes (head and inner ciphertext), got {len(out)}")
         enc = bytes(view[_PREFIX.size : _PREFIX.size + ENC_BYTES])
         try:
-            dh = self._sk.exchange(x25519.X25519PublicKey.from_public_bytes(enc))
-        except ValueError as exc:  # a low-order point: no shared secret (cryptography's HPKE refuses it too)
-            raise EnvelopeError("undecryptable", "outer layer failed HPKE authentication") from exc
-        # LabeledExtract / LabeledExpand with their constant inputs prepared (module and __init__)
-        eae_prk = hmac.digest(_ZERO_SALT, _EAE_PRK_INPUT + dh, "sha256")
-        shared = hmac.digest(eae_prk, _SHARED_SECRET_INPUT + enc + self._pk + b"\x01", "sha256")
-        secret = hmac.digest(shared, _SECRET_INPUT, "sha256")
-        key = hmac.digest(secret, self._key_input, "sha256")[:16]
-        nonce = hmac.digest(secret, self._nonce_input, "sha256")[:12]
-        try:
-            AESGCM(key).decrypt_into(nonce, view[_PREFIX.size + ENC_BYTES :], None, out)
-        except InvalidTag as exc:
+            self._hpke.open_into(enc, view[_PREFIX.size + ENC_BYTES :], out)
+        except OpenFailed as exc:  # a small-order enc, or a tag that does not verify
             raise EnvelopeError("undecryptable", "outer layer failed HPKE authentication") from exc
         inner = out[OUTER_HEAD_BYTES:]
         return DecryptedReport(enc=enc, outer_plaintext=bytes(out[:OUTER_HEAD_BYTES]), inner=inner,
