@@ -194,12 +194,11 @@ class BatchBuilder:
         self._perm = self.draw_permutation(self.header.expected_count)  # allocated lazily
         self._slot_hashes = bytearray(32 * self.header.expected_count)
         # On the memory path with an announced envelope_length (every accepted report then has the slots' length)
-        # envelopes are decrypted straight into their slots (shuffledp.shuffler.opening; on the submitting thread,
-        # in a loop on the benchmark VM, 188 -> 175 us of CPU per 100 KiB report against the HPKE open and a copy,
-        # 725 -> 685 us per 1 MiB report against AES-GCM as a stream, 120 -> 119 us at 256 B): the k-th envelope
-        # that passes the length checks claims slot perm[k] before it is opened, and one that does not open, or
-        # is dropped later, leaves a hole there, squeezed out at seal. Otherwise the k-th accepted report claims
-        # slot perm[k] and is copied in.
+        # envelopes are decrypted straight into their slots (shuffledp.shuffler.opening; the head to a small buffer,
+        # the inner ciphertext into the slot, by AES-GCM as a stream, on the submitting thread or a worker): the k-th
+        # envelope that passes the length checks claims slot perm[k] before it is opened, and one that does not
+        # open, or is dropped later, leaves a hole there, squeezed out at seal. Otherwise the k-th accepted report
+        # claims slot perm[k] and is copied in.
         # Either way the claims are a prefix of perm and which ones are accepted depends on the reports only, so
         # the accepted reports' slots are in a uniformly random relative order. A function of public sizes only.
         self._into_slots = bool(self.in_memory and self.header.envelope_length)

@@ -385,31 +385,31 @@ class OuterOpener:
         if epoch != self._epoch:
             raise EnvelopeError("wrong_epoch", f"envelope key epoch {epoch}; expected {self._epoch}")
 
-    def decrypt_into(self, envelope: bytes | memoryview, out: memoryview) -> "DecryptedReport":
-        """:meth:`decrypt`, with the outer plaintext written into ``out`` (a writable buffer of exactly
-        ``len(envelope) - 53`` bytes: the :data:`OUTER_HEAD_BYTES`-byte head, then the inner ciphertext) and
-        ``H(inner)`` taken at once, while those bytes are in the cache: same format, same checks, for a caller that
-        keeps inner ciphertexts in its own buffer (the shuffler's staging slots, the head just before a slot). The
-        result's ``inner`` is ``out[OUTER_HEAD_BYTES:]``, its ``outer_plaintext`` a copy of the head (the caller
-        may overwrite those bytes). On an :class:`EnvelopeError` ``out`` holds unauthenticated bytes: unusable.
+    def decrypt_into(self, envelope: bytes | memoryview, inner_out: memoryview) -> "DecryptedReport":
+        """:meth:`decrypt`, with the inner ciphertext written into ``inner_out`` (a writable buffer of exactly
+        :func:`inner_length_for` ``(len(envelope))`` bytes, such as the shuffler's staging slot) and ``H(inner)``
+        taken at once, while those bytes are in the cache: same format, same checks, no byte written outside
+        ``inner_out`` and no second copy. The result's ``inner`` is ``inner_out``, its ``outer_plaintext`` the
+        :data:`OUTER_HEAD_BYTES`-byte head. On an :class:`EnvelopeError` ``inner_out`` holds unauthenticated bytes:
+        unusable.
 
         The outer layer is opened by :class:`shuffledp.shuffler.hpke_open.BaseModeOpener` (RFC 9180 base mode,
-        written out so that threads opening envelopes overlap; tests check it against ``cryptography``'s HPKE),
-        straight into ``out``.
+        written out so that threads opening envelopes overlap and the plaintext's two parts go to two places;
+        tests check it against ``cryptography``'s HPKE).
         """
         self._check_prefix(envelope)
         view = memoryview(envelope)
-        size = len(view) - (_PREFIX.size + ENC_BYTES + _TAG_BYTES)
-        if len(out) != size:
-            raise ValueError(f"out must be {size} bytes (head and inner ciphertext), got {len(out)}")
+        size = inner_length_for(len(view))
+        if len(inner_out) != size:
+            raise ValueError(f"inner_out must be {size} bytes (the inner ciphertext), got {len(inner_out)}")
         enc = bytes(view[_PREFIX.size : _PREFIX.size + ENC_BYTES])
+        head = bytearray(OUTER_HEAD_BYTES)
         try:
-            self._hpke.open_into(enc, view[_PREFIX.size + ENC_BYTES :], out)
+            self._hpke.open_into(enc, view[_PREFIX.size + ENC_BYTES :], memoryview(head), inner_out)
         except OpenFailed as exc:  # a small-order enc, or a tag that does not verify
             raise EnvelopeError("undecryptable", "outer layer failed HPKE authentication") from exc
-        inner = out[OUTER_HEAD_BYTES:]
-        return DecryptedReport(enc=enc, outer_plaintext=bytes(out[:OUTER_HEAD_BYTES]), inner=inner,
-                               inner_hash=self._hash(inner).digest())
+        return DecryptedReport(enc=enc, outer_plaintext=bytes(head), inner=inner_out,
+                               inner_hash=self._hash(inner_out).digest())
 
     def verify(self, decrypted: "DecryptedReport") -> OpenedReport:
         """The second half of :meth:`open`: the inner version and the Ed25519 signature over (binding, report

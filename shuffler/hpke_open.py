@@ -13,7 +13,8 @@ two threads opening envelopes overlap:
   states computed once (the zero salt's at import), which keeps the GIL for these few microseconds instead of
   releasing and re-taking it five times (``hmac.digest`` releases it on every call, and a thread that gives the GIL
   up waits to get it back behind the others);
-* one AES-GCM decryption into the caller's buffer (``AESGCM.decrypt_into``).
+* AES-GCM as a stream into the caller's buffers (``cryptography``'s GCM decryptor, which releases the GIL), so
+  that an envelope's inner ciphertext is decrypted straight into its staging slot and its head elsewhere.
 
 Each step is the RFC's; tests check the result against ``cryptography``'s HPKE on the same envelopes, and check
 that the small-order public keys ``cryptography`` refuses are refused here too (libsodium's ``crypto_scalarmult``
@@ -24,11 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import Any
 
 import nacl.bindings
 import nacl.exceptions
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 __all__ = ["BaseModeOpener", "OpenFailed", "ENC_BYTES", "TAG_BYTES", "labeled_extract"]
 
@@ -36,6 +38,8 @@ ENC_BYTES = 32  # an X25519 public key
 TAG_BYTES = 16  # AES-128-GCM
 _NK = 16  # AES-128-GCM key bytes
 _NN = 12  # AES-128-GCM nonce bytes
+#: ``update_into``'s room beyond the output: the AES block size less one
+_SLACK = 15
 #: RFC 9180 suite ids: KEM 0x0020 (DHKEM(X25519, HKDF-SHA256)); KDF 0x0001 (HKDF-SHA256); AEAD 0x0001 (AES-128-GCM)
 _KEM_SUITE_ID = b"KEM\x00\x20"
 _HPKE_SUITE_ID = b"HPKE\x00\x20\x00\x01\x00\x01"
@@ -111,12 +115,22 @@ class BaseModeOpener:
         """The recipient's raw X25519 public key (32 bytes)."""
         return self._pk
 
-    def open_into(self, enc: bytes, ciphertext: bytes | memoryview, out: memoryview) -> None:
-        """Decrypt ``ciphertext`` (the AEAD output: plaintext then 16-byte tag) sealed to ``enc`` into ``out``, a
-        writable buffer of exactly ``len(ciphertext) - 16`` bytes. Returns nothing; raises :class:`OpenFailed`
-        (``out`` then holds unauthenticated bytes, unusable)."""
+    def open_into(self, enc: bytes, ciphertext: bytes | memoryview, *outs: memoryview) -> None:
+        """Decrypt ``ciphertext`` (the AEAD output: plaintext then 16-byte tag) sealed to ``enc`` into ``outs``,
+        writable buffers whose lengths add up to ``len(ciphertext) - 16``: the plaintext's first ``len(outs[0])``
+        bytes go to ``outs[0]``, the next to ``outs[1]``, and so on, and no byte outside them is written. Returns
+        nothing; raises :class:`OpenFailed` (the buffers then hold unauthenticated bytes, unusable).
+
+        AES-GCM runs as a stream (``cryptography``'s GCM decryptor, which releases the GIL), so a caller can send
+        the plaintext's parts to separate places, such as an envelope's head to a small buffer and its inner
+        ciphertext straight into a staging slot, with no copy; the tag is checked at the end (NIST SP 800-38D,
+        Section 7.2, decryption before the tag check, whose output is released only after it)."""
         if len(enc) != ENC_BYTES:  # PyNaCl passes the pointer on: libsodium would read 32 bytes whatever it is given
             raise ValueError(f"an encapsulated key is {ENC_BYTES} bytes, got {len(enc)}")
+        ct = memoryview(ciphertext)
+        if len(ct) < TAG_BYTES or sum(len(o) for o in outs) != len(ct) - TAG_BYTES:
+            raise ValueError(f"the output buffers hold {sum(len(o) for o in outs)} bytes; the plaintext is "
+                             f"{max(len(ct) - TAG_BYTES, 0)}")
         try:
             dh = nacl.bindings.crypto_scalarmult(self._sk, enc)
         except nacl.exceptions.RuntimeError as exc:  # libsodium refuses an all-zero shared secret
@@ -127,7 +141,28 @@ class BaseModeOpener:
         secret = _hmac_states(_hmac(_hmac_states(shared), _SECRET_INPUT))
         key = _hmac(secret, self._key_input)[:_NK]
         nonce = _hmac(secret, self._nonce_input)[:_NN]
+        end = len(ct) - TAG_BYTES
+        decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce, bytes(ct[end:]))).decryptor()
+        at = 0
+        for out in outs:
+            _update_exactly(decryptor, ct[at : at + len(out)], out)
+            at += len(out)
         try:
-            AESGCM(key).decrypt_into(nonce, ciphertext, None, out)
+            decryptor.finalize()
         except InvalidTag as exc:
             raise OpenFailed("the AEAD tag does not verify") from exc
+
+
+def _update_exactly(decryptor: Any, data: memoryview, out: memoryview) -> None:
+    """``decryptor.update_into(data, ...)`` writing exactly ``out`` (``len(out) == len(data)``). ``update_into`` asks
+    for ``block size - 1`` = 15 bytes of room beyond the output, which GCM, a counter mode, never writes; so all but
+    the last 15 bytes go straight into ``out`` (a view of ``len(out)`` bytes gives that room) and the last 15
+    through a small buffer."""
+    n = len(data)
+    head = max(n - _SLACK, 0)
+    if head and decryptor.update_into(data[:head], out) != head:
+        raise RuntimeError("the GCM decryptor did not return its input's length")  # a counter mode always does
+    tail = bytearray(2 * _SLACK)
+    if decryptor.update_into(data[head:], tail) != n - head:
+        raise RuntimeError("the GCM decryptor did not return its input's length")
+    out[head:] = tail[: n - head]

@@ -24,11 +24,9 @@ ZERO_CHUNK = 1 << 20
 _WRITE_CHUNK = 64 << 20
 #: Alignment of O_DIRECT writes (offset, length, memory): the memory buffer is rounded up to a multiple of it.
 DIRECT_ALIGN = 4096
-#: Bytes before the first slot of a memory-path staging buffer: an envelope decrypted into its slot on the
-#: submitting thread (:func:`shuffledp.shuffler.opening.decrypt_into_slot`) has its outer plaintext's head written
-#: just before the slot (the bytes there are put back at once), so slot 0 needs room too; a multiple of
-#: ``DIRECT_ALIGN``, so that the output, which starts there, is written with O_DIRECT from an aligned address.
-SLOT_BASE = DIRECT_ALIGN
+#: Where the slots of a memory-path staging buffer start: at its first byte, page-aligned like every mapping, so
+#: the output, which starts there, is written with O_DIRECT from an aligned address (a multiple of DIRECT_ALIGN)
+SLOT_BASE = 0
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h); Python 3.11's mmap does not name it
 

@@ -651,7 +651,7 @@ def test_memory_path_writes_the_output_once_in_output_order(core: ShufflerCore, 
     b.settle()
     L = b.inner_length
     assert b.in_memory is True and b.staging_buffer is not None
-    # the slots after SLOT_BASE bytes of room for a head (decryption into the slots), rounded up for O_DIRECT
+    # the slots from SLOT_BASE on, rounded up for O_DIRECT
     base = stagingmod.SLOT_BASE
     assert base + len(mixed) * L <= len(b.staging_buffer) < base + len(mixed) * L + 4096
     assert writes == [] and syncs == []  # no report bytes (and no zero-fill) on disk before seal

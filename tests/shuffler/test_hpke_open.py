@@ -55,6 +55,24 @@ def test_opens_what_cryptography_seals_into_the_callers_buffer(recipient, size: 
     assert SUITE.decrypt(enc + bytes(ct), sk, info=b"shuffledp/test-info") == plaintext
 
 
+@pytest.mark.parametrize("cuts", [(0,), (1,), (14,), (15,), (16,), (113,), (3, 40), (0, 500, 500), (499, 1)])
+def test_a_plaintext_split_across_buffers_lands_exactly_in_them(recipient, cuts: tuple[int, ...]) -> None:
+    """The plaintext's parts go to their buffers, each a view inside a larger one whose other bytes stay as they
+    were (``update_into`` asks for 15 bytes of room beyond its output; none of it may be written)."""
+    sk, opener = recipient
+    plaintext = os.urandom(1000)
+    enc, ct = _sealed(sk.public_key(), plaintext, b"shuffledp/test-info")
+    bounds = [0, *[sum(cuts[: i + 1]) for i in range(len(cuts))], 1000]
+    backings = [bytearray(b"\x5a" * (b - a + 40)) for a, b in zip(bounds, bounds[1:], strict=False)]
+    views = [memoryview(bk)[20 : 20 + (b - a)] for bk, a, b in zip(backings, bounds, bounds[1:], strict=False)]
+    opener.open_into(enc, ct, *views)
+    assert b"".join(bytes(v) for v in views) == plaintext
+    for bk, v in zip(backings, views, strict=True):
+        assert bk[:20] == b"\x5a" * 20 and bk[20 + len(v) :] == b"\x5a" * 20
+    with pytest.raises(ValueError, match="the output buffers hold 999 bytes; the plaintext is 1000"):
+        opener.open_into(enc, ct, memoryview(bytearray(999)))
+
+
 def test_refuses_what_cryptography_refuses(recipient) -> None:
     """Another info, another recipient, a flipped bit in the encapsulated key, the ciphertext or the tag: both
     implementations refuse each one."""

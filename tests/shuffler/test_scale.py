@@ -263,11 +263,12 @@ def test_submit_from_an_iterable_that_fails_raises_its_error_and_seals_nothing(k
 
 # ------------------------------------------------------------------------------------ decrypted into the slots
 def test_decrypt_into_matches_the_hpke_open_and_refuses_what_it_refuses(kit) -> None:
-    """The hand-written RFC 9180 open gives the bytes ``cryptography``'s HPKE gives (head and inner ciphertext,
-    written into the caller's buffer, and the inner hash), and drops tampered envelopes with the same reasons."""
+    """The written-out RFC 9180 open gives the bytes ``cryptography``'s HPKE gives (the head, and the inner
+    ciphertext written into the caller's buffer and nowhere else, and the inner hash), and drops tampered envelopes
+    with the same reasons."""
     from cryptography.hazmat.primitives.asymmetric import x25519
 
-    from shuffledp.shuffler.envelope import OUTER_HEAD_BYTES, EnvelopeError, OuterOpener
+    from shuffledp.shuffler.envelope import EnvelopeError, OuterOpener, inner_length_for
     from shuffledp.shuffler.keys import load_private_key
 
     sk = x25519.X25519PrivateKey.from_private_bytes(load_private_key(kit.d.shuffler_hpke_key, "x25519"))
@@ -275,12 +276,12 @@ def test_decrypt_into_matches_the_hpke_open_and_refuses_what_it_refuses(kit) -> 
     for size in (1, 64, 5000, 300_000):
         e = kit.seal(0, size=size)
         want = opener.open(e)
-        buf = bytearray(7 + len(e) - 53)  # the buffer holds more than the plaintext: only out is written
-        out = memoryview(buf)[7:]
+        L = inner_length_for(len(e))
+        buf = bytearray(b"\x33" * (L + 14))  # the buffer holds more than the inner ciphertext: only out is written
+        out = memoryview(buf)[7 : 7 + L]
         decrypted = opener.decrypt_into(e, out)
         assert decrypted.inner_hash == want.inner_hash and bytes(decrypted.inner) == bytes(want.inner)
-        assert decrypted.outer_plaintext == bytes(out[:OUTER_HEAD_BYTES]) and buf[:7] == bytes(7)
-        out[:OUTER_HEAD_BYTES] = bytes(OUTER_HEAD_BYTES)  # the head was copied: the caller may reuse those bytes
+        assert buf[:7] == buf[7 + L :] == b"\x33" * 7 and decrypted.inner.obj is out.obj
         got = opener.verify(decrypted)
         assert bytes(got.inner) == bytes(want.inner) and (got.enc, got.report_id, got.signer_public_key,
                                                             got.inner_hash) == (
@@ -297,9 +298,9 @@ def test_decrypt_into_matches_the_hpke_open_and_refuses_what_it_refuses(kit) -> 
     low_order = bytearray(kit.seal(0, size=64))
     low_order[5:37] = bytes(32)  # enc = a point of small order: no shared secret
     with pytest.raises(EnvelopeError) as info:
-        opener.decrypt_into(bytes(low_order), memoryview(bytearray(len(low_order) - 53)))
+        opener.decrypt_into(bytes(low_order), memoryview(bytearray(inner_length_for(len(low_order)))))
     assert info.value.reason == "undecryptable"
-    with pytest.raises(ValueError, match="head and inner ciphertext"):
+    with pytest.raises(ValueError, match=r"inner_out must be 112 bytes \(the inner ciphertext\), got 10"):
         opener.decrypt_into(kit.seal(0, size=64), memoryview(bytearray(10)))
 
 
@@ -308,18 +309,20 @@ def test_decrypt_into_matches_the_hpke_open_and_refuses_what_it_refuses(kit) -> 
 def test_reports_decrypted_into_their_slots_leave_holes_that_are_squeezed_out(kit, tmp_path: Path, monkeypatch,
                                                                                 size: int, pooled: bool) -> None:
     """Memory path with an announced envelope_length (each envelope claims its slot on arrival and is decrypted
-    straight into it: inline with the head just before the slot, at 64 B a head spans two earlier slots; or on the
-    verify pool's workers through their scratch buffers): reports dropped after they claimed a slot (not opening,
+    straight into it, on the submitting thread or on the verify pool's workers): reports dropped after they claimed
+    a slot (not opening,
     replay, unknown signer, second report of a signer) leave holes; the output is exactly the accepted reports,
     shuffled."""
     import shuffledp.shuffler.builder as buildermod
     import shuffledp.shuffler.opening as openingmod
 
     monkeypatch.setattr(buildermod, "PIPELINE_MIN_JOB_BYTES", 0 if pooled else 1 << 40)
-    opened: list[str] = []
-    for name in ("open_into_slot", "decrypt_into_slot"):
-        real = getattr(openingmod, name)
-        monkeypatch.setattr(openingmod, name, lambda *a, _real=real, _name=name: (opened.append(_name), _real(*a))[1])
+    import threading
+
+    opened: list[str] = []  # the thread that opened each envelope
+    real = openingmod.open_into_slot
+    monkeypatch.setattr(openingmod, "open_into_slot",
+                        lambda *a: (opened.append(threading.current_thread().name.split("_")[0]), real(*a))[1])
     stranger = ed25519.Ed25519PrivateKey.generate().private_bytes_raw()
     core = ShufflerCore(kit.core_config(tmp_path / "j", max_envelope_bytes=1 << 20, verify_threads=2))
     try:
@@ -333,7 +336,7 @@ def test_reports_decrypted_into_their_slots_leave_holes_that_are_squeezed_out(ki
         for i in range(0, len(sent), 3):
             b.add_many(sent[i : i + 3])
         b.settle()
-        assert set(opened) == {"open_into_slot" if pooled else "decrypt_into_slot"} and len(opened) == len(sent)
+        assert set(opened) == {"shuffler-verify" if pooled else "MainThread"} and len(opened) == len(sent)
         assert b._into_slots and b._claimed == len(sent) > b.n_accepted == kit.n_clients
         sb = b.finish()
         out = [open_inner(x, server_private_key=kit.server_sk, key_epoch=kit.key_epoch, round_id=1)
@@ -345,29 +348,29 @@ def test_reports_decrypted_into_their_slots_leave_holes_that_are_squeezed_out(ki
         core.close()
 
 
-@pytest.mark.parametrize("on_worker", [False, True])
-def test_decrypting_into_a_slot_writes_that_slot_only(kit, tmp_path: Path, on_worker: bool) -> None:
+def test_decrypting_into_a_slot_writes_that_slot_only(kit, tmp_path: Path) -> None:
     """Decrypting into a slot, or failing to (a tampered envelope), leaves every other byte of the staging buffer
-    as it was: on the submitting thread the head written before the slot is put back (slot 0's head room
-    included); on a worker the head stays in the worker's scratch buffer and a failed open writes nothing."""
+    as it was, first slot and last included; and threads opening into neighbouring slots at once each get their own
+    slot exactly (the verify pool's workers share the buffer)."""
+    import threading
+
     from shuffledp.shuffler.envelope import EnvelopeError
-    from shuffledp.shuffler.opening import decrypt_into_slot, open_into_slot
+    from shuffledp.shuffler.opening import open_into_slot
     from shuffledp.shuffler.staging import SLOT_BASE
 
-    open_one = open_into_slot if on_worker else decrypt_into_slot
     size = 300
     core = ShufflerCore(kit.core_config(tmp_path / "j"))
     try:
-        envs = [kit.seal(i, size=size) for i in range(4)]
-        b = core.begin(kit.header(4, envelope_length=len(envs[0])))
+        envs = [kit.seal(i, size=size) for i in range(kit.n_clients)]
+        b = core.begin(kit.header(len(envs), envelope_length=len(envs[0])))
         b._begin_staging(len(envs[0]) - 166)
-        L, buf = b.inner_length, b.staging_buffer
+        L, buf, n = b.inner_length, b.staging_buffer, len(envs)
         assert b._into_slots and buf is not None
         noise = os.urandom(len(buf))
         buf[:] = noise
-        for slot, e in ((0, envs[0]), (2, envs[1]), (1, envs[2])):
+        for slot, e in ((0, envs[0]), (n - 1, envs[1]), (1, envs[2])):
             start = SLOT_BASE + slot * L
-            decrypted = open_one(b._opener, buf, slot, L, e)
+            decrypted = open_into_slot(b._opener, buf, slot, L, e)
             assert buf[:start] == noise[:start] and buf[start + L :] == noise[start + L :]
             assert bytes(decrypted.inner) == buf[start : start + L] and len(decrypted.outer_plaintext) == 113
             assert b._opener.verify(decrypted).inner_hash == decrypted.inner_hash
@@ -376,11 +379,19 @@ def test_decrypting_into_a_slot_writes_that_slot_only(kit, tmp_path: Path, on_wo
         bad = bytearray(envs[3])
         bad[200] ^= 1
         with pytest.raises(EnvelopeError):
-            open_one(b._opener, buf, 3, L, bytes(bad))
+            open_into_slot(b._opener, buf, 3, L, bytes(bad))
         start = SLOT_BASE + 3 * L
         assert buf[:start] == noise[:start] and buf[start + L :] == noise[start + L :]
-        if on_worker:
-            assert bytes(buf) == noise
+        want = {slot: bytes(b._opener.open(e).inner) for slot, e in enumerate(envs)}
+        for _ in range(5):  # even slots on one thread, odd on the other: every neighbour is written concurrently
+            buf[:] = os.urandom(len(buf))
+            threads = [threading.Thread(target=lambda k: [open_into_slot(b._opener, buf, s, L, envs[s])
+                                                          for s in range(k, n, 2)], args=(k,)) for k in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert {s: buf[SLOT_BASE + s * L : SLOT_BASE + (s + 1) * L] for s in range(n)} == want
         b.abort()
     finally:
         core.close()
