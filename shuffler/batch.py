@@ -13,13 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shuffledp.shuffler import envelope as env
+from shuffledp.shuffler.config import default_verify_threads
 from shuffledp.shuffler.tags import sorted_packed
 from shuffledp.shuffler.validation import require_int
 
 __all__ = [
     "CoreConfig", "Header", "Refused", "SealedBatch", "REFUSAL_CODES", "MAX_BATCH_REPORTS_CAP",
     "JOURNAL_HEADROOM_BYTES", "JOURNAL_HEADROOM_PER_REPORT", "DEFAULT_STAGING_MEMORY_LIMIT",
-    "MAX_STAGING_MEMORY_LIMIT", "MAX_VERIFY_THREADS", "PIPELINE_MAX_REPORTS", "PIPELINE_MAX_BYTES",
+    "MAX_STAGING_MEMORY_LIMIT", "MAX_VERIFY_THREADS", "DEFAULT_VERIFY_THREADS", "PIPELINE_MAX_REPORTS",
+    "PIPELINE_MAX_BYTES",
     "PIPELINE_MIN_JOB_BYTES", "DISK_FULL_ERRNOS", "envelope_fingerprint", "request_digest",
 ]
 
@@ -48,6 +50,10 @@ DEFAULT_STAGING_MEMORY_LIMIT = 1024**3
 MAX_STAGING_MEMORY_LIMIT = 1 << 40
 #: Upper bound accepted for ``verify_threads``.
 MAX_VERIFY_THREADS = 64
+
+
+#: The default verify_threads (:func:`shuffledp.shuffler.config.default_verify_threads`)
+DEFAULT_VERIFY_THREADS = default_verify_threads()
 #: Pipelined signature checks (``verify_threads`` >= 1): the checks of one received message form a job. After
 #: handing a job to the pool, a submit waits for the oldest jobs until at most this many reports and bytes of
 #: plaintext are in flight, or a single job (one message: at most the service's message limit,
@@ -100,9 +106,8 @@ class CoreConfig:
     #: worker threads that check report signatures (Ed25519 and the hash of the inner ciphertext, both GIL-free)
     #: and, on the memory path with an announced envelope_length, first open the envelopes into their slots
     #: (shuffledp.shuffler.opening), while the submitting thread receives the next messages; 0 does it all inline.
-    #: Two: submit + fetch of 1,000 x 100 KiB took a median 0.962 of the time per pair with one (30 alternating
-    #: pairs on the 2-core benchmark VM, the same CPU seconds)
-    verify_threads: int = 2
+    #: Default: :func:`shuffledp.shuffler.config.default_verify_threads`
+    verify_threads: int = DEFAULT_VERIFY_THREADS
 
     def __post_init__(self) -> None:
         require_int("verify_threads", self.verify_threads, 0, MAX_VERIFY_THREADS)

@@ -104,14 +104,23 @@ def test_boolean_options_default_true_and_validation(tmp_path: Path, key: str) -
             _load(tmp_path, f"{key} = {bad}\n" + BASE + TLS)
 
 
+@pytest.mark.parametrize(("cpus", "want"), [(1, 1), (2, 1), (3, 2), (64, 2)])
+def test_the_default_verify_threads_leave_a_cpu_to_the_submitting_thread(monkeypatch, cpus: int, want: int) -> None:
+    """One fewer worker than the CPUs this process may run on, at least 1 and at most 2."""
+    from shuffledp.shuffler import config as cfgmod
+
+    monkeypatch.setattr(cfgmod.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert cfgmod.default_verify_threads() == want
+
+
 def test_verify_threads_default_validation_and_reaches_the_core(tmp_path: Path, kit) -> None:
     from shuffledp.shuffler import config as cfgmod
     from shuffledp.shuffler import core
     from shuffledp.shuffler.service import core_from_config
 
     from .conftest import write_config  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
-
-    assert _load(tmp_path, BASE + TLS).verify_threads == 2 == core.CoreConfig.verify_threads
+    want = cfgmod.default_verify_threads()
+    assert _load(tmp_path, BASE + TLS).verify_threads == want == core.CoreConfig.verify_threads
     assert cfgmod.MAX_VERIFY_THREADS == core.MAX_VERIFY_THREADS  # config mirrors core
     assert _load(tmp_path, "verify_threads = 0\n" + BASE + TLS).verify_threads == 0
     for bad in ("-1", "65", "1.5", "true", '"2"'):
