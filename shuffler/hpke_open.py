@@ -54,7 +54,10 @@ class OpenFailed(ValueError):
 
 
 def _hmac_states(key: bytes) -> tuple["hashlib._Hash", "hashlib._Hash"]:
-    """HMAC-SHA256's inner and outer hash states after the padded key (RFC 2104; ``key`` at most 64 bytes)."""
+    """HMAC-SHA256's inner and outer hash states after the padded key (RFC 2104: a key longer than the 64-byte block
+    is hashed first)."""
+    if len(key) > _BLOCK:
+        key = hashlib.sha256(key).digest()
     padded = key.ljust(_BLOCK, b"\x00")
     return hashlib.sha256(padded.translate(_IPAD)), hashlib.sha256(padded.translate(_OPAD))
 
@@ -125,6 +128,7 @@ class BaseModeOpener:
         the plaintext's parts to separate places, such as an envelope's head to a small buffer and its inner
         ciphertext straight into a staging slot, with no copy; the tag is checked at the end (NIST SP 800-38D,
         Section 7.2, decryption before the tag check, whose output is released only after it)."""
+        enc = bytes(enc)  # PyNaCl's binding takes bytes only
         if len(enc) != ENC_BYTES:  # PyNaCl passes the pointer on: libsodium would read 32 bytes whatever it is given
             raise ValueError(f"an encapsulated key is {ENC_BYTES} bytes, got {len(enc)}")
         ct = memoryview(ciphertext)
