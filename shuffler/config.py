@@ -15,8 +15,8 @@ not silently fall back to a default)::
     staging_memory_limit = 1073741824  # optional; bytes; a batch up to this size is staged in memory
     retain_staging_buffer = true       # optional; keep that memory mapped between batches and reuse it
     heap_tuning = true                 # optional; glibc reuses heap memory for messages (shuffler/heap.py)
-    verify_threads = 1                 # optional; threads that open and check reports, shared; 0 = inline;
-                                       # default: the CPUs less one, 1 to 2
+    verify_threads = 0                 # optional; threads that open and check reports, shared; 0 = inline;
+                                       # default: the CPUs less two, 0 to 2
     hpke_key = "shuffler/hpke.key"     # X25519, 0600
     signing_key = "shuffler/signing.key"  # Ed25519, 0600
     enrolment = "enrolment.json"
@@ -50,16 +50,17 @@ MAX_VERIFY_THREADS = 64
 
 
 def default_verify_threads() -> int:
-    """The default ``verify_threads``: one fewer than the CPUs this process may run on (the submitting thread and
-    gRPC's own threads need a core), at least 1 and at most 2 (returns that count).
+    """The default ``verify_threads``: the CPUs this process may run on less two, from 0 to 2 (returns that count).
 
-    On the 2-core benchmark VM one worker beat two once the outer open stopped holding the GIL
-    (:mod:`shuffledp.shuffler.hpke_open`): submit + fetch of 1,000 x 100 KiB in a median 0.947, 0.983 and 0.962 of
-    the time per pair (10, 12 and 12 interleaved pairs) with 9-10% fewer CPU seconds, and 0.983 at 200 x 1 MiB (8
-    pairs); with three or more CPUs two workers are the measured choice (before that change they beat one at
-    0.962 of the time per pair, 30 pairs)."""
+    A submit's own thread and gRPC's threads (TLS, HTTP/2, the client on the same host) keep two cores busy; a
+    worker pays only where there is a third. Since the outer open releases the GIL for all but a few microseconds
+    (:mod:`shuffledp.shuffler.hpke_open`), the submitting thread's crypto overlaps gRPC's C threads by itself: on
+    the 2-core benchmark VM opening and checking inline took 0.919 and 0.958 of the time of one worker per
+    submit + fetch pair at 1,000 x 100 KiB (10 and 8 interleaved pairs, 9% fewer CPU seconds) and 0.996 at
+    200 x 1 MiB (8 pairs); one worker took 0.947, 0.983 and 0.962 of the time of two (10-12 pairs each)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(2, cpus - 1))
+    return max(0, min(2, cpus - 2))
+
 
 __all__ = ["ServiceConfig", "TLSConfig", "load_config", "ConfigError", "default_verify_threads"]
 

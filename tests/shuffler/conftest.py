@@ -87,6 +87,7 @@ class Kit:
             enrolment=self.enrolment,
             journal_dir=journal_dir,
             max_envelope_bytes=1 << 20,
+            verify_threads=2,  # the pool's path whatever this machine's CPUs (the default depends on them)
         )
         kw.update(over)
         return CoreConfig(**kw)  # type: ignore[arg-type] - any field overridden, bad values too
