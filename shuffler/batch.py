@@ -50,8 +50,6 @@ DEFAULT_STAGING_MEMORY_LIMIT = 1024**3
 MAX_STAGING_MEMORY_LIMIT = 1 << 40
 #: Upper bound accepted for ``verify_threads``.
 MAX_VERIFY_THREADS = 64
-
-
 #: The default verify_threads (:func:`shuffledp.shuffler.config.default_verify_threads`)
 DEFAULT_VERIFY_THREADS = default_verify_threads()
 #: Pipelined signature checks (``verify_threads`` >= 1): the checks of one received message form a job. After
