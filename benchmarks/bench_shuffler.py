@@ -73,6 +73,7 @@ from shuffler_runs import (
 )
 from shuffler_transport import Baseline
 
+from shuffledp.shuffler.config import default_verify_threads
 from shuffledp.shuffler.envelope import ENVELOPE_OVERHEAD, model_digest
 from shuffledp.shuffler.process import ShufflerProcess
 
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                          "top is trimmed after a megabyte message and faulted back in for the next")
     ap.add_argument("--verify-threads", type=int, default=None,
                     help="the shuffler's verify_threads (0: open and check reports inline on the submit thread); "
-                         "default: the shuffler's own default, 2")
+                         "default: the shuffler's own default (the CPUs less two, 0 to 2)")
     ns = ap.parse_args(argv)
     if ns.quick:
         given = set(argv if argv is not None else sys.argv[1:])
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs; workdir {work}; heap tuning {'off' if ns.no_heap_tuning else 'on'}; "
           f"load average {os.getloadavg()[0]:.2f}; staging_memory_limit "
           f"{'default (1 GiB)' if staging_limit is None else staging_limit}, retain_staging_buffer {not ns.no_retain}, "
-          f"verify_threads {'default (2)' if ns.verify_threads is None else ns.verify_threads}",
+          f"verify_threads {ns.verify_threads if ns.verify_threads is not None else default_verify_threads()}"
+          f"{' (default)' if ns.verify_threads is None else ''}",
           flush=True)
     max_env = max(sizes) + ENVELOPE_OVERHEAD
     max_msg = max_env + 1024
