@@ -26,7 +26,7 @@ from shuffledp.shuffler.batch import (
     envelope_fingerprint,
     request_digest,
 )
-from shuffledp.shuffler.opening import open_here, open_job, verify_job
+from shuffledp.shuffler.opening import open_job, verify_job
 from shuffledp.shuffler.staging import (
     SLOT_BASE,
     close_mapping,
@@ -332,10 +332,12 @@ class BatchBuilder:
         size = len(job) * (env.OUTER_HEAD_BYTES + self.inner_length) if into else sum(d.size for d in job)
         pool = self.core.verify_pool
         if pool is None or size < PIPELINE_MIN_JOB_BYTES:
-            self.settle()  # earlier reports first: acceptance stays in arrival order; nothing else writes the buffer
-            buf = self.staging_buffer
-            opened = open_here(self._opener, buf, self.inner_length, job) if into else job  # type: ignore[arg-type] - buf is set on the memory path
-            self._conclude(verify_job(self._opener, opened), slots)
+            self.settle()  # earlier reports first: acceptance stays in arrival order
+            if into:  # the same function as on a worker, here on this thread
+                results = open_job(self._opener, self.staging_buffer, self.inner_length, job)  # type: ignore[arg-type] - buf is set on the memory path
+            else:
+                results = verify_job(self._opener, job)
+            self._conclude(results, slots)
             return
         # Pipelined: the job's checks (and the opening of its envelopes into their slots) run on a worker while
         # this thread receives the next messages, several jobs at once with several workers; jobs are concluded in

@@ -4,10 +4,11 @@ straight into their staging slots, and their signature checks.
 On the memory path with an announced ``envelope_length`` each envelope claims its slot when it arrives; its outer
 layer is then decrypted with its inner ciphertext going straight into that slot and hashed there
 (:meth:`shuffledp.shuffler.envelope.OuterOpener.decrypt_into`): no plaintext object, no copy, and no byte
-written outside the slot, so the same function serves the submitting thread (a small job, :func:`open_here`) and
-the workers of the core's verify pool (a large one, :func:`open_job`, several at once, each into its own slots).
-The signature checks (:func:`verify_job`) get the hash and a copy of the outer plaintext's head, never a view of
-the buffer's bytes. Every envelope costs the same whatever its slot. Each function returns, per entry and in
+written outside the slot, so the same function (:func:`open_job`) serves the submitting thread (a small job) and the
+workers of the core's verify pool (a large one, several at once, each into its own slots).
+The signature checks get the hash and a copy of the outer plaintext's head, never a view of the buffer's bytes;
+:func:`verify_job` makes them for reports opened outside the slots (no announced ``envelope_length``, or the disk
+path). Every envelope costs the same whatever its slot. Each function returns, per entry and in
 order, the verified report or the reason it was dropped (a string, not the exception, whose traceback would keep
 the frame and the job's plaintexts alive until the cyclic garbage collector runs); anything other than an
 :class:`~shuffledp.shuffler.envelope.EnvelopeError` is a bug and propagates.
@@ -16,12 +17,11 @@ the frame and the job's plaintexts alive until the cyclic garbage collector runs
 from __future__ import annotations
 
 import mmap
-from typing import Any
 
 from shuffledp.shuffler import envelope as env
 from shuffledp.shuffler.staging import SLOT_BASE
 
-__all__ = ["open_into_slot", "open_here", "open_job", "verify_job"]
+__all__ = ["open_into_slot", "open_job", "verify_job"]
 
 #: A job's entries: ``(envelope, slot)`` pairs to open into their slots
 Pairs = list[tuple[bytes | memoryview, int]]
@@ -38,14 +38,10 @@ def open_into_slot(opener: env.OuterOpener, buf: mmap.mmap, slot: int, inner_len
     return opener.decrypt_into(envelope, memoryview(buf)[start : start + inner_length])
 
 
-def verify_job(opener: env.OuterOpener, job: list[Any]) -> list[env.OpenedReport | str]:
-    """The signature checks of one job's decrypted reports, in order (an entry that is already a drop reason, from
-    :func:`open_here`, is passed on)."""
+def verify_job(opener: env.OuterOpener, job: list[env.DecryptedReport]) -> list[env.OpenedReport | str]:
+    """The signature checks of one job's decrypted reports (opened outside their slots), in order."""
     results: list[env.OpenedReport | str] = []
     for decrypted in job:
-        if isinstance(decrypted, str):
-            results.append(decrypted)
-            continue
         try:
             results.append(opener.verify(decrypted))
         except env.EnvelopeError as exc:
@@ -53,21 +49,10 @@ def verify_job(opener: env.OuterOpener, job: list[Any]) -> list[env.OpenedReport
     return results
 
 
-def open_here(opener: env.OuterOpener, buf: mmap.mmap, inner_length: int, job: Pairs) -> list[Any]:
-    """Open the pairs of ``job`` into their slots of ``buf`` on this thread (:func:`open_into_slot`): each the
-    decrypted report, or the reason it was dropped."""
-    out: list[env.DecryptedReport | str] = []
-    for envelope, slot in job:
-        try:
-            out.append(open_into_slot(opener, buf, slot, inner_length, envelope))
-        except env.EnvelopeError as exc:
-            out.append(exc.reason)
-    return out
-
-
 def open_job(opener: env.OuterOpener, buf: mmap.mmap, inner_length: int, job: Pairs) -> list[env.OpenedReport | str]:
-    """:func:`verify_job` of :func:`open_here` on a worker of the verify pool, while other workers open envelopes
-    into other slots of ``buf``."""
+    """Open each pair of ``job`` into its slot of ``buf`` (:func:`open_into_slot`) and check its signature, in order:
+    each the verified report, or the reason it was dropped. On the submitting thread or on a worker of the verify
+    pool, while other threads open envelopes into other slots."""
     results: list[env.OpenedReport | str] = []
     for envelope, slot in job:
         try:
