@@ -223,8 +223,9 @@ class ShufflerClient:
         return list(self.fetch(attestation))
 
     def stats(self) -> dict[str, object]:
-        """The shuffler's aggregate counters, its key epoch and its Submit message limit (0 from a shuffler too old
-        to state it)."""
+        """The shuffler's aggregate counters, its key epoch, its Submit message limit (0 from a shuffler too old
+        to state it) and how long its last seal took (0.0 before the first seal of the process, and from a shuffler
+        too old to state it)."""
         s = self._stats(self._timeout)
         return {
             "batches_sealed": s.batches_sealed,
@@ -235,6 +236,8 @@ class ShufflerClient:
             "key_epoch": s.key_epoch,
             "epoch_batches_released": s.epoch_batches_released,
             "max_message_bytes": s.max_message_bytes,
+            "last_seal_seconds": s.last_seal_seconds,
+            "last_seal_write_seconds": s.last_seal_write_seconds,
         }
 
     def _stats(self, timeout: float | None) -> pb.StatsResponse:

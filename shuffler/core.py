@@ -105,6 +105,8 @@ class ShufflerCore:
         self._seen_enc: dict[int, TagSet] = {}
         self._seen_rid: dict[int, TagSet] = {}
         self.counters: Counter[str] = Counter()
+        #: the last commit of this process: (seconds, of which writing the output and syncing it); see note_seal
+        self._last_seal = (0.0, 0.0)
         #: batch id -> the release record of its first Fetch (see :meth:`read_batch`)
         self._released: dict[bytes, dict[str, Any]] = {}
         for rec in self.journal.records:
@@ -367,7 +369,16 @@ class ShufflerCore:
                 "batches_refused": self.counters["batches_refused"],
                 "reports_accepted": self.counters["reports_accepted"],
                 "dropped": {r: self.counters[f"dropped:{r}"] for r in DROP_REASONS},
+                "last_seal_seconds": self._last_seal[0],
+                "last_seal_write_seconds": self._last_seal[1],
             }
+
+    def note_seal(self, *, seconds: float, write_seconds: float) -> None:
+        """Record the duration of the commit that just sealed a batch (from :func:`shuffledp.shuffler.seal.commit`
+        being called to the batch being registered) and, of it, the output's write and ``fsync``: what Submit
+        spends between its last report and its answer. Both depend only on the batch's size and the disk."""
+        with self._lock:
+            self._last_seal = (seconds, write_seconds)
 
     def take_buffer(self, size: int) -> mmap.mmap | None:
         """The retained staging buffer if it holds at least ``size`` bytes (it is then no longer retained), else

@@ -10,7 +10,8 @@ their permuted slots (:class:`~shuffledp.shuffler.builder.BatchBuilder`). :func:
 2. signs the attestation, whose output digest is built from the per-report hashes kept at the slots (no report
    byte is read again);
 3. appends the commit record (attestation, request fingerprint, sorted replay tags) to the journal and fsyncs it;
-4. only then registers the batch (binding, replay cache, counters) and returns.
+4. only then registers the batch (binding, replay cache, counters), notes how long the commit and its output
+   write took (:meth:`~shuffledp.shuffler.core.ShufflerCore.note_seal`, for ``Stats``) and returns.
 
 A failure before the record is durable removes the output (it is not a batch); a journal that failed for good
 marks the core unhealthy.
@@ -23,6 +24,7 @@ import logging
 import os
 import secrets
 import struct
+import time
 from typing import Any
 
 import numpy as np
@@ -117,6 +119,7 @@ def _squeeze(builder: Any, occupied: np.ndarray, inner_length: int) -> None:
 def commit(core: Any, builder: Any) -> SealedBatch:
     """Seal ``builder``'s batch for ``core`` (see the module docstring); called under the core's commit lock,
     with the staging complete and the batch's checks passed. Returns the sealed batch, registered."""
+    started = time.perf_counter()
     if core.journal.failed:
         # A batch that was open when the journal failed must not add a second output without a record
         # (journal.Journal refuses to start beside more than one).
@@ -140,6 +143,7 @@ def commit(core: Any, builder: Any) -> SealedBatch:
     _squeeze(builder, occupied, inner_length)
     del occupied
     buf = builder.staging_buffer
+    write_started = time.perf_counter()
     if buf is not None:
         # Memory path: write the output once, in offset order, into the file reserved when the first report came.
         with memoryview(buf) as mv:
@@ -150,6 +154,7 @@ def commit(core: Any, builder: Any) -> SealedBatch:
     os.ftruncate(fd, n * inner_length)
     os.fchmod(fd, 0o400)  # a sealed batch never changes
     os.fsync(fd)  # data, size and mode durable before the rename
+    write_seconds = time.perf_counter() - write_started
     os.replace(source, final)
     builder.staging_path = None
     try:  # until the record is durable the output is not a batch: a failure removes it
@@ -189,6 +194,7 @@ def commit(core: Any, builder: Any) -> SealedBatch:
             log.error("batch not committed: the journal append failed and was rolled back (%s)", exc.strerror)
         raise  # a JournalWriteError is an OSError; the service maps a full disk to RESOURCE_EXHAUSTED disk_full
     core._register(sb, encs, rids, dropped)  # takes the core's _lock itself
+    core.note_seal(seconds=time.perf_counter() - started, write_seconds=write_seconds)
     log.info("batch sealed: epoch=%d round=%d received=%d accepted=%d dropped=%s", header.key_epoch,
              header.round_id, builder.received, n, {r: c for r, c in dropped.items() if c})
     return sb

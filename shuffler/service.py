@@ -287,6 +287,8 @@ class ShufflerServicer(pb_grpc.ShufflerServicer):
             key_epoch=s["key_epoch"],
             epoch_batches_released=s["epoch_batches_released"],
             max_message_bytes=message_limit(self.core.config.max_envelope_bytes),
+            last_seal_seconds=s["last_seal_seconds"],
+            last_seal_write_seconds=s["last_seal_write_seconds"],
         )
 
 

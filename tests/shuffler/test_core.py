@@ -1615,3 +1615,27 @@ def test_a_prefault_that_finds_memory_short_refuses_the_batch(core: ShufflerCore
     assert (refused.value.code, refused.value.reason) == ("resource_exhausted", "staging_memory")
     monkeypatch.undo()
     assert _run(core, kit, [kit.seal(i) for i in range(4)]).n == 4  # nothing was consumed
+
+
+def test_stats_report_how_long_the_last_seal_took_and_its_output_write(core: ShufflerCore, kit, monkeypatch) -> None:
+    """Stats say how long the last commit took and how much of it was the output's write and sync (0.0 before the
+    first seal): a write made slower by 0.2 s shows in both, and the write never exceeds the whole commit."""
+    import time
+
+    assert (core.stats()["last_seal_seconds"], core.stats()["last_seal_write_seconds"]) == (0.0, 0.0)
+    real_write_out = sealmod.write_out
+    calls: list[int] = []
+
+    def slow_write_out(*args: object) -> None:
+        calls.append(1)
+        time.sleep(0.2)
+        real_write_out(*args)
+
+    monkeypatch.setattr(sealmod, "write_out", slow_write_out)
+    _run(core, kit, [kit.seal(i) for i in range(4)])
+    stats = core.stats()
+    assert calls == [1] and 0.2 <= stats["last_seal_write_seconds"] <= stats["last_seal_seconds"], stats
+    monkeypatch.setattr(sealmod, "write_out", real_write_out)
+    _run(core, kit, [kit.seal(i, round_id=2) for i in range(4)], round_id=2)
+    again = core.stats()
+    assert 0.0 < again["last_seal_write_seconds"] <= again["last_seal_seconds"] < stats["last_seal_write_seconds"]

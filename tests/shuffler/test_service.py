@@ -658,6 +658,8 @@ def test_packing_follows_the_limit_each_peer_states(kit, running, tmp_path, monk
         assert c.stats()["max_message_bytes"] == message_limit(1 << 20)  # the fixture's max_envelope_bytes
         att = c.submit(round_id=1, key_epoch=0, model_digest=kit.digest, envelopes=envs)
         assert jobs == [len(envs)]  # 8 x 60 KiB: one message under the 1 MiB packing
+        seal_time = c.stats()  # and how long the seal took, of which the output's write (the core's figures)
+        assert seal_time["last_seal_seconds"] >= seal_time["last_seal_write_seconds"] > 0, seal_time
         stated: list[int] = []
         message_lengths: list[int] = []
         fetch_raw = c._fetch_raw
