@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                     run = one_run(keys, proc, envs, round_id, digest, max_msg)
                     rows.append(run)
                     line = (f"# size {size} run {rep + 1}: seal {t_seal:.2f}s (untimed), submit {run.t_submit:.2f}s "
-                            f"(its commit {run.t_seal:.2f}s, of which the output's durable write "
-                            f"{run.t_seal_write:.2f}s), fetch {run.t_fetch:.2f}s")
+                            f"(its commit {run.t_commit:.2f}s, of which the output's durable write "
+                            f"{run.t_commit_write:.2f}s), fetch {run.t_fetch:.2f}s")
                     if base is not None:
                         if not plain_first:
                             tb, tf = base.run(envs)
@@ -346,12 +346,12 @@ def main(argv: list[str] | None = None) -> int:
             per = [(b + f) / (r.t_submit + r.t_fetch) for r, (b, f) in zip(rs, pairs)]
             # what the seal's durable write costs: the same ratio with it taken out of the shuffler's time (the
             # shuffler has no mode without it; exactly-once needs the output on disk before Submit answers)
-            less = [(b + f) / (r.t_submit + r.t_fetch - r.t_seal_write) for r, (b, f) in zip(rs, pairs)]
+            less = [(b + f) / (r.t_submit + r.t_fetch - r.t_commit_write) for r, (b, f) in zip(rs, pairs)]
             mb = rs[0].env_bytes / MB
             tb, tf = med([b for b, _ in pairs]), med([f for _, f in pairs])
             print(f"| {size // 1024} KiB | {ts:.2f} | {tb:.2f} / {tf:.2f} | {mb / tt:,.0f} | {mb / ts:,.0f} | "
                   f"**{tt / ts:.0%}** | {med(per):.0%} [{min(per):.0%}, "
-                  f"{max(per):.0%}] | {med([r.t_seal_write for r in rs]):.3f} | {med(less):.0%} |")
+                  f"{max(per):.0%}] | {med([r.t_commit_write for r in rs]):.3f} | {med(less):.0%} |")
     for line in extra:
         print()
         print(line)

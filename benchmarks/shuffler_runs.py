@@ -167,8 +167,8 @@ class Run:
     cpu_client_fetch: float
     #: the shuffler's own figures for this batch's seal (its Stats): the whole commit, and of it the output's
     #: durable write (write and fsync), both inside ``t_submit``
-    t_seal: float = 0.0
-    t_seal_write: float = 0.0
+    t_commit: float = 0.0
+    t_commit_write: float = 0.0
 
 
 def one_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: int, digest: bytes, max_msg: int) -> Run:
@@ -208,7 +208,7 @@ def one_run(keys: Keys, proc: ShufflerProcess, envs: EnvelopeFile, round_id: int
         env_bytes=envs.count * envs.length, inner_bytes=got, shuffler_hwm_submit=hwm_s_sub,
         shuffler_hwm_fetch=hwm_s_fetch, client_hwm_submit=hwm_c_sub, client_hwm_fetch=hwm_c_fetch,
         cpu_shuffler_submit=s1 - s0, cpu_shuffler_fetch=s3 - s2, cpu_client_submit=c1 - c0, cpu_client_fetch=c3 - c2,
-        t_seal=float(seal_time["last_seal_seconds"]), t_seal_write=float(seal_time["last_seal_write_seconds"]),
+        t_commit=float(seal_time["last_seal_seconds"]), t_commit_write=float(seal_time["last_seal_write_seconds"]),
     )
 
 

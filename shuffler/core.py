@@ -105,7 +105,7 @@ class ShufflerCore:
         self._seen_enc: dict[int, TagSet] = {}
         self._seen_rid: dict[int, TagSet] = {}
         self.counters: Counter[str] = Counter()
-        #: the last commit of this process: (seconds, of which writing the output and syncing it); see note_seal
+        #: the last commit of this process: (seconds, of which the output's writes and fsync); see _register
         self._last_seal = (0.0, 0.0)
         #: batch id -> the release record of its first Fetch (see :meth:`read_batch`)
         self._released: dict[bytes, dict[str, Any]] = {}
@@ -146,11 +146,15 @@ class ShufflerCore:
         encs, rids = seal.replay_tags_of_record(rec)
         self._register(sb, encs, rids, rec.get("dropped", {}))
 
-    def _register(self, sb: SealedBatch, encs: bytes, rids: bytes, dropped: Mapping[str, int]) -> None:
+    def _register(self, sb: SealedBatch, encs: bytes, rids: bytes, dropped: Mapping[str, int], *,
+                  seal_seconds: tuple[float, float] | None = None) -> None:
         """Make a sealed batch known: its replay tags (``encs``, ``rids``: concatenated, 32 and 16 bytes each) join
         the epoch's replay cache, then, under ``_lock``, the binding and the counters. Called at start and by a
         commit (under the commit lock, so one writer at a time; a concurrent submit may read the cache meanwhile,
-        and sees each tag either absent or present, see :class:`~shuffledp.shuffler.tags.TagSet`)."""
+        and sees each tag either absent or present, see :class:`~shuffledp.shuffler.tags.TagSet`). A commit also
+        passes ``seal_seconds``: its duration so far and, of it, the output's writes and fsync (``Stats``'
+        ``last_seal_seconds`` and ``last_seal_write_seconds``), set with the counters so that a reader sees both of
+        the same batch."""
         if sb.key_epoch == self.config.key_epoch:  # older epochs' caches are flushed by key rotation
             self._seen_enc.setdefault(sb.key_epoch, TagSet(32)).update_packed(encs)
             self._seen_rid.setdefault(sb.key_epoch, TagSet(16)).update_packed(rids)
@@ -161,6 +165,8 @@ class ShufflerCore:
             self.counters["reports_accepted"] += sb.n
             for reason, count in dropped.items():
                 self.counters[f"dropped:{reason}"] += int(count)
+            if seal_seconds is not None:
+                self._last_seal = seal_seconds
 
     @property
     def healthy(self) -> bool:
@@ -372,13 +378,6 @@ class ShufflerCore:
                 "last_seal_seconds": self._last_seal[0],
                 "last_seal_write_seconds": self._last_seal[1],
             }
-
-    def note_seal(self, *, seconds: float, write_seconds: float) -> None:
-        """Record the duration of the commit that just sealed a batch (from :func:`shuffledp.shuffler.seal.commit`
-        being called to the batch being registered) and, of it, the output's write and ``fsync``: what Submit
-        spends between its last report and its answer. Both depend only on the batch's size and the disk."""
-        with self._lock:
-            self._last_seal = (seconds, write_seconds)
 
     def take_buffer(self, size: int) -> mmap.mmap | None:
         """The retained staging buffer if it holds at least ``size`` bytes (it is then no longer retained), else

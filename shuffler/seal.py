@@ -10,8 +10,8 @@ their permuted slots (:class:`~shuffledp.shuffler.builder.BatchBuilder`). :func:
 2. signs the attestation, whose output digest is built from the per-report hashes kept at the slots (no report
    byte is read again);
 3. appends the commit record (attestation, request fingerprint, sorted replay tags) to the journal and fsyncs it;
-4. only then registers the batch (binding, replay cache, counters), notes how long the commit and its output
-   write took (:meth:`~shuffledp.shuffler.core.ShufflerCore.note_seal`, for ``Stats``) and returns.
+4. only then registers the batch (binding, replay cache, counters, and for ``Stats`` how long the commit and
+   the output's writes and fsync took) and returns.
 
 A failure before the record is durable removes the output (it is not a batch); a journal that failed for good
 marks the core unhealthy.
@@ -140,21 +140,27 @@ def commit(core: Any, builder: Any) -> SealedBatch:
     # computed when its signature was checked and kept at its slot (attestation formats v3 and v2).
     update_digest(digest, inner_length, builder.slot_hashes, occupied)
     builder.forget_permutation()
-    _squeeze(builder, occupied, inner_length)
-    del occupied
     buf = builder.staging_buffer
-    write_started = time.perf_counter()
+    # write_seconds (for Stats): the output's writes and its fsync; on the disk path the staging file is the output,
+    # so its in-place squeeze counts, and the reports' own writes happened as they arrived
+    clock = time.perf_counter()
+    _squeeze(builder, occupied, inner_length)
+    write_seconds = 0.0 if buf is not None else time.perf_counter() - clock
+    del occupied
     if buf is not None:
         # Memory path: write the output once, in offset order, into the file reserved when the first report came.
+        clock = time.perf_counter()
         with memoryview(buf) as mv:
             write_out(fd, source, mv[SLOT_BASE:], n * inner_length)
+        write_seconds += time.perf_counter() - clock
         retained = buf
         builder.release_buffer(retain=True)  # the batch now exists in the output file (and, if retained, in the
         # spare buffer until the next batch overwrites it; see ShufflerCore.take_buffer)
+    clock = time.perf_counter()
     os.ftruncate(fd, n * inner_length)
     os.fchmod(fd, 0o400)  # a sealed batch never changes
     os.fsync(fd)  # data, size and mode durable before the rename
-    write_seconds = time.perf_counter() - write_started
+    write_seconds += time.perf_counter() - clock
     os.replace(source, final)
     builder.staging_path = None
     try:  # until the record is durable the output is not a batch: a failure removes it
@@ -193,8 +199,8 @@ def commit(core: Any, builder: Any) -> SealedBatch:
         if isinstance(exc, JournalWriteError):
             log.error("batch not committed: the journal append failed and was rolled back (%s)", exc.strerror)
         raise  # a JournalWriteError is an OSError; the service maps a full disk to RESOURCE_EXHAUSTED disk_full
-    core._register(sb, encs, rids, dropped)  # takes the core's _lock itself
-    core.note_seal(seconds=time.perf_counter() - started, write_seconds=write_seconds)
+    core._register(sb, encs, rids, dropped,  # takes the core's _lock itself
+                   seal_seconds=(time.perf_counter() - started, write_seconds))
     log.info("batch sealed: epoch=%d round=%d received=%d accepted=%d dropped=%s", header.key_epoch,
              header.round_id, builder.received, n, {r: c for r, c in dropped.items() if c})
     return sb

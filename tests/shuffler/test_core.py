@@ -1617,25 +1617,46 @@ def test_a_prefault_that_finds_memory_short_refuses_the_batch(core: ShufflerCore
     assert _run(core, kit, [kit.seal(i) for i in range(4)]).n == 4  # nothing was consumed
 
 
-def test_stats_report_how_long_the_last_seal_took_and_its_output_write(core: ShufflerCore, kit, monkeypatch) -> None:
-    """Stats say how long the last commit took and how much of it was the output's write and sync (0.0 before the
-    first seal): a write made slower by 0.2 s shows in both, and the write never exceeds the whole commit."""
+@pytest.mark.parametrize("path", ["memory", "disk"])
+def test_stats_report_how_long_the_last_seal_took_and_its_output_write(
+    kit, tmp_path: Path, monkeypatch, path: str
+) -> None:
+    """Stats say how long the last commit took and how much of it was the output's writes and fsync (0.0 before
+    the first seal), on both staging paths: an output fsync made slower by 0.2 s shows in both figures, the write
+    never exceeds the whole commit, and a commit that fails (its journal record rolled back) leaves them as
+    they were."""
     import time
 
-    assert (core.stats()["last_seal_seconds"], core.stats()["last_seal_write_seconds"]) == (0.0, 0.0)
-    real_write_out = sealmod.write_out
-    calls: list[int] = []
+    from shuffledp.shuffler.journal import JournalWriteError
 
-    def slow_write_out(*args: object) -> None:
-        calls.append(1)
-        time.sleep(0.2)
-        real_write_out(*args)
+    core = ShufflerCore(kit.core_config(tmp_path / "j", **({"staging_memory_limit": 0} if path == "disk" else {})))
+    try:
+        assert (core.stats()["last_seal_seconds"], core.stats()["last_seal_write_seconds"]) == (0.0, 0.0)
+        real_fchmod = sealmod.os.fchmod
+        slowed: list[int] = []
 
-    monkeypatch.setattr(sealmod, "write_out", slow_write_out)
-    _run(core, kit, [kit.seal(i) for i in range(4)])
-    stats = core.stats()
-    assert calls == [1] and 0.2 <= stats["last_seal_write_seconds"] <= stats["last_seal_seconds"], stats
-    monkeypatch.setattr(sealmod, "write_out", real_write_out)
-    _run(core, kit, [kit.seal(i, round_id=2) for i in range(4)], round_id=2)
-    again = core.stats()
-    assert 0.0 < again["last_seal_write_seconds"] <= again["last_seal_seconds"] < stats["last_seal_write_seconds"]
+        def slow_fchmod(fd: int, mode: int) -> None:  # seal.commit's fchmod comes right before the output's fsync
+            slowed.append(mode)
+            time.sleep(0.2)
+            real_fchmod(fd, mode)
+
+        monkeypatch.setattr(sealmod.os, "fchmod", slow_fchmod)
+        sealed = _run(core, kit, [kit.seal(i) for i in range(4)])
+        monkeypatch.setattr(sealmod.os, "fchmod", real_fchmod)
+        stats = core.stats()
+        assert slowed == [0o400] and 0.2 <= stats["last_seal_write_seconds"] <= stats["last_seal_seconds"], stats
+        assert (sealed.n, core.stats()["batches_sealed"]) == (4, 1)
+        assert (core._spare_buffer is not None) == (path == "memory")  # the memory path retains its buffer
+        _run(core, kit, [kit.seal(i, round_id=2) for i in range(4)], round_id=2)
+        again = core.stats()
+        assert 0.0 < again["last_seal_write_seconds"] <= again["last_seal_seconds"], again
+        assert again["last_seal_write_seconds"] != stats["last_seal_write_seconds"]
+        _fail_journal_writes(monkeypatch, core, partial=45)
+        with pytest.raises(JournalWriteError):
+            _run(core, kit, [kit.seal(i, round_id=3) for i in range(4)], round_id=3)
+        monkeypatch.undo()
+        failed = core.stats()
+        assert (failed["last_seal_seconds"], failed["last_seal_write_seconds"], failed["batches_sealed"]) == (
+            again["last_seal_seconds"], again["last_seal_write_seconds"], 2)
+    finally:
+        core.close()
