@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from shuffler_runs import reset_hwm, vm_hwm
 
 from shuffledp.clients import messages as M
 
@@ -125,9 +126,8 @@ class Meter:
     def _reset(self) -> None:
         if self.kind == "tracemalloc":
             tracemalloc.reset_peak()
-        else:
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")
+        elif not reset_hwm("self"):
+            raise RuntimeError("cannot reset VmHWM through /proc/self/clear_refs")
 
     def fold(self) -> None:
         _, peak = self._read()
@@ -281,9 +281,7 @@ def _shuffler_hwm() -> int | None:
             if (proc / "stat").read_text().rsplit(")", 1)[1].split()[1] != me or \
                     b"serve" not in (proc / "cmdline").read_bytes():
                 continue
-            for line in (proc / "status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+            return vm_hwm(proc.name)
         except OSError:
             continue
     return None

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shuffledp.shuffler import envelope as env
-from shuffledp.shuffler.config import default_verify_threads
+from shuffledp.shuffler.config import (
+    DEFAULT_STAGING_MEMORY_LIMIT,
+    MAX_STAGING_MEMORY_LIMIT,
+    MAX_VERIFY_THREADS,
+    default_verify_threads,
+)
 from shuffledp.shuffler.tags import sorted_packed
 from shuffledp.shuffler.validation import require_int
 
@@ -43,13 +48,6 @@ MAX_BATCH_REPORTS_CAP = 1_000_000
 #: part plus a per-report part (each accepted report adds two hex replay tags, ~100 bytes, to its record).
 JOURNAL_HEADROOM_BYTES = 64 * 1024 * 1024
 JOURNAL_HEADROOM_PER_REPORT = 256
-#: Default ``staging_memory_limit``: a batch of at most this many bytes (expected_count x inner length) is
-#: staged in memory and written to disk once, at seal time; a larger batch is staged in a zero-filled file.
-DEFAULT_STAGING_MEMORY_LIMIT = 1024**3
-#: Upper bound accepted for ``staging_memory_limit`` (1 TiB).
-MAX_STAGING_MEMORY_LIMIT = 1 << 40
-#: Upper bound accepted for ``verify_threads``.
-MAX_VERIFY_THREADS = 64
 #: The default verify_threads (:func:`shuffledp.shuffler.config.default_verify_threads`)
 DEFAULT_VERIFY_THREADS = default_verify_threads()
 #: Pipelined signature checks (``verify_threads`` >= 1): the checks of one received message form a job. After

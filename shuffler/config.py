@@ -41,11 +41,14 @@ from typing import Any
 
 from shuffledp.shuffler.validation import is_int
 
-#: Mirrors shuffledp.shuffler.core.DEFAULT_STAGING_MEMORY_LIMIT / MAX_STAGING_MEMORY_LIMIT (not imported: config must
-#: load without the crypto dependencies of the core).
+# The limits below are the core's too (shuffledp.shuffler.batch imports them from here): config imports nothing of
+# the core, so it loads without the core's crypto dependencies.
+#: Default ``staging_memory_limit``: a batch of at most this many bytes (expected_count x inner length) is
+#: staged in memory and written to disk once, at seal time; a larger batch is staged in a zero-filled file.
 DEFAULT_STAGING_MEMORY_LIMIT = 1024**3
+#: Upper bound accepted for ``staging_memory_limit`` (1 TiB).
 MAX_STAGING_MEMORY_LIMIT = 1 << 40
-#: Mirrors shuffledp.shuffler.core.MAX_VERIFY_THREADS.
+#: Upper bound accepted for ``verify_threads``.
 MAX_VERIFY_THREADS = 64
 
 

@@ -72,7 +72,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
-from shuffledp.shuffler.hpke_open import BaseModeOpener, OpenFailed
+from shuffledp.shuffler.hpke_open import ENC_BYTES, TAG_BYTES, BaseModeOpener, OpenFailed
 from shuffledp.shuffler.validation import is_int
 
 __all__ = [
@@ -104,17 +104,15 @@ ENVELOPE_VERSION = 2
 ENVELOPE_VERSIONS = frozenset({1, 2})
 DIGEST_BYTES = 32
 REPORT_ID_BYTES = 16
-ENC_BYTES = 32  # X25519 encapsulated key
-_TAG_BYTES = 16  # AES-128-GCM
 _KEY_BYTES = 32
 _SIG_BYTES = 64
 _PREFIX = struct.Struct(">BI")  # version, key_epoch
 _U64 = struct.Struct(">Q")
 _OUTER_HEAD = struct.Struct(f">B{REPORT_ID_BYTES}s{_KEY_BYTES}s{_SIG_BYTES}s")
-INNER_OVERHEAD = ENC_BYTES + _TAG_BYTES
+INNER_OVERHEAD = ENC_BYTES + TAG_BYTES
 #: Bytes of outer plaintext before the inner ciphertext: version, report id, signer key, signature
 OUTER_HEAD_BYTES = _OUTER_HEAD.size
-ENVELOPE_OVERHEAD = _PREFIX.size + ENC_BYTES + _TAG_BYTES + _OUTER_HEAD.size + INNER_OVERHEAD
+ENVELOPE_OVERHEAD = _PREFIX.size + ENC_BYTES + TAG_BYTES + _OUTER_HEAD.size + INNER_OVERHEAD
 MIN_ENVELOPE_BYTES = ENVELOPE_OVERHEAD
 
 
