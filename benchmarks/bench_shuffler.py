@@ -21,10 +21,14 @@ the shuffler journals and fsyncs every batch before acknowledging it, so that ra
 that size. ``--core-breakdown`` pushes one batch per size through the in-process core (no gRPC) and splits
 add() (open, verify, stage) from finish() (output digest, fsync, sign, journal).
 
-Next to each shuffler run, plain gRPC over the same mTLS credentials streams the same envelopes to a do-nothing
-servicer in a child process and as many inner-sized items back from it (the transport on this machine, unless
-``--no-baseline``): after the shuffler run in odd runs, before it in even ones, so that both see the same load of a
-shared machine and a trend in that load favours neither. The summary gives transport time over shuffler time
+Next to each shuffler run, plain gRPC over the same mTLS credentials and message limits streams the same envelopes
+to a do-nothing servicer in a child process and as many inner-sized items back from it (the transport on this
+machine, unless ``--no-baseline``). Both directions carry the shuffler's own messages (envelopes packed as
+``ShufflerClient`` packs them, items as Fetch packs them) as raw bytes, so the sink and the source do nothing per
+message that gRPC does not: a baseline that built protobuf objects per message, or sent one envelope per message,
+would be slower than the transport and flatter the ratio. The plain pair runs after the shuffler run in odd
+runs and before it in even ones, so that both see the same load of a shared machine and a trend in that load
+favours neither. The summary gives transport time over shuffler time
 (submit + fetch): the ratio of the medians, and the median and minimum of the pairs; and the CPU seconds of both
 (the plain server and this client) per phase. Each run also prints the shuffler's own figures for its seal (its
 ``Stats``: the commit, and of it the output's durable write), and the summary gives the ratio per pair with that
@@ -42,6 +46,12 @@ processes) is not timed. ``--quick``: 300 reports per size, 3 runs, no disk prob
 ``--strace`` attaches ``strace -c -f`` to the shuffler during one extra submit+fetch (syscall time, e.g. fsync);
 ``--perf`` records it with ``perf record -g`` and prints where its CPU time goes (by library and symbol).
 
+``--pin CLIENT/SERVER`` (CPU lists, e.g. ``0/1``) runs this client on the CPUs before the slash and the shuffler and
+the plain server on those after it, as if each side had its own machine of that many cores. Unpinned, both
+servers share every core with the client, so the ratio also depends on how the scheduler places the threads of
+each pair (plain gRPC's submit varies about twofold between runs here); pinned, each server has its cores to
+itself and the ratio compares what each costs on them.
+
 Usage::
 
     python benchmarks/bench_shuffler.py --quick              # a few minutes
@@ -52,12 +62,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from shuffler_probes import core_breakdown, disk_write_probe, perf_run, strace_run
@@ -81,8 +93,45 @@ from shuffledp.shuffler.envelope import ENVELOPE_OVERHEAD, model_digest
 from shuffledp.shuffler.process import ShufflerProcess
 
 
-def big_batch(keys: Keys, work: Path, n: int, envelope_bytes: int, ns: argparse.Namespace) -> str:
-    """One batch of ``n`` small envelopes (``envelope_bytes`` each) through a real shuffler process: seconds to
+def parse_pin(text: str) -> tuple[set[int], set[int]]:
+    """``--pin CLIENT/SERVER``: two comma-separated lists of CPU numbers, each non-empty and within this process's
+    allowed CPUs. Returns ``(client CPUs, server CPUs)``; raises ValueError saying what was wrong."""
+    allowed = os.sched_getaffinity(0)
+    parts = text.split("/")
+    if len(parts) != 2:
+        raise ValueError(f"--pin takes CLIENT/SERVER CPU lists such as 0/1, got {text!r}")
+    sets = []
+    for side, part in zip(("client", "server"), parts):
+        try:
+            cpus = {int(c) for c in part.split(",") if c.strip()}
+        except ValueError:
+            raise ValueError(f"--pin: the {side} CPUs must be comma-separated integers, got {part!r}") from None
+        if not cpus or not cpus <= allowed:
+            raise ValueError(f"--pin: the {side} CPUs must be a non-empty subset of this process's CPUs "
+                             f"{sorted(allowed)}, got {part!r}")
+        sets.append(cpus)
+    return sets[0], sets[1]
+
+
+@contextlib.contextmanager
+def spawning_on(cpus: set[int] | None) -> Iterator[None]:
+    """Within the block this process runs on ``cpus`` (None: unchanged), so that the processes it starts there
+    inherit them; afterwards it returns to the CPUs it had."""
+    if cpus is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
+
+
+def big_batch(keys: Keys, work: Path, n: int, envelope_bytes: int, ns: argparse.Namespace,
+              server_cpus: set[int] | None = None) -> str:
+    """One batch of ``n`` small envelopes (``envelope_bytes`` each) through a real shuffler process (started on
+    ``server_cpus``, None: unpinned): seconds to
     seal (untimed otherwise), submit and fetch, and the peak RSS of the shuffler and of this client in each phase.
     Returns the report line."""
     payload = envelope_bytes - ENVELOPE_OVERHEAD
@@ -96,10 +145,15 @@ def big_batch(keys: Keys, work: Path, n: int, envelope_bytes: int, ns: argparse.
     max_env = max(envelope_bytes, 1024)
     cfg = write_config(keys, work / "shuffler-big.toml", work / "journal-big", k=min(10, n), max_envelope=max_env,
                        max_reports=n, heap_tuning=not ns.no_heap_tuning, verify_threads=ns.verify_threads)
-    with ShufflerProcess(cfg, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key,
-                         startup_timeout=600.0) as proc:
+    proc = ShufflerProcess(cfg, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key,
+                           startup_timeout=600.0)
+    with spawning_on(server_cpus):
+        proc.start()
+    try:
         idle = vm_hwm(proc.pid)
         run = one_run(keys, proc, envs, 1, digest, max_env + 1024)
+    finally:
+        proc.stop()
     envs.path.unlink()
     shutil.rmtree(work / "journal-big", ignore_errors=True)
     return (f"big batch: {n:,} reports of {envelope_bytes} B envelopes ({payload} B payloads) through the real "
@@ -149,7 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify-threads", type=int, default=None,
                     help="the shuffler's verify_threads (0: open and check reports inline on the submit thread); "
                          "default: the shuffler's own default (the CPUs less two, 0 to 2)")
+    ap.add_argument("--pin", default=None, metavar="CLIENT/SERVER",
+                    help="CPU lists, e.g. 0/1: this client on the first, the shuffler and the plain server on the "
+                         "second (default: unpinned, every process on every CPU)")
     ns = ap.parse_args(argv)
+    try:
+        client_cpus, server_cpus = parse_pin(ns.pin) if ns.pin is not None else (None, None)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if client_cpus is not None:
+        os.sched_setaffinity(0, client_cpus)
     if ns.quick:
         given = set(argv if argv is not None else sys.argv[1:])
         if "--reports" not in given:
@@ -171,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.2f}; staging_memory_limit "
           f"{'default (1 GiB)' if staging_limit is None else staging_limit}, retain_staging_buffer {not ns.no_retain}, "
           f"verify_threads {ns.verify_threads if ns.verify_threads is not None else default_verify_threads()}"
-          f"{' (default)' if ns.verify_threads is None else ''}",
+          f"{' (default)' if ns.verify_threads is None else ''}; "
+          + ("unpinned" if client_cpus is None else
+             f"pinned: this client on CPUs {sorted(client_cpus)}, the servers on {sorted(server_cpus)}"),
           flush=True)
     max_env = max(sizes) + ENVELOPE_OVERHEAD
     max_msg = max_env + 1024
@@ -201,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                                staging_memory_limit=staging_limit, retain_staging_buffer=not ns.no_retain,
                                heap_tuning=not ns.no_heap_tuning, verify_threads=ns.verify_threads)
             proc = ShufflerProcess(cfg, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key)
-            proc.start()
-            base = None if ns.no_baseline else Baseline(keys, max_msg, work, heap_tuning=not ns.no_heap_tuning)
+            with spawning_on(server_cpus):
+                proc.start()
+                base = None if ns.no_baseline else Baseline(keys, max_env, work, heap_tuning=not ns.no_heap_tuning)
             try:
                 print(f"# shuffler pid {proc.pid} at {proc.address}; idle VmHWM {fmt_bytes(vm_hwm(proc.pid))}",
                       flush=True)
@@ -271,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.stop()
         for n_big in (int(x) for x in str(ns.big_batch).split(",")):
             if n_big > 0:
-                extra.append(big_batch(keys, work, n_big, ns.big_envelope_bytes, ns))
+                extra.append(big_batch(keys, work, n_big, ns.big_envelope_bytes, ns, server_cpus))
     finally:
         tmp.cleanup()
 
@@ -314,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("CPU seconds of plain gRPC over the same mTLS (medians): the sink/source process and this client")
         print("| payload | server submit | server fetch | client submit | client fetch | shuffler extra CPU-s "
-              "(shuffler + client, submit + fetch) |")
-        print("|---|---|---|---|---|---|")
+              "(shuffler + client, submit + fetch) | shuffler submit less the sink's, per report |")
+        print("|---|---|---|---|---|---|---|")
         for size in sizes:
             rs = [r for r in rows if r.size == size]
             cpus = transport_cpu.get(size, [])
@@ -324,8 +390,10 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median
             extra_cpu = med([r.cpu_shuffler_submit + r.cpu_shuffler_fetch + r.cpu_client_submit + r.cpu_client_fetch
                              - sum(c) for r, c in zip(rs, cpus)])
+            # what opening, checking and staging cost the server per report, beyond receiving it
+            per_report = med([r.cpu_shuffler_submit - c[0] for r, c in zip(rs, cpus)]) / rs[0].n
             print(f"| {size // 1024} KiB | " + " | ".join(f"{med([c[i] for c in cpus]):.2f}" for i in range(4))
-                  + f" | {extra_cpu:+.2f} |")
+                  + f" | {extra_cpu:+.2f} | {per_report * 1e6:+,.0f} us |")
     if transport:
         print()
         print("Against plain gRPC over the same mTLS, run right after each shuffler run on the same envelopes "
