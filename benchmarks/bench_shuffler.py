@@ -72,7 +72,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from shuffler_probes import core_breakdown, disk_write_probe, perf_run, strace_run
+from shuffler_probes import check_seconds, core_breakdown, disk_write_probe, perf_run, strace_run
 from shuffler_runs import (
     MB,
     Keys,
@@ -89,8 +89,21 @@ from shuffler_runs import (
 from shuffler_transport import Baseline
 
 from shuffledp.shuffler.config import default_verify_threads
-from shuffledp.shuffler.envelope import ENVELOPE_OVERHEAD, model_digest
+from shuffledp.shuffler.envelope import ENVELOPE_OVERHEAD, INNER_OVERHEAD, model_digest
 from shuffledp.shuffler.process import ShufflerProcess
+
+
+def at_most(pair: tuple[float, float], cpu: tuple[float, float, float, float], write: float, checks_cpu: float,
+            total_cpus: int, server_cpus: int) -> float:
+    """The highest transport-to-shuffler ratio any shuffler could reach next to one plain gRPC pair, given that it
+    moves the same bytes and also needs ``checks_cpu`` CPU seconds for its checks and ``write`` seconds for the
+    durable write before it answers. ``pair`` is the plain (submit, fetch) seconds, ``cpu`` its (server submit,
+    server fetch, client submit, client fetch) CPU seconds. Its submit takes at least the plain submit's time, the
+    plain submit's CPU plus the checks' over ``total_cpus``, and the server's share over ``server_cpus``; then
+    the write; its fetch at least the plain fetch. Returns plain time over that least time."""
+    tb, tf = pair
+    submit = max(tb, (cpu[0] + cpu[2] + checks_cpu) / total_cpus, (cpu[0] + checks_cpu) / server_cpus)
+    return (tb + tf) / (submit + write + tf)
 
 
 def parse_pin(text: str) -> tuple[set[int], set[int]]:
@@ -211,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         client_cpus, server_cpus = parse_pin(ns.pin) if ns.pin is not None else (None, None)
     except ValueError as exc:
         ap.error(str(exc))
+    # the CPUs the runs may use in all, and those the shuffler (or the plain server) may use
+    total_cpus = len(os.sched_getaffinity(0) if client_cpus is None else client_cpus | server_cpus)
+    server_cpu_count = total_cpus if server_cpus is None else len(server_cpus)
     if client_cpus is not None:
         os.sched_setaffinity(0, client_cpus)
     if ns.quick:
@@ -257,9 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Run] = []
     transport: dict[int, list[tuple[float, float]]] = {}
     transport_cpu: dict[int, list[tuple[float, float, float, float]]] = {}
+    #: per size, the least CPU seconds per report of the checks' primitives (shuffler_probes.check_seconds)
+    checks: dict[int, float] = {}
     round_id = 0
     try:
         for size in sizes:
+            if not ns.no_baseline:
+                costs = check_seconds(size + INNER_OVERHEAD)
+                checks[size] = sum(costs.values())
+                print(f"# size {size}: least CPU per report of the checks' primitives, each alone in a loop: "
+                      + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in costs.items())
+                      + f"; {checks[size] * 1e6:.1f} us in all", flush=True)
             journal = work / f"journal-{size}"
             cfg = write_config(keys, work / f"shuffler-{size}.toml", journal, k=min(10, ns.reports),
                                max_envelope=max_env, max_reports=max(ns.reports, 1),
@@ -401,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
               "shuffler time, submit + fetch):")
         print("| payload | shuffler submit + fetch s | plain gRPC submit / fetch s | plain gRPC together MB/s | "
               "shuffler together MB/s | ratio of medians | ratio per pair, median [min, max] | durable write s | "
-              "ratio per pair less the write |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "ratio per pair less the write | ratio at most |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for size in sizes:
             rs = [r for r in rows if r.size == size]
             pairs = transport.get(size, [])
@@ -415,11 +439,18 @@ def main(argv: list[str] | None = None) -> int:
             # what the seal's durable write costs: the same ratio with it taken out of the shuffler's time (the
             # shuffler has no mode without it; exactly-once needs the output on disk before Submit answers)
             less = [(b + f) / (r.t_submit + r.t_fetch - r.t_commit_write) for r, (b, f) in zip(rs, pairs)]
+            bound = [at_most(pair, cpu, r.t_commit_write, r.n * checks[size], total_cpus, server_cpu_count)
+                     for r, pair, cpu in zip(rs, pairs, transport_cpu[size])]
             mb = rs[0].env_bytes / MB
             tb, tf = med([b for b, _ in pairs]), med([f for _, f in pairs])
             print(f"| {size // 1024} KiB | {ts:.2f} | {tb:.2f} / {tf:.2f} | {mb / tt:,.0f} | {mb / ts:,.0f} | "
                   f"**{tt / ts:.0%}** | {med(per):.0%} [{min(per):.0%}, "
-                  f"{max(per):.0%}] | {med([r.t_commit_write for r in rs]):.3f} | {med(less):.0%} |")
+                  f"{max(per):.0%}] | {med([r.t_commit_write for r in rs]):.3f} | {med(less):.0%} | "
+                  f"{med(bound):.0%} [{min(bound):.0%}, {max(bound):.0%}] |")
+        print("ratio at most, per pair (median [min, max]): the transport's time over the least a shuffler keeping "
+              "every check and exactly-once could take next to it on these CPUs: the plain submit's CPU (sink and "
+              "client) plus the checks' primitives spread perfectly over the CPUs (and the sink's plus the checks' "
+              "over the server's CPUs), then the durable write, then the plain fetch")
     for line in extra:
         print()
         print(line)

@@ -1,5 +1,6 @@
 """Optional probes of ``bench_shuffler.py``: ``strace -c`` and ``perf record`` of the shuffler during one run, the
-in-process core's add/finish split, and the journal filesystem's write + fdatasync rate."""
+in-process core's add/finish split, the journal filesystem's write + fdatasync rate, and the least CPU time the
+checks need per report."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from shuffler_runs import MB, EnvelopeFile, Keys, one_run
 
@@ -142,3 +144,55 @@ def disk_write_probe(directory: Path, total: int, block: int = 2**20) -> dict[st
         finally:
             aligned.close()
     return out
+
+
+def check_seconds(inner_length: int, *, trials: int = 5) -> dict[str, float]:
+    """The least CPU seconds per report of the work every check needs, each primitive timed in a loop on its own
+    in this process with its data in cache (best of ``trials`` loops), with the fastest implementation installed:
+
+    - ``x25519``: the outer HPKE open's Diffie-Hellman (libsodium or OpenSSL, whichever is faster here);
+    - ``ed25519``: the report signature's verification (libsodium or OpenSSL);
+    - ``aes-gcm``: decrypting the outer layer's plaintext (head and inner ciphertext), OpenSSL one-shot;
+    - ``blake3``: the hash of the inner ciphertext that the signature and the attested output digest cover.
+
+    A lower bound on what a shuffler that keeps every check spends per report beyond receiving it: no staging,
+    no bookkeeping, caches warm."""
+    import blake3
+    import nacl.bindings
+    from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from shuffledp.shuffler.envelope import OUTER_HEAD_BYTES
+
+    def best(fn: Any, loops: int) -> float:
+        fn()
+        runs = []
+        for _ in range(trials):
+            t = time.perf_counter()
+            for _ in range(loops):
+                fn()
+            runs.append((time.perf_counter() - t) / loops)
+        return min(runs)
+
+    loops = max(20, min(500, (64 * 2**20) // max(inner_length, 1)))
+    sk = x25519.X25519PrivateKey.generate()
+    peer = x25519.X25519PrivateKey.generate().public_key().public_bytes_raw()
+    raw_sk = sk.private_bytes_raw()
+    signer = ed25519.Ed25519PrivateKey.generate()
+    signer_pk = signer.public_key().public_bytes_raw()
+    message = os.urandom(120)  # the signed statement's size: binding, report id, length, hash
+    signature = signer.sign(message)
+    key, nonce = os.urandom(16), os.urandom(12)
+    aead = AESGCM(key)
+    sealed = aead.encrypt(nonce, os.urandom(OUTER_HEAD_BYTES + inner_length), None)
+    out = bytearray(OUTER_HEAD_BYTES + inner_length)
+    inner = memoryview(out)[OUTER_HEAD_BYTES:]
+    return {
+        "x25519": min(best(lambda: nacl.bindings.crypto_scalarmult(raw_sk, peer), 500),
+                      best(lambda: sk.exchange(x25519.X25519PublicKey.from_public_bytes(peer)), 500)),
+        "ed25519": min(best(lambda: nacl.bindings.crypto_sign_open(signature + message, signer_pk), 500),
+                       best(lambda: ed25519.Ed25519PublicKey.from_public_bytes(signer_pk).verify(signature, message),
+                            500)),
+        "aes-gcm": best(lambda: aead.decrypt_into(nonce, sealed, None, out), loops),
+        "blake3": best(lambda: blake3.blake3(inner).digest(), loops),
+    }
