@@ -18,8 +18,9 @@ over submit + fetch time. The goal is >= 300 MB/s together on a 2-core machine.
 
 Before the runs it writes ``--disk-probe-mib`` (default 1 GiB) to the journal's filesystem and fdatasyncs it:
 the shuffler journals and fsyncs every batch before acknowledging it, so that rate bounds submit for a batch of
-that size. ``--core-breakdown`` pushes one batch per size through the in-process core (no gRPC) and splits
-add() (open, verify, stage) from finish() (output digest, fsync, sign, journal).
+that size. ``--core-breakdown`` pushes a batch per size through the in-process core (no gRPC; after an untimed
+one that faults its staging buffer in) and splits add_many (open, verify, stage; CPU per report) from finish()
+(output digest, fsync, sign, journal).
 
 Next to each shuffler run, plain gRPC over the same mTLS credentials and message limits streams the same envelopes
 to a do-nothing servicer in a child process and as many inner-sized items back from it (the transport on this
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-probe-mib", type=int, default=1024,
                     help="MiB for the fdatasync'ed disk write probe (0: skip); small probes can fit in a host cache")
     ap.add_argument("--core-breakdown", action="store_true",
-                    help="also push one batch per size through the in-process core (no gRPC): add() vs finish()")
+                    help="also push a batch per size through the in-process core (no gRPC), after an untimed "
+                         "one: add_many (CPU per report) vs finish()")
     ap.add_argument("--perf", action="store_true", help="perf record the shuffler during one extra run per size")
     ap.add_argument("--no-heap-tuning", action="store_true",
                     help="heap_tuning = false for the shuffler, and no shuffledp.shuffler.heap.tune_heap in this "
@@ -335,11 +337,17 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(journal / "batches", ignore_errors=True)  # keep disk use bounded between runs
                     (journal / "batches").mkdir(exist_ok=True)
                 if ns.core_breakdown:
-                    round_id += 1
-                    envs = seal_round(keys, work / "envelopes.bin", ns.reports, size, round_id, digest)
+                    rounds = []
+                    for name in ("warm", "timed"):
+                        round_id += 1
+                        rounds.append((round_id, seal_round(keys, work / f"envelopes-{name}.bin", ns.reports, size,
+                                                            round_id, digest)))
                     core_cfg = write_config(keys, work / f"core-{size}.toml", work / f"core-journal-{size}",
-                                            k=min(10, ns.reports), max_envelope=max_env, max_reports=ns.reports)
-                    extra.append(core_breakdown(keys, core_cfg, envs, round_id, digest))
+                                            k=min(10, ns.reports), max_envelope=max_env, max_reports=ns.reports,
+                                            verify_threads=ns.verify_threads)
+                    extra.append(core_breakdown(keys, core_cfg, rounds, digest))
+                    for _, envs in rounds:
+                        envs.path.unlink()
                     shutil.rmtree(work / f"core-journal-{size}", ignore_errors=True)
                 if ns.perf:
                     round_id += 1
