@@ -127,10 +127,22 @@ def parse_pin(text: str) -> tuple[set[int], set[int]]:
     return sets[0], sets[1]
 
 
+def pin_threads(cpus: set[int]) -> None:
+    """Put every thread of this process on ``cpus``. Affinity belongs to each thread (a new thread, or a process it
+    forks, inherits its creator's), so gRPC's background threads, started when this process opens its first
+    channel, would otherwise keep whatever CPUs their creator had then."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
 @contextlib.contextmanager
 def spawning_on(cpus: set[int] | None) -> Iterator[None]:
-    """Within the block this process runs on ``cpus`` (None: unchanged), so that the processes it starts there
-    inherit them; afterwards it returns to the CPUs it had."""
+    """Within the block the calling thread runs on ``cpus`` (None: unchanged), so that the processes it starts
+    there inherit them; afterwards every thread of this process, including any started within the block, returns
+    to the CPUs the calling thread had."""
     if cpus is None:
         yield
         return
@@ -139,7 +151,19 @@ def spawning_on(cpus: set[int] | None) -> Iterator[None]:
     try:
         yield
     finally:
-        os.sched_setaffinity(0, own)
+        pin_threads(own)
+
+
+@contextlib.contextmanager
+def started_on(proc: ShufflerProcess, cpus: set[int] | None) -> Iterator[ShufflerProcess]:
+    """``proc`` started on ``cpus`` (None: unpinned) for the duration of the block, then stopped and its
+    temporary directory removed."""
+    with spawning_on(cpus):
+        proc.__enter__()
+    try:
+        yield proc
+    finally:
+        proc.__exit__(None, None, None)
 
 
 def big_batch(keys: Keys, work: Path, n: int, envelope_bytes: int, ns: argparse.Namespace,
@@ -161,13 +185,9 @@ def big_batch(keys: Keys, work: Path, n: int, envelope_bytes: int, ns: argparse.
                        max_reports=n, heap_tuning=not ns.no_heap_tuning, verify_threads=ns.verify_threads)
     proc = ShufflerProcess(cfg, root_certificate=keys.ca, client_certificate=keys.cert, client_key=keys.key,
                            startup_timeout=600.0)
-    with spawning_on(server_cpus):
-        proc.start()
-    try:
+    with started_on(proc, server_cpus):
         idle = vm_hwm(proc.pid)
         run = one_run(keys, proc, envs, 1, digest, max_env + 1024)
-    finally:
-        proc.stop()
     envs.path.unlink()
     shutil.rmtree(work / "journal-big", ignore_errors=True)
     return (f"big batch: {n:,} reports of {envelope_bytes} B envelopes ({payload} B payloads) through the real "
@@ -229,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     # the CPUs the runs may use in all, and those the shuffler (or the plain server) may use
     total_cpus = len(os.sched_getaffinity(0) if client_cpus is None else client_cpus | server_cpus)
     server_cpu_count = total_cpus if server_cpus is None else len(server_cpus)
-    if client_cpus is not None:
-        os.sched_setaffinity(0, client_cpus)
+    if client_cpus is not None:  # for the rest of this process's life
+        pin_threads(client_cpus)
     if ns.quick:
         given = set(argv if argv is not None else sys.argv[1:])
         if "--reports" not in given:
@@ -422,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median
             extra_cpu = med([r.cpu_shuffler_submit + r.cpu_shuffler_fetch + r.cpu_client_submit + r.cpu_client_fetch
                              - sum(c) for r, c in zip(rs, cpus)])
-            # what opening, checking and staging cost the server per report, beyond receiving it
+            # what opening, checking, staging and sealing cost the server per report, beyond receiving it
             per_report = med([r.cpu_shuffler_submit - c[0] for r, c in zip(rs, cpus)]) / rs[0].n
             print(f"| {size // 1024} KiB | " + " | ".join(f"{med([c[i] for c in cpus]):.2f}" for i in range(4))
                   + f" | {extra_cpu:+.2f} | {per_report * 1e6:+,.0f} us |")

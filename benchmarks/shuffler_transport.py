@@ -123,14 +123,15 @@ class Baseline:
 
         inner_length = envs.length - ENVELOPE_OVERHEAD + INNER_OVERHEAD
         me = os.getpid()
-        sent = 0
+        sent = envelopes = 0
 
         def messages() -> Iterator[bytes]:
-            nonlocal sent
+            nonlocal sent, envelopes
             for group in wire.packed(iter(envs), self.packing):
                 raw = (wire.encode_bytes_field(2, group[0]) if len(group) == 1
                        else wire.encode_batch_message(4, 1, group))  # as SubmitStream._encode_group
                 sent += len(raw)
+                envelopes += len(group)
                 yield raw
 
         s0, c0 = cpu_seconds(self.proc.pid), cpu_seconds(me)
@@ -148,6 +149,8 @@ class Baseline:
         t3 = time.perf_counter()
         s3, c3 = cpu_seconds(self.proc.pid), cpu_seconds(me)
         self.cpu.append((s1 - s0, s3 - s1, c1 - c0, c3 - c1))
+        if envelopes != envs.count:
+            raise RuntimeError(f"baseline client sent {envelopes} envelopes, expected {envs.count}")
         if int(resp.statement) != sent:
             raise RuntimeError(f"baseline sink received {int(resp.statement)} bytes, {sent} were sent")
         if got != envs.count * inner_length:
