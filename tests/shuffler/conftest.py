@@ -109,8 +109,8 @@ def pipelined_signature_checks(monkeypatch: pytest.MonkeyPatch) -> None:
 
     In production only messages with at least ``PIPELINE_MIN_JOB_BYTES`` (256 KiB) of plaintext are pipelined,
     and the test envelopes are small, so without this the in-process cores and servers here would only ever
-    check inline. The inline path is covered by ``verify_threads = 0`` tests in test_core.py and by the service tests
-    that run the shuffler as a subprocess.
+    check inline. The inline path is covered by ``verify_threads = 0`` tests in test_core_signature_checks.py and by
+    the service tests that run the shuffler as a subprocess.
     """
     monkeypatch.setattr(core_module, "PIPELINE_MIN_JOB_BYTES", 0)
 
@@ -125,6 +125,14 @@ def kit(tmp_path_factory: pytest.TempPathFactory) -> Kit:
 @pytest.fixture
 def core(kit: Kit, tmp_path: Path) -> Iterator[ShufflerCore]:
     c = ShufflerCore(kit.core_config(tmp_path / "journal"))
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def disk_core(kit, tmp_path: Path):
+    """A core whose every batch takes the disk staging path (staging_memory_limit = 0)."""
+    c = ShufflerCore(kit.core_config(tmp_path / "disk-journal", staging_memory_limit=0))
     yield c
     c.close()
 

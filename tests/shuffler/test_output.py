@@ -13,6 +13,8 @@ from shuffledp.shuffler import shuffler_pb2 as pb
 from shuffledp.shuffler import wire
 from shuffledp.shuffler.core import ShufflerCore
 
+from ._direct_io import _refuse_o_direct  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
+
 
 def _run(core: ShufflerCore, kit, envelopes: list[bytes], *, round_id: int = 1):
     b = core.begin(kit.header(len(envelopes), round_id=round_id))
@@ -32,8 +34,6 @@ def test_read_messages_match_the_generic_packing_across_read_chunks(tmp_path: Pa
     """Items straddling 8 KiB read chunks, items longer than a chunk, messages of one item or many: the same
     messages as packing the items one by one (wire.packed + encode_repeated_bytes_field), through O_DIRECT reads,
     through the page cache, and from memory."""
-    import errno
-    import os
 
     monkeypatch.setattr(outmod, "_READ_CHUNK", 8192)
     n = 13
@@ -43,14 +43,7 @@ def test_read_messages_match_the_generic_packing_across_read_chunks(tmp_path: Pa
     expected = _expected(items, packing)
     assert list(outmod.read_messages(path, n, inner_length, packing)) == expected
     assert list(outmod.messages_from_view(memoryview(path.read_bytes()), n, inner_length, packing)) == expected
-    real_open = os.open
-
-    def no_direct(p, flags, *a):
-        if flags & getattr(os, "O_DIRECT", 0):
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(p, flags, *a)
-
-    monkeypatch.setattr(os, "open", no_direct)
+    _refuse_o_direct(monkeypatch)
     assert list(outmod.read_messages(path, n, inner_length, packing)) == expected
     path.write_bytes(b"".join(items)[:-1])
     with pytest.raises(RuntimeError, match="is truncated"):
