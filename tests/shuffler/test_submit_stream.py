@@ -12,7 +12,7 @@ import pytest
 from shuffledp.shuffler.client import ShufflerError, SubmitStream
 from shuffledp.shuffler.envelope import open_inner
 
-from .test_service import _service  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
+from ._service_calls import _service  # noqa: TID252 - a helper module next to the tests (tests/ is not a package)
 
 
 def _open(c, kit, count: int, round_id: int = 1, **kw):
