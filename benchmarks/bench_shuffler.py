@@ -96,12 +96,13 @@ from shuffledp.shuffler.process import ShufflerProcess
 
 def at_most(pair: tuple[float, float], cpu: tuple[float, float, float, float], write: float, checks_cpu: float,
             total_cpus: int, server_cpus: int) -> float:
-    """The highest transport-to-shuffler ratio any shuffler could reach next to one plain gRPC pair, given that it
+    """The highest transport-to-shuffler ratio a shuffler could reach next to one plain gRPC pair, given that it
     moves the same bytes and also needs ``checks_cpu`` CPU seconds for its checks and ``write`` seconds for the
-    durable write before it answers. ``pair`` is the plain (submit, fetch) seconds, ``cpu`` its (server submit,
-    server fetch, client submit, client fetch) CPU seconds. Its submit takes at least the plain submit's time, the
-    plain submit's CPU plus the checks' over ``total_cpus``, and the server's share over ``server_cpus``; then
-    the write; its fetch at least the plain fetch. Returns plain time over that least time."""
+    durable write of the whole output, once the last report is in, before it answers. ``pair`` is the plain
+    (submit, fetch) seconds, ``cpu`` its (server submit, server fetch, client submit, client fetch) CPU seconds.
+    Its submit takes at least the plain submit's time, the plain submit's CPU plus the checks' over
+    ``total_cpus``, and the server's share over ``server_cpus``; then the write; its fetch at least the plain
+    fetch. Returns plain time over that least time."""
     tb, tf = pair
     submit = max(tb, (cpu[0] + cpu[2] + checks_cpu) / total_cpus, (cpu[0] + checks_cpu) / server_cpus)
     return (tb + tf) / (submit + write + tf)
@@ -475,10 +476,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"**{tt / ts:.0%}** | {med(per):.0%} [{min(per):.0%}, "
                   f"{max(per):.0%}] | {med([r.t_commit_write for r in rs]):.3f} | {med(less):.0%} | "
                   f"{med(bound):.0%} [{min(bound):.0%}, {max(bound):.0%}] |")
-        print("ratio at most, per pair (median [min, max]): the transport's time over the least a shuffler keeping "
-              "every check and exactly-once could take next to it on these CPUs: the plain submit's CPU (sink and "
-              "client) plus the checks' primitives spread perfectly over the CPUs (and the sink's plus the checks' "
-              "over the server's CPUs), then the durable write, then the plain fetch")
+        print("ratio at most, per pair (median [min, max]): the transport's time over the least a shuffler could "
+              "take next to it on these CPUs if it keeps every check and writes the output whole before it answers: "
+              "the plain submit's CPU (sink and client) plus the checks' primitives spread perfectly over the CPUs "
+              "(and the sink's plus the checks' over the server's CPUs), then this shuffler's durable write, then "
+              "the plain fetch")
     for line in extra:
         print()
         print(line)
