@@ -28,7 +28,6 @@ from shuffledp.shuffler.batch import (
 )
 from shuffledp.shuffler.opening import open_job, verify_job
 from shuffledp.shuffler.staging import (
-    SLOT_BASE,
     close_mapping,
     draw_permutation,
     map_staging_buffer,
@@ -424,7 +423,7 @@ class BatchBuilder:
                 self._claimed += 1
                 off = slot * self.inner_length
                 if self.staging_buffer is not None:
-                    self.staging_buffer[SLOT_BASE + off : SLOT_BASE + off + self.inner_length] = inner
+                    self.staging_buffer[off : off + self.inner_length] = inner
                 else:
                     pwrite_all(self.staging_fd, inner, off)
             self._accepted_slots.append(slot)

@@ -58,7 +58,7 @@ from shuffledp.shuffler.batch import (  # re-exported: the core's public vocabul
 from shuffledp.shuffler.builder import BatchBuilder
 from shuffledp.shuffler.journal import Journal, JournalFailed, JournalWriteError
 from shuffledp.shuffler.output import messages_from_view, read_messages
-from shuffledp.shuffler.staging import SLOT_BASE, close_mapping, stages_in_memory
+from shuffledp.shuffler.staging import close_mapping, stages_in_memory
 from shuffledp.shuffler.tags import TagSet
 
 __all__ = [
@@ -299,7 +299,7 @@ class ShufflerCore:
         """:func:`messages_from_view` over the spare buffer; the reader count taken by the caller is given back
         when the generator ends or is closed (a Fetch the peer abandoned)."""
         try:
-            messages = messages_from_view(memoryview(buf)[SLOT_BASE:], sb.n, sb.inner_length, packing)
+            messages = messages_from_view(memoryview(buf), sb.n, sb.inner_length, packing)
             try:
                 yield from messages
             finally:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import mmap
 
 from shuffledp.shuffler import envelope as env
-from shuffledp.shuffler.staging import SLOT_BASE
 
 __all__ = ["open_into_slot", "open_job", "verify_job"]
 
@@ -30,11 +29,11 @@ Pairs = list[tuple[bytes | memoryview, int]]
 def open_into_slot(opener: env.OuterOpener, buf: mmap.mmap, slot: int, inner_length: int,
                    envelope: bytes | memoryview) -> env.DecryptedReport:
     """Open ``envelope`` with its inner ciphertext going straight into ``slot`` of the memory-path buffer ``buf``
-    (slot ``i`` of ``inner_length`` bytes at ``SLOT_BASE + i * inner_length``,
+    (slot ``i`` of ``inner_length`` bytes at ``i * inner_length``,
     :func:`shuffledp.shuffler.staging.map_staging_buffer`), hashed there; nothing outside the slot is written, so
     other threads may open envelopes into other slots meanwhile. Returns the report, its ``inner`` a view of the
     slot. Raises :class:`~shuffledp.shuffler.envelope.EnvelopeError` (the slot then holds unauthenticated bytes)."""
-    start = SLOT_BASE + slot * inner_length
+    start = slot * inner_length
     return opener.decrypt_into(envelope, memoryview(buf)[start : start + inner_length])
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from shuffledp.shuffler.attestation import DROP_REASONS, Attestation, OutputDigest, sign_statement
 from shuffledp.shuffler.batch import Refused, SealedBatch
 from shuffledp.shuffler.journal import JournalFailed, JournalWriteError, fsync_dir
-from shuffledp.shuffler.staging import SLOT_BASE, pwrite_all, write_out
+from shuffledp.shuffler.staging import pwrite_all, write_out
 
 __all__ = ["commit", "commit_record", "replay_tags_of_record", "update_digest"]
 
@@ -101,8 +101,7 @@ def _squeeze(builder: Any, occupied: np.ndarray, inner_length: int) -> None:
     first = int(moved[0])
     buf = builder.staging_buffer
     if buf is not None:
-        with memoryview(buf) as whole:
-            mv = whole[SLOT_BASE:]  # the slots start there (shuffledp.shuffler.staging.map_staging_buffer)
+        with memoryview(buf) as mv:  # the slots start at its first byte (shuffledp.shuffler.staging.map_staging_buffer)
             for i in range(first, len(occupied)):
                 slot = int(occupied[i])
                 mv[i * inner_length : (i + 1) * inner_length] = mv[slot * inner_length : (slot + 1) * inner_length]
@@ -151,7 +150,7 @@ def commit(core: Any, builder: Any) -> SealedBatch:
         # Memory path: write the output once, in offset order, into the file reserved when the first report came.
         clock = time.perf_counter()
         with memoryview(buf) as mv:
-            write_out(fd, source, mv[SLOT_BASE:], n * inner_length)
+            write_out(fd, source, mv, n * inner_length)
         write_seconds += time.perf_counter() - clock
         retained = buf
         builder.release_buffer(retain=True)  # the batch now exists in the output file (and, if retained, in the

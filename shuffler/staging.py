@@ -17,16 +17,13 @@ import numpy as np
 from shuffledp.shuffler.batch import JOURNAL_HEADROOM_BYTES, JOURNAL_HEADROOM_PER_REPORT, Refused
 
 __all__ = ["stages_in_memory", "prefault", "round_up", "pwrite_all", "write_out", "reserve_file", "close_mapping",
-           "map_staging_buffer", "draw_permutation", "ZERO_CHUNK", "DIRECT_ALIGN", "SLOT_BASE"]
+           "map_staging_buffer", "draw_permutation", "ZERO_CHUNK", "DIRECT_ALIGN"]
 
 ZERO_CHUNK = 1 << 20
 #: Bytes per write() when the in-memory batch is written out at seal time.
 _WRITE_CHUNK = 64 << 20
 #: Alignment of O_DIRECT writes (offset, length, memory): the memory buffer is rounded up to a multiple of it.
 DIRECT_ALIGN = 4096
-#: Where the slots of a memory-path staging buffer start: at its first byte, page-aligned like every mapping, so
-#: the output, which starts there, is written with O_DIRECT from an aligned address (a multiple of DIRECT_ALIGN)
-SLOT_BASE = 0
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h); Python 3.11's mmap does not name it
 
@@ -176,8 +173,9 @@ def close_mapping(buf: mmap.mmap) -> None:
 
 
 def map_staging_buffer(take_buffer: Callable[[int], mmap.mmap | None], size: int, count: int) -> mmap.mmap:
-    """The memory path's slot buffer for a batch of ``count`` reports of ``size`` bytes in all: :data:`SLOT_BASE`
-    bytes, then the slots (slot ``i`` of ``L`` bytes at ``SLOT_BASE + i * L``), rounded up to ``DIRECT_ALIGN``. The
+    """The memory path's slot buffer for a batch of ``count`` reports of ``size`` bytes in all: the slots (slot
+    ``i`` of ``L`` bytes at ``i * L``) from its first byte, page-aligned like every mapping, so the output, which
+    starts there, is written with O_DIRECT from an aligned address; rounded up to ``DIRECT_ALIGN``. The
     retained buffer of an earlier batch if ``take_buffer`` (:meth:`shuffledp.shuffler.core.ShufflerCore.take_buffer`)
     gives one large enough, else a fresh anonymous, private mapping (never backed by a file), advised
     ``MADV_DONTDUMP`` (reports and their slot layout stay out of core dumps) and ``MADV_HUGEPAGE`` (512x fewer page
@@ -186,8 +184,8 @@ def map_staging_buffer(take_buffer: Callable[[int], mmap.mmap | None], size: int
     Raises :class:`~shuffledp.shuffler.batch.Refused` (``staging_memory``) if it cannot be mapped or faulted in.
     """
     try:
-        retained = take_buffer(SLOT_BASE + round_up(size))
-        buf = retained or mmap.mmap(-1, SLOT_BASE + round_up(size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        retained = take_buffer(round_up(size))
+        buf = retained or mmap.mmap(-1, round_up(size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (OSError, MemoryError, OverflowError) as exc:
         raise Refused(
             "resource_exhausted", "staging_memory", f"cannot allocate {size} bytes of staging memory for a batch "

@@ -356,7 +356,6 @@ def test_decrypting_into_a_slot_writes_that_slot_only(kit, tmp_path: Path) -> No
 
     from shuffledp.shuffler.envelope import EnvelopeError
     from shuffledp.shuffler.opening import open_into_slot
-    from shuffledp.shuffler.staging import SLOT_BASE
 
     size = 300
     core = ShufflerCore(kit.core_config(tmp_path / "j"))
@@ -369,7 +368,7 @@ def test_decrypting_into_a_slot_writes_that_slot_only(kit, tmp_path: Path) -> No
         noise = os.urandom(len(buf))
         buf[:] = noise
         for slot, e in ((0, envs[0]), (n - 1, envs[1]), (1, envs[2])):
-            start = SLOT_BASE + slot * L
+            start = slot * L
             decrypted = open_into_slot(b._opener, buf, slot, L, e)
             assert buf[:start] == noise[:start] and buf[start + L :] == noise[start + L :]
             assert bytes(decrypted.inner) == buf[start : start + L] and len(decrypted.outer_plaintext) == 113
@@ -380,7 +379,7 @@ def test_decrypting_into_a_slot_writes_that_slot_only(kit, tmp_path: Path) -> No
         bad[200] ^= 1
         with pytest.raises(EnvelopeError):
             open_into_slot(b._opener, buf, 3, L, bytes(bad))
-        start = SLOT_BASE + 3 * L
+        start = 3 * L
         assert buf[:start] == noise[:start] and buf[start + L :] == noise[start + L :]
         want = {slot: bytes(b._opener.open(e).inner) for slot, e in enumerate(envs)}
         for _ in range(5):  # even slots on one thread, odd on the other: every neighbour is written concurrently
@@ -391,7 +390,7 @@ def test_decrypting_into_a_slot_writes_that_slot_only(kit, tmp_path: Path) -> No
                 t.start()
             for t in threads:
                 t.join()
-            assert {s: buf[SLOT_BASE + s * L : SLOT_BASE + (s + 1) * L] for s in range(n)} == want
+            assert {s: buf[s * L : (s + 1) * L] for s in range(n)} == want
         b.abort()
     finally:
         core.close()
